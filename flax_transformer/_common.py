@@ -1,0 +1,213 @@
+"""Pieces every flax_transformer family shares: torch-like layers, masks, attention, checks.
+
+Masks: boolean, ``True`` = may attend, broadcastable to ``(batch, heads, q_len,
+k_len)`` (Flax NNX's convention), built only by ``make_padding_mask``,
+``make_causal_mask`` and ``combine_masks``. A family whose notebook uses another
+convention converts at its module boundary and says so in its docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ._shared import RecordsInit, check_divisible, check_length  # noqa: F401  (re-exported)
+
+Dtype = jnp.dtype | type
+
+
+# ------------------------------------------------------------ torch-like layers
+# PyTorch's defaults, so that a model trained from scratch starts from the same
+# distribution in both frameworks: nn.Linear draws weight and bias from
+# U(-1/sqrt(fan_in), 1/sqrt(fan_in)); nn.Embedding from N(0, 1); nn.LayerNorm has
+# ones and zeros.
+
+
+def _uniform_fan_in(fan_in: int):
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def Linear(d_in: int, d_out: int, *, use_bias: bool = True, rngs: nnx.Rngs, dtype=jnp.float32,
+           param_dtype=jnp.float32) -> nnx.Linear:
+    """``nnx.Linear`` initialised like ``torch.nn.Linear``; kernel is (d_in, d_out)."""
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=_uniform_fan_in(d_in),
+                      bias_init=_uniform_fan_in(d_in), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def Embed(num_embeddings: int, features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+          param_dtype=jnp.float32) -> nnx.Embed:
+    """``nnx.Embed`` initialised like ``torch.nn.Embedding`` (N(0, 1))."""
+    return nnx.Embed(num_embeddings, features, embedding_init=jax.nn.initializers.normal(1.0),
+                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def LayerNorm(features: int, *, eps: float = 1e-5, rngs: nnx.Rngs, dtype=jnp.float32,
+              param_dtype=jnp.float32) -> nnx.LayerNorm:
+    """``nnx.LayerNorm`` computing torch's two-pass variance; statistics run in fp32."""
+    return nnx.LayerNorm(features, epsilon=eps, use_fast_variance=False, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
+
+
+def lookup(embed: nnx.Embed, ids: jax.Array, dtype) -> jax.Array:
+    """Gather rows of an embedding table.
+
+    Out-of-range ids give NaN rows instead of JAX's silent clamp to the last row. The
+    models check ids eagerly whenever the values are known; this is the guard that
+    stays under ``jit``, where they are not.
+    """
+    table = embed.embedding[...]
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(dtype)
+
+
+class ReLU(nnx.Module):
+    """Parameter-free, so that ``Sequential`` indices match torch's ``nn.Sequential``."""
+
+    def __call__(self, x):
+        return jax.nn.relu(x)
+
+
+class Sequential(nnx.List):
+    """A list of layers applied in order; parameter paths are ``name.<index>.*`` as in torch."""
+
+    def __call__(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+# ------------------------------------------------------------------------- masks
+
+
+def make_padding_mask(attention_mask: jax.Array) -> jax.Array:
+    """(b, k_len) with 1/True = token, 0/False = pad  ->  bool (b, 1, 1, k_len)."""
+    return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
+
+
+def make_causal_mask(length: int) -> jax.Array:
+    """bool (1, 1, length, length), True on and below the diagonal."""
+    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+
+
+def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
+    """Logical AND of the masks that are not None (None if all are)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else jnp.logical_and(out, m)
+    return out
+
+
+def is_concrete(x) -> bool:
+    """True when the values of ``x`` are known now (not a tracer inside jit/grad)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mask") -> jax.Array | None:
+    """Check a user mask and bring it to bool (b|1, 1|h, 1|q_len, k_len).
+
+    Accepted shapes: (batch, k_len) padding mask (1 = token, 0 = pad); (batch, q_len,
+    k_len); (batch, 1 or heads, 1 or q_len, k_len). Values must be bool or 0/1 (checked
+    whenever they are concrete).
+    """
+    if mask is None:
+        return None
+    if not _is_array(mask):
+        raise TypeError(f"{name} must be an array, got {type(mask).__name__}")
+    shape = tuple(mask.shape)
+    ok = (
+        (mask.ndim == 2 and shape == (batch, k_len))
+        or (mask.ndim == 3 and shape == (batch, q_len, k_len))
+        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[2] in (1, q_len) and shape[3] == k_len)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} has shape {shape}; expected (batch, length)=({batch}, {k_len}), "
+            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|heads, 1|{q_len}, {k_len})"
+        )
+    if mask.dtype != jnp.bool_:
+        if jnp.issubdtype(mask.dtype, jnp.complexfloating):
+            raise ValueError(f"{name} must be boolean or hold only 0 and 1")
+        if is_concrete(mask):
+            values = np.asarray(mask)
+            if not np.all((values == 0) | (values == 1)):
+                raise ValueError(f"{name} must be boolean or hold only 0 and 1")
+        mask = mask != 0
+    if mask.ndim == 2:
+        return make_padding_mask(mask)
+    if mask.ndim == 3:
+        return mask[:, None]
+    return mask
+
+
+# --------------------------------------------------------------------- attention
+
+
+def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropout | None = None):
+    """softmax(scale * q k^T) v with a boolean mask.
+
+    Args:
+        q: (b, h, q_len, d); k: (b, h, k_len, d); v: (b, h, k_len, d_v). Any leading
+            dims that broadcast work.
+        mask: bool, True = may attend, broadcastable to (b, h, q_len, k_len).
+        scale: multiplies the scores; None when q and k already carry it.
+        dropout: an ``nnx.Dropout`` applied to the weights.
+
+    Returns:
+        out (b, h, q_len, d_v) and weights (b, h, q_len, k_len). A query row whose keys
+        are all masked gets all-zero weights (so a zero output), never NaN.
+    """
+    scores = q @ jnp.swapaxes(k, -2, -1)  # (b, h, q, k)
+    if scale is not None:
+        scores = scores * scale
+    scores = scores.astype(jnp.float32)  # softmax statistics in fp32 whatever the dtype
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    if mask is not None:
+        # a fully masked row softmaxes to uniform weights over "min" scores: zero it
+        weights = jnp.where(mask, weights, 0.0)
+    weights = weights.astype(q.dtype)
+    if dropout is not None:
+        weights = dropout(weights)
+    return weights @ v, weights
+
+
+# ------------------------------------------------------------------ input checks
+
+
+def check_token_ids(ids, vocab_size: int, *, name: str = "input_ids") -> None:
+    """Ids must be an integer (b, t) array with 0 <= id < vocab_size (values checked when concrete)."""
+    if not _is_array(ids):
+        raise TypeError(f"{name} must be an array of token ids, got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must have shape (batch, length), got {tuple(ids.shape)}")
+    if is_concrete(ids) and ids.size:
+        values = np.asarray(ids)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}); found values in [{lo}, {hi}]")
+
+
+def check_features(x, features: int, *, name: str = "x") -> None:
+    """A (b, t, features) floating-point array."""
+    if not _is_array(x):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array of shape (batch, length, {features}), got {x.dtype}")
+    if x.ndim != 3 or x.shape[-1] != features:
+        raise ValueError(f"{name} must have shape (batch, length, {features}), got {tuple(x.shape)}")

@@ -1,0 +1,89 @@
+"""Pure-Python helpers shared by flax_transformer and torch_reference.
+
+No JAX and no torch here: torch_reference imports this module (torch_reference must
+never import JAX, and flax_transformer must not need torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+# ------------------------------------------------------------- constructor records
+
+
+class _Opaque:
+    """Wraps an unhashable constructor argument so it can live in a module's static state."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return f"_Opaque({self.value!r})"
+
+
+def _freeze(value):
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return _Opaque(value)
+
+
+def _thaw(value):
+    if isinstance(value, _Opaque):
+        return value.value
+    if isinstance(value, tuple):
+        return tuple(_thaw(v) for v in value)
+    return value
+
+
+class RecordsInit:
+    """Mixin that remembers constructor arguments (minus ``rngs``), for porting.
+
+    ``flax_transformer.porting`` rebuilds a module's twin in the other framework from
+    them, so porting needs no per-class knowledge of signatures. The arguments are
+    stored hashable (lists become tuples) because NNX keeps them in the static graph.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            return
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def recording_init(self, *args, **kw):
+            init(self, *args, **kw)
+            if type(self) is cls:
+                bound = inspect.signature(init).bind(self, *args, **kw)
+                del bound.arguments["self"]
+                bound.arguments.pop("rngs", None)
+                self._init_args = tuple((k, _freeze(v)) for k, v in bound.arguments.items())
+
+        cls.__init__ = recording_init
+
+    def init_kwargs(self) -> dict:
+        """The constructor's keyword arguments, as given (without ``rngs``)."""
+        return {k: _thaw(v) for k, v in self._init_args}
+
+
+
+# ------------------------------------------------------------------ input checks
+
+
+def check_length(length: int, max_length: int, *, what: str = "position table") -> None:
+    if length > max_length:
+        raise ValueError(f"sequence length {length} exceeds the {what} size {max_length}")
+    if length == 0:
+        raise ValueError("sequence length must be at least 1")
+
+
+def check_divisible(width: int, heads: int, *, what: str = "embedding dimension") -> None:
+    if heads < 1:
+        raise ValueError(f"number of heads must be >= 1, got {heads}")
+    if width % heads:
+        raise ValueError(f"{what} ({width}) must be divisible by the number of heads ({heads})")

@@ -1,0 +1,101 @@
+"""Frozen configuration dataclasses, shared by flax_transformer and torch_reference.
+
+Pure Python on purpose: torch_reference imports this module without pulling in JAX,
+and flax_transformer without pulling in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The BERT-like encoder of notebook 001, with BERT's attribute names.
+
+    Any object with these attributes (a ``types.SimpleNamespace``, a transformers
+    ``BertConfig``) is accepted by the encoder classes and converted once with
+    ``EncoderConfig.from_any``; missing attributes take the defaults below.
+
+    Attributes beyond BERT's:
+        norm_first: pre-LN layers as in the notebook (True) or BERT's post-LN (False).
+        layer_norm_eps_blocks: eps of the two LayerNorms inside each encoder layer.
+            ``None`` means what the notebook does: ``nn.LayerNorm``'s default 1e-5 with
+            ``norm_first=True``, and ``layer_norm_eps`` (BERT's 1e-12) with post-LN.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.0
+    max_position_embeddings: int = 512
+    num_labels: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    norm_first: bool = True
+    layer_norm_eps_blocks: float | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "num_labels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EncoderConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"EncoderConfig.{name} must lie in [0, 1), got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def block_eps(self) -> float:
+        """eps of the LayerNorms inside an encoder layer (see ``layer_norm_eps_blocks``)."""
+        if self.layer_norm_eps_blocks is not None:
+            return self.layer_norm_eps_blocks
+        return 1e-5 if self.norm_first else self.layer_norm_eps
+
+    @classmethod
+    def from_any(cls, config) -> "EncoderConfig":
+        """Convert a duck-typed config (BertConfig, SimpleNamespace, dict) to this class."""
+        if isinstance(config, cls):
+            return config
+        get = config.get if isinstance(config, dict) else (lambda k, d: getattr(config, k, d))
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = get(f.name, f.default)
+            if value is None and f.name == "attention_probs_dropout_prob":
+                value = 0.0
+            values[f.name] = value
+        return cls(**values)
+
+    # -------------------------------------------------------------- presets
+
+    @classmethod
+    def tiny(cls, **kw) -> "EncoderConfig":
+        """For tests: 2 layers of width 32."""
+        return cls(**{**dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, max_position_embeddings=64), **kw})
+
+    @classmethod
+    def small(cls, **kw) -> "EncoderConfig":
+        """A CPU-sized encoder: 4 layers of width 256."""
+        return cls(**{**dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                             intermediate_size=1024), **kw})
+
+    @classmethod
+    def base(cls, **kw) -> "EncoderConfig":
+        """bert-base-uncased's shape (the config notebook 001 loads)."""
+        return cls(**kw)

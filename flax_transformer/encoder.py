@@ -1,0 +1,247 @@
+"""The BERT-like encoder of notebook 001, in Flax NNX.
+
+The twin of ``torch_reference.encoder``: same class names, the same ``config``
+argument (an ``EncoderConfig`` or anything with BERT's attribute names; converted
+once at the top of each constructor), plus keyword-only ``rngs``, ``dtype`` and
+``param_dtype``; same call signatures and parameter paths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .configs import EncoderConfig
+from ._common import (
+    Embed, LayerNorm, Linear, RecordsInit, attend, check_features, check_length, check_token_ids,
+    lookup, normalize_mask,
+)
+
+
+def _mask_to_bool(mask, scores_shape):
+    """The notebook's mask (0 = masked out, anything else = keep) as a bool, checked."""
+    if not hasattr(mask, "shape"):
+        raise TypeError(f"mask must be an array, got {type(mask).__name__}")
+    try:
+        jnp.broadcast_shapes(tuple(mask.shape), scores_shape)
+    except ValueError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores {scores_shape}") from None
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights: bool = False):
+    """softmax(q k^T / sqrt(d_k)) v, as in the notebook.
+
+    Args:
+        query: (..., q_len, d_k); key: (..., k_len, d_k); value: (..., k_len, d_v).
+        mask: optional, broadcastable to (..., q_len, k_len); 0/False = masked out
+            (the notebook's ``mask == 0`` convention). A fully masked row gives zeros.
+        return_weights: also return the attention weights (..., q_len, k_len).
+
+    Returns:
+        (..., q_len, d_v), and the weights if asked.
+    """
+    dim_k = query.shape[-1]
+    scores_shape = tuple(query.shape[:-1]) + (key.shape[-2],)
+    mask = None if mask is None else _mask_to_bool(mask, scores_shape)
+    out, weights = attend(query, key, value, mask, scale=1 / math.sqrt(dim_k))
+    return (out, weights) if return_weights else out
+
+
+class AttentionHead(RecordsInit, nnx.Module):
+    """One head: its own q, k, v projections (embed_dim -> head_dim)."""
+
+    def __init__(self, embed_dim, head_dim, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_dim, self.dtype = embed_dim, dtype
+        self.q = Linear(embed_dim, head_dim, **kw)
+        self.k = Linear(embed_dim, head_dim, **kw)
+        self.v = Linear(embed_dim, head_dim, **kw)
+
+    def __call__(self, hidden_state, mask=None, *, return_weights: bool = False):
+        """Args: hidden_state (b, t, embed_dim); mask (b, t) or (b, t, t), True/1 = attend.
+
+        Returns: (b, t, head_dim), and the weights (b, t, t) if asked.
+        """
+        check_features(hidden_state, self.embed_dim, name="hidden_state")
+        b, t, _ = hidden_state.shape
+        mask = normalize_mask(mask, b, t, t)
+        if mask is not None:
+            mask = mask[:, 0]  # (b, 1|t, t): no head axis here
+        x = hidden_state.astype(self.dtype)
+        return scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), mask, return_weights=return_weights)
+
+
+class MultiHeadAttention(RecordsInit, nnx.Module):
+    """``num_attention_heads`` ``AttentionHead``s, concatenated, then ``output_linear``.
+
+    The heads keep their own parameters (the notebook's layout: ``heads.<i>.q``), but
+    the call stacks them into one projection per q/k/v: the same math as running each
+    head and concatenating, in one matmul instead of ``3 * heads``.
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.heads = nnx.List([AttentionHead(config.hidden_size, config.head_dim, **kw)
+                               for _ in range(config.num_attention_heads)])
+        self.output_linear = Linear(config.hidden_size, config.hidden_size, **kw)
+        self.attn_dropout = nnx.Dropout(config.attention_probs_dropout_prob, rngs=rngs)
+
+    def _project(self, x, name):
+        """(b, t, e) -> (b, h, t, d) through every head's ``name`` projection at once."""
+        b, t, _ = x.shape
+        layers = [getattr(head, name) for head in self.heads]
+        kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1).astype(self.dtype)  # (e, h*d)
+        bias = jnp.concatenate([layer.bias[...] for layer in layers]).astype(self.dtype)  # (h*d,)
+        return (x @ kernel + bias).reshape(b, t, len(layers), -1).transpose(0, 2, 1, 3)
+
+    def __call__(self, hidden_state, mask=None, *, return_weights: bool = False):
+        """Args:
+            hidden_state: (b, t, hidden_size).
+            mask: (b, t) padding mask (1 = token), or (b, t, t) / (b, 1|h, 1|t, t); True = attend.
+            return_weights: also return the attention weights (b, h, t, t).
+
+        Returns: (b, t, hidden_size), and the weights if asked.
+        """
+        check_features(hidden_state, self.hidden_size, name="hidden_state")
+        b, t, e = hidden_state.shape
+        mask = normalize_mask(mask, b, t, t)
+        x = hidden_state.astype(self.dtype)
+        q, k, v = (self._project(x, n) for n in ("q", "k", "v"))  # (b, h, t, d)
+        out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
+        out = self.output_linear(out.transpose(0, 2, 1, 3).reshape(b, t, e))  # (b, t, e)
+        return (out, weights) if return_weights else out
+
+
+class FeedForward(RecordsInit, nnx.Module):
+    """linear_1 -> GELU (exact) -> linear_2 -> dropout."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.linear_1 = Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.linear_2 = Linear(config.intermediate_size, config.hidden_size, **kw)
+        self.approximate_gelu = config.hidden_act != "gelu"  # "gelu" is exact (erf), as nn.GELU()
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, x):
+        """(b, t, hidden_size) -> (b, t, hidden_size)."""
+        hidden = jax.nn.gelu(self.linear_1(x), approximate=self.approximate_gelu)
+        return self.dropout(self.linear_2(hidden))
+
+
+class TransformerEncoderLayer(RecordsInit, nnx.Module):
+    """Attention and feed-forward with residuals.
+
+    ``config.norm_first=True`` (the notebook): x + att(ln1(x)), then x + ff(ln2(x)).
+    ``config.norm_first=False`` (BERT): ln1(x + dropout(att(x))), then ln2(x + ff(x)).
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm_first = config.norm_first
+        self.layer_norm_1 = LayerNorm(config.hidden_size, eps=config.block_eps, **kw)
+        self.layer_norm_2 = LayerNorm(config.hidden_size, eps=config.block_eps, **kw)
+        self.attention = MultiHeadAttention(config, **kw)
+        self.feed_forward = FeedForward(config, **kw)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, x, mask=None, *, return_weights: bool = False):
+        """Args: x (b, t, hidden_size); mask as for ``MultiHeadAttention``.
+
+        Returns: (b, t, hidden_size), and the attention weights (b, h, t, t) if asked.
+        """
+        if self.norm_first:
+            attended, weights = self.attention(self.layer_norm_1(x), mask, return_weights=True)
+            x = x + attended
+            x = x + self.feed_forward(self.layer_norm_2(x))
+        else:
+            attended, weights = self.attention(x, mask, return_weights=True)
+            x = self.layer_norm_1(x + self.dropout(attended))
+            x = self.layer_norm_2(x + self.feed_forward(x))
+        return (x, weights) if return_weights else x
+
+
+class Embeddings(RecordsInit, nnx.Module):
+    """Token + learned position embeddings, LayerNorm (config eps), dropout."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.vocab_size, self.max_positions, self.dtype = config.vocab_size, config.max_position_embeddings, dtype
+        self.token_embeddings = Embed(config.vocab_size, config.hidden_size, **kw)
+        self.position_embeddings = Embed(config.max_position_embeddings, config.hidden_size, **kw)
+        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, **kw)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, input_ids):
+        """(b, t) integer ids -> (b, t, hidden_size)."""
+        check_token_ids(input_ids, self.vocab_size)
+        seq_length = input_ids.shape[1]
+        check_length(seq_length, self.max_positions)
+        embeddings = (lookup(self.token_embeddings, input_ids, self.dtype)
+                      + lookup(self.position_embeddings, jnp.arange(seq_length), self.dtype)[None])  # (b, t, e)
+        return self.dropout(self.layer_norm(embeddings))
+
+
+class TransformerEncoder(RecordsInit, nnx.Module):
+    """Embeddings and ``num_hidden_layers`` encoder layers."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embeddings = Embeddings(config, **kw)
+        self.layers = nnx.List([TransformerEncoderLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+
+    def __call__(self, x, attention_mask=None, *, return_attentions: bool = False):
+        """Args:
+            x: (b, t) integer token ids.
+            attention_mask: optional (b, t), 1 = token, 0 = padding (HF's convention).
+            return_attentions: also return a tuple with each layer's weights (b, h, t, t).
+
+        Returns: the last hidden state (b, t, hidden_size), and the attentions if asked.
+        """
+        # check everything before computing anything
+        check_token_ids(x, self.embeddings.vocab_size, name="x")
+        b, t = x.shape
+        if attention_mask is not None and (not hasattr(attention_mask, "ndim") or attention_mask.ndim != 2):
+            got = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must have shape (batch, length)=({b}, {t}), got {got}")
+        mask = normalize_mask(attention_mask, b, t, t, name="attention_mask")
+        hidden = self.embeddings(x)
+        attentions = []
+        for layer in self.layers:
+            hidden, weights = layer(hidden, mask, return_weights=True)
+            attentions.append(weights)
+        return (hidden, tuple(attentions)) if return_attentions else hidden
+
+
+class TransformerForSequenceClassification(RecordsInit, nnx.Module):
+    """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = EncoderConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.encoder = TransformerEncoder(config, **kw)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+        self.classifier = Linear(config.hidden_size, config.num_labels, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.
+
+        Returns: (b, num_labels) logits (float32).
+        """
+        x = self.encoder(x, attention_mask)[:, 0, :]  # [CLS] hidden state, (b, hidden)
+        return self.classifier(self.dropout(x)).astype(jnp.float32)
+
+
+__all__ = [
+    "scaled_dot_product_attention", "AttentionHead", "MultiHeadAttention", "FeedForward",
+    "TransformerEncoderLayer", "Embeddings", "TransformerEncoder", "TransformerForSequenceClassification",
+]

@@ -1,0 +1,238 @@
+"""Weight porting between torch_reference and flax_transformer, in both directions.
+
+Both packages use the same parameter paths up to the leaf: torch's
+``tblocks.0.mhattention.tokeys.weight`` is Flax's ``tblocks.0.mhattention.tokeys.kernel``.
+So each family declares one table, ``module path -> kind of layer``, and each kind of
+layer declares how its leaves map and change layout (``LEAF_RULES``). Nothing else in
+this module knows about particular architectures.
+
+Loading is all or nothing: every missing, unexpected or mis-shaped key is collected
+and reported in one ``StateDictError`` before a single parameter is written.
+
+torch is imported lazily, inside the functions that need it, so that a JAX-only user
+can import ``flax_transformer`` without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Mapping, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# --------------------------------------------------------------------- the tables
+
+AS_IS, TRANSPOSE = "as_is", "transpose"
+
+# kind of layer -> {torch leaf: (flax leaf, layout rule)}
+LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
+    "linear": {"weight": ("kernel", TRANSPOSE), "bias": ("bias", AS_IS)},  # torch (out, in), Flax (in, out)
+    "layer_norm": {"weight": ("scale", AS_IS), "bias": ("bias", AS_IS)},
+    "embedding": {"weight": ("embedding", AS_IS)},
+}
+
+# family -> {regex matching the end of a module path: kind of layer}. A pattern
+# matches a whole path or a dotted suffix of it, so the same table serves a full
+# model and any submodule ported on its own (an attention, a block).
+KEY_MAPS: dict[str, dict[str, str]] = {
+    "former": {
+        r"token_embedding|pos_embedding": "embedding",
+        r"tokeys|toqueries|tovalues|unifyheads|toprobs": "linear",
+        r"ff\.0|ff\.2": "linear",
+        r"norm1|norm2": "layer_norm",
+    },
+    "encoder": {
+        r"token_embeddings|position_embeddings": "embedding",
+        r"q|k|v|output_linear|linear_1|linear_2|classifier": "linear",
+        r"layer_norm|layer_norm_1|layer_norm_2": "layer_norm",
+    },
+}
+
+_LAYOUT = {AS_IS: lambda a: a, TRANSPOSE: lambda a: a.T}
+
+
+class StateDictError(ValueError):
+    """A state_dict does not fit a model; the message lists every problem."""
+
+    def __init__(self, missing=(), unexpected=(), mismatched=()):
+        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+        lines = []
+        if self.missing:
+            lines.append(f"missing keys ({len(self.missing)}): " + ", ".join(self.missing))
+        if self.unexpected:
+            lines.append(f"unexpected keys ({len(self.unexpected)}): " + ", ".join(self.unexpected))
+        if self.mismatched:
+            lines.append(f"shape mismatches ({len(self.mismatched)}): " + ", ".join(
+                f"{k}: checkpoint {a} vs model {b}" for k, a, b in self.mismatched))
+        super().__init__("state_dict does not match the model; nothing was loaded.\n  " + "\n  ".join(lines))
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _family(module) -> str:
+    package, _, family = type(module).__module__.rpartition(".")
+    if package not in ("flax_transformer", "torch_reference") or family not in KEY_MAPS:
+        raise TypeError(
+            f"{type(module).__name__} is not a flax_transformer or torch_reference model "
+            f"(families: {', '.join(KEY_MAPS)})"
+        )
+    return family
+
+
+def _kind(family: str, module_path: str) -> str | None:
+    for pattern, kind in KEY_MAPS[family].items():
+        if re.fullmatch(rf"(?:.+\.)?(?:{pattern})", module_path):
+            return kind
+    return None
+
+
+def torch_key_to_flax(family: str, key: str) -> tuple[str, str] | None:
+    """``a.b.weight`` -> (``a.b.kernel``, layout rule), or None if no rule covers the key."""
+    module_path, _, leaf = key.rpartition(".")
+    kind = _kind(family, module_path)
+    if kind is None or leaf not in LEAF_RULES[kind]:
+        return None
+    flax_leaf, rule = LEAF_RULES[kind][leaf]
+    return f"{module_path}.{flax_leaf}" if module_path else flax_leaf, rule
+
+
+def flax_path_to_torch(family: str, path: str) -> tuple[str, str] | None:
+    """``a.b.kernel`` -> (``a.b.weight``, layout rule), or None."""
+    module_path, _, leaf = path.rpartition(".")
+    kind = _kind(family, module_path)
+    if kind is None:
+        return None
+    for torch_leaf, (flax_leaf, rule) in LEAF_RULES[kind].items():
+        if flax_leaf == leaf:
+            return f"{module_path}.{torch_leaf}" if module_path else torch_leaf, rule
+    return None
+
+
+# ------------------------------------------------------------------ flax side
+
+
+def _flax_params(model) -> dict[str, nnx.Param]:
+    """Dotted path -> Param variable, for every parameter of an NNX model."""
+    out = {}
+    for path, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Param):
+            out[".".join(str(p) for p in path)] = variable
+    return out
+
+
+def _to_numpy(value) -> np.ndarray:
+    """A torch tensor (any dtype, any device, with or without grad) or array -> numpy."""
+    if type(value).__module__.startswith("torch"):
+        import torch
+
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return value.numpy()
+    return np.asarray(value)
+
+
+def state_dict(model) -> dict[str, np.ndarray]:
+    """The parameters of a flax_transformer model under torch names and layouts."""
+    family = _family(model)
+    out = {}
+    for path, param in _flax_params(model).items():
+        mapped = flax_path_to_torch(family, path)
+        if mapped is None:
+            raise StateDictError(unexpected=[f"{path} (no porting rule in the {family!r} table)"])
+        key, rule = mapped
+        out[key] = np.ascontiguousarray(_LAYOUT[rule](np.asarray(param[...])))
+    return out
+
+
+def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> LoadResult:
+    """Load torch-named weights (torch tensors or numpy arrays) into a Flax model.
+
+    Every key is checked before anything is written. With ``strict=True`` missing and
+    unexpected keys raise; shape mismatches always raise. Values are cast to each
+    parameter's own dtype (``param_dtype``), so bf16 weights load into fp32 models and
+    the other way round.
+
+    Returns:
+        ``LoadResult(missing_keys, unexpected_keys)``, as torch's ``load_state_dict``.
+    """
+    family = _family(model)
+    params = _flax_params(model)
+    updates, unexpected, mismatched = {}, [], []
+    for key, value in state.items():
+        mapped = torch_key_to_flax(family, key)
+        if mapped is None or mapped[0] not in params:
+            unexpected.append(key)
+            continue
+        path, rule = mapped
+        array = _LAYOUT[rule](_to_numpy(value))
+        expected = tuple(params[path].shape)
+        if tuple(array.shape) != expected:
+            mismatched.append((key, tuple(array.shape), expected))
+            continue
+        updates[path] = array
+    missing = [flax_path_to_torch(family, p)[0] if flax_path_to_torch(family, p) else p
+               for p in params if p not in updates]
+    if mismatched or (strict and (missing or unexpected)):
+        raise StateDictError(missing if strict else (), unexpected if strict else (), mismatched)
+    for path, array in updates.items():
+        params[path].value = jnp.asarray(array, dtype=params[path].dtype)
+    return LoadResult(missing, unexpected)
+
+
+# --------------------------------------------------------------------- twins
+
+
+def _is_eval(flax_module) -> bool:
+    """An NNX module is in eval mode when all of its dropouts are deterministic."""
+    dropouts = [m for _, m in nnx.iter_graph(flax_module) if isinstance(m, nnx.Dropout)]
+    return all(d.deterministic for d in dropouts)
+
+
+def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
+    """Build the Flax twin of a torch_reference module, with its weights and mode.
+
+    Args:
+        torch_module: an instance of a torch_reference class.
+        dtype, param_dtype: compute and storage types of the Flax module.
+        seed: seeds the Flax module's ``nnx.Rngs`` (dropout streams).
+    """
+    family = _family(torch_module)
+    cls = getattr(importlib.import_module(f"flax_transformer.{family}"), type(torch_module).__name__)
+    flax_module = cls(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    load_state_dict(flax_module, torch_module.state_dict(), strict=True)
+    if torch_module.training:
+        flax_module.train()
+    else:
+        flax_module.eval()
+    return flax_module
+
+
+def flax_to_torch(flax_module, *, dtype=None):
+    """Build the torch_reference twin of a Flax module, with its weights and mode.
+
+    Args:
+        dtype: torch dtype of the parameters; default float32 (bfloat16 weights are
+            widened exactly).
+    """
+    import torch
+
+    family = _family(flax_module)
+    cls = getattr(importlib.import_module(f"torch_reference.{family}"), type(flax_module).__name__)
+    kwargs = {k: v for k, v in flax_module.init_kwargs().items() if k not in ("dtype", "param_dtype")}
+    torch_module = cls(**kwargs)
+    state = {}
+    for key, array in state_dict(flax_module).items():
+        state[key] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+    torch_module.load_state_dict(state, strict=True)
+    torch_module.to(dtype or torch.float32)
+    torch_module.train(not _is_eval(flax_module))
+    return torch_module

@@ -1,0 +1,127 @@
+"""Pieces every torch_reference family shares: mask helpers, attention math, input checks.
+
+Masks follow one convention inside this package (the same as flax_transformer's):
+boolean, ``True`` = may attend, broadcastable to ``(batch, heads, q_len, k_len)``.
+A family whose notebook uses another convention (additive, or True = masked out)
+converts at its module boundary and says so in the docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flax_transformer._shared import RecordsInit, check_divisible, check_length  # noqa: F401  (re-exported)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def make_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, k_len) with 1/True = token, 0/False = pad  ->  bool (b, 1, 1, k_len)."""
+    return attention_mask.bool()[:, None, None, :]
+
+
+def make_causal_mask(length: int, device=None) -> torch.Tensor:
+    """bool (1, 1, length, length), True on and below the diagonal."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Logical AND of the masks that are not None (None if all are)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mask") -> torch.Tensor | None:
+    """Check a user mask and bring it to bool (b|1, 1|h, q_len, k_len).
+
+    Accepted shapes: (batch, k_len) padding mask (1 = token, 0 = pad); (batch, q_len,
+    k_len); (batch, 1 or heads, 1 or q_len, k_len). Values must be bool or 0/1.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    shape = tuple(mask.shape)
+    ok = (
+        (mask.ndim == 2 and shape == (batch, k_len))
+        or (mask.ndim == 3 and shape == (batch, q_len, k_len))
+        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[2] in (1, q_len) and shape[3] == k_len)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} has shape {shape}; expected (batch, length)=({batch}, {k_len}), "
+            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|heads, 1|{q_len}, {k_len})"
+        )
+    if mask.dtype != torch.bool:
+        if mask.dtype.is_complex or not torch.all((mask == 0) | (mask == 1)):
+            raise ValueError(f"{name} must be boolean or hold only 0 and 1")
+        mask = mask != 0
+    if mask.ndim == 2:
+        return make_padding_mask(mask)
+    if mask.ndim == 3:
+        return mask[:, None]
+    return mask
+
+
+# ------------------------------------------------------------------------- attention
+
+
+def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None):
+    """softmax(scale * q k^T) v with a boolean mask.
+
+    Args:
+        q: (b, h, q_len, d); k: (b, h, k_len, d); v: (b, h, k_len, d_v). Any leading
+            dims that broadcast work.
+        mask: bool, True = may attend, broadcastable to (b, h, q_len, k_len).
+        scale: multiplies the scores; None when q and k already carry it.
+        dropout: an ``nn.Dropout`` applied to the weights (None: no dropout).
+
+    Returns:
+        out (b, h, q_len, d_v) and weights (b, h, q_len, k_len). A query row whose
+        keys are all masked gets all-zero weights (so a zero output), never NaN.
+    """
+    scores = q @ k.transpose(-2, -1)  # (b, h, q, k)
+    if scale is not None:
+        scores = scores * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    # softmax statistics in fp32 whatever the compute dtype
+    weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    if mask is not None:
+        # a fully masked row softmaxes to uniform weights over "min" scores: zero it
+        weights = weights.masked_fill(~mask, 0.0)
+    if dropout is not None:
+        weights = dropout(weights)
+    return weights @ v, weights
+
+
+# ---------------------------------------------------------------------- input checks
+
+
+def check_token_ids(ids, vocab_size: int, *, name: str = "input_ids") -> None:
+    """Ids must be an integer (b, t) tensor with 0 <= id < vocab_size."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must have shape (batch, length), got {tuple(ids.shape)}")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}); found values in [{lo}, {hi}]")
+
+
+def check_features(x, features: int, *, name: str = "x") -> None:
+    """A (b, t, features) float tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor of shape (batch, length, {features}), got {x.dtype}")
+    if x.ndim != 3 or x.shape[-1] != features:
+        raise ValueError(f"{name} must have shape (batch, length, {features}), got {tuple(x.shape)}")

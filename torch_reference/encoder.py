@@ -1,0 +1,242 @@
+"""The BERT-like encoder of notebook 001, in PyTorch.
+
+Class names, attribute names and the ``config`` constructor argument are the
+notebook's, so ``TransformerForSequenceClassification(config).state_dict()`` from the
+notebook loads here with ``strict=True`` and gives the same logits in eval mode.
+``config`` is an ``EncoderConfig`` or anything with BERT's attribute names (a
+``BertConfig``, a ``SimpleNamespace``); see ``EncoderConfig`` for the defaults.
+
+Changes from the notebook (all listed in the README): no debug prints; the
+embeddings' dropout uses ``hidden_dropout_prob`` (the notebook's ``nn.Dropout()`` is
+p=0.5) and their LayerNorm the config's eps; position ids are created on the input's
+device; attention takes an optional mask (masked rows give zeros, not NaN) and can
+return its weights; ``norm_first=False`` gives BERT's post-LN layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flax_transformer.configs import EncoderConfig
+
+from ._common import RecordsInit, attend, check_features, check_length, check_token_ids, normalize_mask
+
+
+def _mask_to_bool(mask, scores_shape):
+    """The notebook's mask (0 = masked out, anything else = keep) as a bool, checked."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    try:
+        torch.broadcast_shapes(tuple(mask.shape), scores_shape)
+    except RuntimeError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores {scores_shape}") from None
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights: bool = False):
+    """softmax(q k^T / sqrt(d_k)) v, as in the notebook.
+
+    Args:
+        query: (..., q_len, d_k); key: (..., k_len, d_k); value: (..., k_len, d_v).
+        mask: optional, broadcastable to (..., q_len, k_len); 0/False = masked out
+            (the notebook's ``mask == 0`` convention). A fully masked row gives zeros.
+        return_weights: also return the attention weights (..., q_len, k_len).
+
+    Returns:
+        (..., q_len, d_v), and the weights if asked.
+    """
+    dim_k = query.size(-1)
+    scores_shape = tuple(query.shape[:-1]) + (key.shape[-2],)
+    mask = None if mask is None else _mask_to_bool(mask, scores_shape)
+    out, weights = attend(query, key, value, mask, scale=1 / math.sqrt(dim_k))
+    return (out, weights) if return_weights else out
+
+
+class AttentionHead(RecordsInit, nn.Module):
+    """One head: its own q, k, v projections (embed_dim -> head_dim)."""
+
+    def __init__(self, embed_dim, head_dim):
+        super().__init__()
+        self.q = nn.Linear(embed_dim, head_dim)
+        self.k = nn.Linear(embed_dim, head_dim)
+        self.v = nn.Linear(embed_dim, head_dim)
+
+    def forward(self, hidden_state, mask=None, *, return_weights: bool = False):
+        """Args: hidden_state (b, t, embed_dim); mask (b, t) or (b, t, t), True/1 = attend.
+
+        Returns: (b, t, head_dim), and the weights (b, t, t) if asked.
+        """
+        check_features(hidden_state, self.q.in_features, name="hidden_state")
+        b, t, _ = hidden_state.shape
+        mask = normalize_mask(mask, b, t, t)
+        if mask is not None:
+            mask = mask[:, 0]  # (b, 1|t, t): no head axis here
+        return scaled_dot_product_attention(
+            self.q(hidden_state), self.k(hidden_state), self.v(hidden_state), mask, return_weights=return_weights)
+
+
+class MultiHeadAttention(RecordsInit, nn.Module):
+    """``num_attention_heads`` ``AttentionHead``s, concatenated, then ``output_linear``.
+
+    The heads keep their own parameters (the notebook's state_dict layout), but the
+    forward pass stacks them into one projection: the same math as running each head
+    and concatenating, in one matmul instead of ``3 * heads``.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        embed_dim, num_heads = config.hidden_size, config.num_attention_heads
+        self.heads = nn.ModuleList([AttentionHead(embed_dim, config.head_dim) for _ in range(num_heads)])
+        self.output_linear = nn.Linear(embed_dim, embed_dim)
+        self.attn_dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+    def _project(self, x, name):
+        """(b, t, e) -> (b, h, t, d) through every head's ``name`` projection at once."""
+        b, t, _ = x.shape
+        layers = [getattr(head, name) for head in self.heads]
+        weight = torch.cat([layer.weight for layer in layers])  # (h*d, e)
+        bias = torch.cat([layer.bias for layer in layers])  # (h*d,)
+        return F.linear(x, weight, bias).view(b, t, len(layers), -1).transpose(1, 2)
+
+    def forward(self, hidden_state, mask=None, *, return_weights: bool = False):
+        """Args:
+            hidden_state: (b, t, hidden_size).
+            mask: (b, t) padding mask (1 = token), or (b, t, t) / (b, 1|h, 1|t, t); True = attend.
+            return_weights: also return the attention weights (b, h, t, t).
+
+        Returns: (b, t, hidden_size), and the weights if asked.
+        """
+        check_features(hidden_state, self.output_linear.in_features, name="hidden_state")
+        b, t, e = hidden_state.shape
+        mask = normalize_mask(mask, b, t, t)
+        q, k, v = (self._project(hidden_state, n) for n in ("q", "k", "v"))  # (b, h, t, d)
+        d = q.shape[-1]
+        out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(d), dropout=self.attn_dropout)
+        out = self.output_linear(out.transpose(1, 2).reshape(b, t, e))  # (b, t, e)
+        return (out, weights) if return_weights else out
+
+
+class FeedForward(RecordsInit, nn.Module):
+    """linear_1 -> GELU (exact) -> linear_2 -> dropout."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        self.linear_1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.linear_2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.gelu = nn.GELU() if config.hidden_act == "gelu" else nn.GELU(approximate="tanh")
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x):
+        """(b, t, hidden_size) -> (b, t, hidden_size)."""
+        return self.dropout(self.linear_2(self.gelu(self.linear_1(x))))
+
+
+class TransformerEncoderLayer(RecordsInit, nn.Module):
+    """Attention and feed-forward with residuals.
+
+    ``config.norm_first=True`` (the notebook): x + att(ln1(x)), then x + ff(ln2(x)).
+    ``config.norm_first=False`` (BERT): ln1(x + dropout(att(x))), then ln2(x + ff(x)).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        self.norm_first = config.norm_first
+        self.layer_norm_1 = nn.LayerNorm(config.hidden_size, eps=config.block_eps)
+        self.layer_norm_2 = nn.LayerNorm(config.hidden_size, eps=config.block_eps)
+        self.attention = MultiHeadAttention(config)
+        self.feed_forward = FeedForward(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x, mask=None, *, return_weights: bool = False):
+        """Args: x (b, t, hidden_size); mask as for ``MultiHeadAttention``.
+
+        Returns: (b, t, hidden_size), and the attention weights (b, h, t, t) if asked.
+        """
+        if self.norm_first:
+            attended, weights = self.attention(self.layer_norm_1(x), mask, return_weights=True)
+            x = x + attended
+            x = x + self.feed_forward(self.layer_norm_2(x))
+        else:
+            attended, weights = self.attention(x, mask, return_weights=True)
+            x = self.layer_norm_1(x + self.dropout(attended))
+            x = self.layer_norm_2(x + self.feed_forward(x))
+        return (x, weights) if return_weights else x
+
+
+class Embeddings(RecordsInit, nn.Module):
+    """Token + learned position embeddings, LayerNorm (config eps), dropout."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids):
+        """(b, t) integer ids -> (b, t, hidden_size)."""
+        check_token_ids(input_ids, self.token_embeddings.num_embeddings)
+        seq_length = input_ids.size(1)
+        check_length(seq_length, self.position_embeddings.num_embeddings)
+        position_ids = torch.arange(seq_length, dtype=torch.long, device=input_ids.device)[None]  # (1, t)
+        embeddings = self.token_embeddings(input_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.layer_norm(embeddings))
+
+
+class TransformerEncoder(RecordsInit, nn.Module):
+    """Embeddings and ``num_hidden_layers`` encoder layers."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList([TransformerEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+
+    def forward(self, x, attention_mask=None, *, return_attentions: bool = False):
+        """Args:
+            x: (b, t) integer token ids.
+            attention_mask: optional (b, t), 1 = token, 0 = padding (HF's convention).
+            return_attentions: also return a tuple with each layer's weights (b, h, t, t).
+
+        Returns: the last hidden state (b, t, hidden_size), and the attentions if asked.
+        """
+        # check everything before computing anything
+        check_token_ids(x, self.embeddings.token_embeddings.num_embeddings, name="x")
+        b, t = x.shape
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must have shape (batch, length)=({b}, {t}), got {got}")
+        mask = normalize_mask(attention_mask, b, t, t, name="attention_mask")
+        hidden = self.embeddings(x)
+        attentions = []
+        for layer in self.layers:
+            hidden, weights = layer(hidden, mask, return_weights=True)
+            attentions.append(weights)
+        return (hidden, tuple(attentions)) if return_attentions else hidden
+
+
+class TransformerForSequenceClassification(RecordsInit, nn.Module):
+    """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = EncoderConfig.from_any(config)
+        self.encoder = TransformerEncoder(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, x, attention_mask=None):
+        """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.
+
+        Returns: (b, num_labels) logits.
+        """
+        x = self.encoder(x, attention_mask)[:, 0, :]  # [CLS] hidden state, (b, hidden)
+        return self.classifier(self.dropout(x))

@@ -197,6 +197,18 @@ def _is_eval(flax_module) -> bool:
     return all(d.deterministic for d in dropouts)
 
 
+def flax_class(torch_module) -> type:
+    """The flax_transformer class of the same family and name as a torch_reference module."""
+    module = importlib.import_module(f"flax_transformer.{_family(torch_module)}")
+    return getattr(module, type(torch_module).__name__)
+
+
+def torch_class(flax_module) -> type:
+    """The torch_reference class of the same family and name as a flax_transformer module."""
+    module = importlib.import_module(f"torch_reference.{_family(flax_module)}")
+    return getattr(module, type(flax_module).__name__)
+
+
 def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
     """Build the Flax twin of a torch_reference module, with its weights and mode.
 
@@ -205,9 +217,7 @@ def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, s
         dtype, param_dtype: compute and storage types of the Flax module.
         seed: seeds the Flax module's ``nnx.Rngs`` (dropout streams).
     """
-    family = _family(torch_module)
-    cls = getattr(importlib.import_module(f"flax_transformer.{family}"), type(torch_module).__name__)
-    flax_module = cls(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    flax_module = flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
     load_state_dict(flax_module, torch_module.state_dict(), strict=True)
     if torch_module.training:
         flax_module.train()
@@ -225,10 +235,8 @@ def flax_to_torch(flax_module, *, dtype=None):
     """
     import torch
 
-    family = _family(flax_module)
-    cls = getattr(importlib.import_module(f"torch_reference.{family}"), type(flax_module).__name__)
     kwargs = {k: v for k, v in flax_module.init_kwargs().items() if k not in ("dtype", "param_dtype")}
-    torch_module = cls(**kwargs)
+    torch_module = torch_class(flax_module)(**kwargs)
     state = {}
     for key, array in state_dict(flax_module).items():
         state[key] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy

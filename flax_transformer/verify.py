@@ -1,0 +1,250 @@
+"""Cross-framework verification: every module of every family, torch vs Flax.
+
+``run()`` builds each module with random weights in one framework, ports it to the
+other, runs both in eval mode on the same random inputs (with no mask, a padding
+mask, a causal mask, both, and a row whose keys are all masked) and reports the
+largest absolute difference. ``flax-transformer verify`` prints the table.
+
+torch is imported here at call time only (this is a verification module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str
+    module: str
+    case: str
+    direction: str
+    max_abs_err: float
+    finite: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.max_abs_err <= TOLERANCE
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def padding_mask(rng: np.random.Generator, b: int, t: int, *, empty_row: bool = True, left: bool = False) -> np.ndarray:
+    """(b, t) of 1 = token / 0 = pad with random lengths; row 0 has no token at all if asked."""
+    lengths = rng.integers(1, t + 1, size=b)
+    positions = np.arange(t)[None, :]
+    mask = positions >= (t - lengths[:, None]) if left else positions < lengths[:, None]
+    mask = mask.astype(np.int64)
+    if empty_row and b > 1:
+        mask[0] = 0
+    return mask
+
+
+MASK_CASES = ("none", "padding", "causal", "causal+padding", "fully-masked-row")
+
+
+def _mask_for(case: str, rng, b, t):
+    """The padding mask for a case, and whether the module must be causal."""
+    causal = case.startswith("causal")
+    if case == "none" or case == "causal":
+        return None, causal
+    if case == "padding":
+        return padding_mask(rng, b, t, empty_row=False), causal
+    if case == "causal+padding":
+        # left padding: the first query of a padded row sees only padding -> a fully masked row
+        return padding_mask(rng, b, t, empty_row=False, left=True), causal
+    return padding_mask(rng, b, t, empty_row=True), causal  # fully-masked-row
+
+
+# ------------------------------------------------------------ comparison
+
+
+def _leaves(x):
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _leaves(item)
+    else:
+        yield x
+
+
+def max_abs_err(torch_out, flax_out) -> tuple[float, bool]:
+    """Largest |torch - flax| over all outputs, and whether every value is finite."""
+    err, finite = 0.0, True
+    for a, b in zip(_leaves(torch_out), _leaves(flax_out), strict=True):
+        a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+        b = np.asarray(b)
+        if a.shape != b.shape:
+            raise AssertionError(f"output shapes differ: torch {a.shape} vs flax {b.shape}")
+        finite &= bool(np.isfinite(a).all() and np.isfinite(b).all())
+        err = max(err, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0)))
+    return err, finite
+
+
+def compare(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, use_jit: bool = True):
+    """Run both modules on the same numpy inputs; return (max abs err, all finite)."""
+    import torch
+
+    kwargs = kwargs or {}
+    to_torch = lambda a: None if a is None else torch.from_numpy(np.array(a))  # noqa: E731
+    to_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+    with torch.no_grad():
+        torch_out = torch_module(*map(to_torch, args), **{k: to_torch(v) for k, v in kwargs.items()})
+    jax_args, jax_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
+    if use_jit:
+        flax_out = nnx.jit(lambda m, a, kw: m(*a, **kw))(flax_module, jax_args, jax_kwargs)
+    else:
+        flax_out = flax_module(*jax_args, **jax_kwargs)
+    return max_abs_err(torch_out, flax_out)
+
+
+# ------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One module to verify: how to build it (in torch) and what to feed it."""
+
+    family: str
+    name: str
+    build: Callable[[bool], object]  # causal -> torch module
+    inputs: Callable[[np.random.Generator, np.ndarray | None], tuple[tuple, dict]]
+    cases: tuple[str, ...]
+    causal_via_mask: bool = False  # no causal switch: causal cases pass a (b, t, t) mask
+
+
+def full_mask(padding: np.ndarray | None, b: int, t: int, causal: bool) -> np.ndarray | None:
+    """(b, t, t) bool: padding of the keys and, if causal, no look-ahead."""
+    if padding is None and not causal:
+        return None
+    keys = np.ones((b, t), bool) if padding is None else padding.astype(bool)
+    mask = np.broadcast_to(keys[:, None, :], (b, t, t))
+    return mask & np.tril(np.ones((t, t), bool)) if causal else mask.copy()
+
+
+def _floats(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _ids(rng, vocab, b, t):
+    return rng.integers(0, vocab, size=(b, t)).astype(np.int64)
+
+
+def specs(b: int = 3, t: int = 7) -> list[Spec]:
+    """The modules ``verify`` covers, at attention, block and model level."""
+    from torch_reference import encoder as te
+    from torch_reference import former as tf
+
+    from .configs import EncoderConfig
+
+    emb, heads, vocab, seq = 24, 4, 50, 16
+    attention_cases = MASK_CASES
+    model_cases = ("none", "padding", "fully-masked-row")
+    enc = dict(causal_via_mask=True)
+    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m), {})  # noqa: E731
+    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
+    cfg = EncoderConfig.tiny(vocab_size=vocab, hidden_size=emb, num_attention_heads=heads, max_position_embeddings=seq)
+    post_ln = dataclasses.replace(cfg, norm_first=False)
+    return [
+        Spec("former", "MHSelfAttention", lambda c: tf.MHSelfAttention(emb, heads, causal=c), x_in, attention_cases),
+        Spec("former", "MHSelfAttention(scale=head)",
+             lambda c: tf.MHSelfAttention(emb, heads, causal=c, scale="head"), x_in, attention_cases),
+        Spec("former", "SelfAttention", lambda c: tf.SelfAttention(emb, heads, causal=c), x_in, attention_cases),
+        Spec("former", "TransformerBlock", lambda c: tf.TransformerBlock(emb, heads, c, seq), x_in, attention_cases),
+        Spec("former", "TransformerBlock(wide)",
+             lambda c: tf.TransformerBlock(emb, heads, c, seq, attention="wide"), x_in, attention_cases),
+        Spec("former", "CTransformer(max)", lambda c: tf.CTransformer(emb, heads, 2, seq, vocab, 3), ids_in, model_cases),
+        Spec("former", "CTransformer(mean)",
+             lambda c: tf.CTransformer(emb, heads, 2, seq, vocab, 3, max_pool=False), ids_in, model_cases),
+        Spec("former", "GTransformer",
+             lambda c: tf.GTransformer(emb, heads, 2, seq, vocab, attention=("narrow", "wide")), ids_in, model_cases),
+        Spec("encoder", "AttentionHead", lambda c: te.AttentionHead(emb, emb // heads),
+             x_in, attention_cases, **enc),
+        Spec("encoder", "MultiHeadAttention", lambda c: te.MultiHeadAttention(cfg),
+             x_in, attention_cases, **enc),
+        Spec("encoder", "FeedForward", lambda c: te.FeedForward(cfg), lambda rng, m: ((_floats(rng, b, t, emb),), {}),
+             ("none",)),
+        Spec("encoder", "TransformerEncoderLayer", lambda c: te.TransformerEncoderLayer(cfg),
+             x_in, attention_cases, **enc),
+        Spec("encoder", "TransformerEncoderLayer(post-LN)", lambda c: te.TransformerEncoderLayer(post_ln),
+             x_in, attention_cases, **enc),
+        Spec("encoder", "Embeddings", lambda c: te.Embeddings(cfg), lambda rng, m: ((_ids(rng, vocab, b, t),), {}),
+             ("none",)),
+        Spec("encoder", "TransformerEncoder", lambda c: te.TransformerEncoder(cfg), ids_in, model_cases),
+        Spec("encoder", "TransformerForSequenceClassification",
+             lambda c: te.TransformerForSequenceClassification(cfg), ids_in, model_cases),
+        Spec("encoder", "TransformerForSequenceClassification(post-LN)",
+             lambda c: te.TransformerForSequenceClassification(post_ln), ids_in, model_cases),
+    ]
+
+
+def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:
+    """Yield one Row per (module, mask case, direction)."""
+    import torch
+
+    from . import porting
+
+    for i, spec in enumerate(specs()):
+        for case in spec.cases:
+            rng = np.random.default_rng(seed + i)
+            torch.manual_seed(seed + i)
+            mask, causal = _mask_for(case, rng, 3, 7)
+            if spec.causal_via_mask:
+                mask, causal = full_mask(mask, 3, 7, causal), False
+            args, kwargs = spec.inputs(rng, mask)
+            torch_module = spec.build(causal).eval()
+            _perturb_torch(torch_module, seed + i)
+            for direction in ("torch->flax", "flax->torch"):
+                if direction == "torch->flax":
+                    flax_module = porting.torch_to_flax(torch_module, seed=seed)
+                    reference = torch_module
+                else:
+                    # fresh weights drawn in JAX, ported to torch
+                    flax_module = porting.flax_class(torch_module)(
+                        **torch_module.init_kwargs(), rngs=nnx.Rngs(seed + i + 1))
+                    flax_module.eval()
+                    _perturb_flax(flax_module, seed + i + 1)
+                    reference = porting.flax_to_torch(flax_module)
+                err, finite = compare(reference, flax_module, args, kwargs, use_jit=use_jit)
+                yield Row(spec.family, spec.name, case, direction, err, finite)
+
+
+# Fresh LayerNorms are exactly ones and zeros in both frameworks, and fresh biases
+# are small: a porting bug in those leaves would hide. Noise on every parameter makes
+# each one matter.
+NOISE = 0.1
+
+
+def _perturb_torch(torch_module, seed: int) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in torch_module.parameters():
+            p.add_(NOISE * torch.randn(p.shape, generator=generator))
+
+
+def _perturb_flax(flax_module, seed: int) -> None:
+    key = jax.random.key(seed)
+    for _, variable in nnx.iter_graph(flax_module):
+        if isinstance(variable, nnx.Param):
+            key, sub = jax.random.split(key)
+            variable.value = variable.value + NOISE * jax.random.normal(sub, variable.shape, variable.dtype)
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("family", "module", "case", "direction", "max abs err", "result")
+    body = [(r.family, r.module, r.case, r.direction, f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"),
+             "pass" if r.passed else "FAIL") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])

@@ -1,0 +1,1 @@
+"""Training entry points (see the training issue); empty for now."""

@@ -211,7 +211,7 @@ class CTransformer(RecordsInit, _Former):
                 pooled = jnp.where(tok, x, jnp.finfo(x.dtype).min).max(axis=1)
                 x = jnp.where(tok.any(axis=1), pooled, 0.0).astype(x.dtype)
             else:
-                x = (x * tok).sum(axis=1) / jnp.maximum(tok.sum(axis=1), 1).astype(x.dtype)
+                x = jnp.where(tok, x, 0).sum(axis=1) / jnp.maximum(tok.sum(axis=1), 1).astype(x.dtype)
         return jax.nn.log_softmax(self.toprobs(x).astype(jnp.float32), axis=1)
 
 

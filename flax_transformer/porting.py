@@ -19,6 +19,7 @@ import importlib
 import re
 from typing import Any, Mapping, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -184,7 +185,7 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> Loa
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictError(missing if strict else (), unexpected if strict else (), mismatched)
     for path, array in updates.items():
-        params[path].value = jnp.asarray(array, dtype=params[path].dtype)
+        params[path].set_value(jnp.asarray(array, dtype=params[path].dtype))
     return LoadResult(missing, unexpected)
 
 
@@ -209,6 +210,25 @@ def torch_class(flax_module) -> type:
     return getattr(module, type(flax_module).__name__)
 
 
+def build_unfilled(cls, kwargs: dict, *, seed: int = 0):
+    """Build a Flax module without initialising its parameters (they stay abstract).
+
+    Random initialisation of a large model costs time and memory that porting throws
+    away. ``nnx.eval_shape`` gives the structure; the dropout RNG streams get concrete
+    keys here, and the parameters are filled by ``load_state_dict``.
+    """
+    abstract = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(seed)))
+    base = jax.random.key(seed)
+    for i, (path, variable) in enumerate(nnx.iter_graph(abstract)):
+        if isinstance(variable, nnx.RngKey):
+            variable.set_value(jax.random.fold_in(base, i))
+        elif isinstance(variable, nnx.RngCount):
+            variable.set_value(jnp.zeros((), jnp.uint32))
+        elif isinstance(variable, nnx.Variable) and not isinstance(variable, nnx.Param):
+            raise TypeError(f"cannot build {cls.__name__} unfilled: unexpected state {type(variable).__name__} at {path}")
+    return abstract
+
+
 def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
     """Build the Flax twin of a torch_reference module, with its weights and mode.
 
@@ -217,7 +237,8 @@ def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, s
         dtype, param_dtype: compute and storage types of the Flax module.
         seed: seeds the Flax module's ``nnx.Rngs`` (dropout streams).
     """
-    flax_module = flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    kwargs = dict(torch_module.init_kwargs(), dtype=dtype, param_dtype=param_dtype)
+    flax_module = build_unfilled(flax_class(torch_module), kwargs, seed=seed)
     load_state_dict(flax_module, torch_module.state_dict(), strict=True)
     if torch_module.training:
         flax_module.train()

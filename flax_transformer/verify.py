@@ -191,8 +191,6 @@ def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:
     """Yield one Row per (module, mask case, direction)."""
     import torch
 
-    from . import porting
-
     for i, spec in enumerate(specs()):
         for case in spec.cases:
             rng = np.random.default_rng(seed + i)
@@ -202,20 +200,31 @@ def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:
                 mask, causal = full_mask(mask, 3, 7, causal), False
             args, kwargs = spec.inputs(rng, mask)
             torch_module = spec.build(causal).eval()
-            _perturb_torch(torch_module, seed + i)
-            for direction in ("torch->flax", "flax->torch"):
-                if direction == "torch->flax":
-                    flax_module = porting.torch_to_flax(torch_module, seed=seed)
-                    reference = torch_module
-                else:
-                    # fresh weights drawn in JAX, ported to torch
-                    flax_module = porting.flax_class(torch_module)(
-                        **torch_module.init_kwargs(), rngs=nnx.Rngs(seed + i + 1))
-                    flax_module.eval()
-                    _perturb_flax(flax_module, seed + i + 1)
-                    reference = porting.flax_to_torch(flax_module)
-                err, finite = compare(reference, flax_module, args, kwargs, use_jit=use_jit)
+            for direction, err, finite in both_directions(torch_module, args, kwargs, seed=seed + i, use_jit=use_jit):
                 yield Row(spec.family, spec.name, case, direction, err, finite)
+
+
+def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0, use_jit: bool = True):
+    """Compare a torch module with its Flax twin both ways, in eval mode.
+
+    torch->flax: the torch module's weights (perturbed, see ``NOISE``) ported to Flax.
+    flax->torch: fresh weights drawn in JAX (perturbed) ported to torch.
+
+    Returns:
+        [(direction, max abs err, all finite)] for the two directions.
+    """
+    from . import porting
+
+    torch_module.eval()
+    perturb_torch(torch_module, seed)
+    flax_module = porting.torch_to_flax(torch_module, seed=seed)
+    results = [("torch->flax", *compare(torch_module, flax_module, args, kwargs, use_jit=use_jit))]
+    flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
+    flax_module.eval()
+    perturb_flax(flax_module, seed + 1)
+    torch_twin = porting.flax_to_torch(flax_module)
+    results.append(("flax->torch", *compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit)))
+    return results
 
 
 # Fresh LayerNorms are exactly ones and zeros in both frameworks, and fresh biases
@@ -224,7 +233,7 @@ def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:
 NOISE = 0.1
 
 
-def _perturb_torch(torch_module, seed: int) -> None:
+def perturb_torch(torch_module, seed: int) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -233,12 +242,12 @@ def _perturb_torch(torch_module, seed: int) -> None:
             p.add_(NOISE * torch.randn(p.shape, generator=generator))
 
 
-def _perturb_flax(flax_module, seed: int) -> None:
+def perturb_flax(flax_module, seed: int) -> None:
     key = jax.random.key(seed)
     for _, variable in nnx.iter_graph(flax_module):
         if isinstance(variable, nnx.Param):
             key, sub = jax.random.split(key)
-            variable.value = variable.value + NOISE * jax.random.normal(sub, variable.shape, variable.dtype)
+            variable.set_value(variable[...] + NOISE * jax.random.normal(sub, variable.shape, variable.dtype))
 
 
 def format_table(rows: list[Row]) -> str:

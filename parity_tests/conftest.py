@@ -1,0 +1,36 @@
+"""Shared settings and helpers for the parity tests.
+
+fp32 parity is checked with full-precision matmuls, and with JAX's strict dtype
+promotion so that an accidental float64/bool promotion in the library shows up here.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+torch.use_deterministic_algorithms(True)
+
+TOL = 1e-5  # fp32, matmul precision "highest": a larger error is a bug, not noise
+
+
+def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, eager_too=False):
+    """torch->Flax and Flax->torch parity under jit, and also eagerly if asked.
+
+    Eager Flax runs op by op (each op compiled for its shapes), so it costs more than
+    jit on small inputs; the tests ask for it where masks are hardest and at model level.
+    """
+    from flax_transformer import verify
+
+    for use_jit in (True, False) if eager_too else (True,):
+        results = verify.both_directions(torch_module, args, kwargs, seed=seed, use_jit=use_jit)
+        for direction, err, finite in results:
+            assert finite, f"{direction} (jit={use_jit}): NaN or inf in the outputs"
+            assert err <= tol, f"{direction} (jit={use_jit}): max abs err {err:.3g} > {tol:g}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

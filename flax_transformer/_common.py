@@ -50,11 +50,27 @@ def Embed(num_embeddings: int, features: int, *, rngs: nnx.Rngs, dtype=jnp.float
                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def LayerNorm(features: int, *, eps: float = 1e-5, rngs: nnx.Rngs, dtype=jnp.float32,
-              param_dtype=jnp.float32) -> nnx.LayerNorm:
-    """``nnx.LayerNorm`` computing torch's two-pass variance; statistics run in fp32."""
-    return nnx.LayerNorm(features, epsilon=eps, use_fast_variance=False, dtype=dtype,
-                         param_dtype=param_dtype, rngs=rngs)
+class LayerNorm(nnx.Module):
+    """``torch.nn.LayerNorm`` over the last axis: two-pass variance, statistics in fp32.
+
+    Written out rather than ``nnx.LayerNorm`` so that the whole normalisation, not
+    only the statistics, runs in float32 before the cast back to ``dtype``.
+    Parameters are ``scale`` (ones) and ``bias`` (zeros), of shape (features,).
+    """
+
+    def __init__(self, features: int, *, eps: float = 1e-5, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.eps, self.dtype = eps, dtype
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
+
+    def __call__(self, x):
+        """(..., features) -> (..., features) in ``dtype``."""
+        x = x.astype(jnp.float32)
+        mean = x.mean(axis=-1, keepdims=True)
+        var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
 def lookup(embed: nnx.Embed, ids: jax.Array, dtype) -> jax.Array:

@@ -167,21 +167,21 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> Loa
     """
     family = _family(model)
     params = _flax_params(model)
-    updates, unexpected, mismatched = {}, [], []
+    updates, seen, unexpected, mismatched = {}, set(), [], []
     for key, value in state.items():
         mapped = torch_key_to_flax(family, key)
         if mapped is None or mapped[0] not in params:
             unexpected.append(key)
             continue
         path, rule = mapped
+        seen.add(path)
         array = _LAYOUT[rule](_to_numpy(value))
         expected = tuple(params[path].shape)
         if tuple(array.shape) != expected:
             mismatched.append((key, tuple(array.shape), expected))
             continue
         updates[path] = array
-    missing = [flax_path_to_torch(family, p)[0] if flax_path_to_torch(family, p) else p
-               for p in params if p not in updates]
+    missing = [(flax_path_to_torch(family, p) or (p,))[0] for p in params if p not in seen]
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictError(missing if strict else (), unexpected if strict else (), mismatched)
     for path, array in updates.items():
@@ -237,8 +237,9 @@ def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, s
         dtype, param_dtype: compute and storage types of the Flax module.
         seed: seeds the Flax module's ``nnx.Rngs`` (dropout streams).
     """
+    cls = flax_class(torch_module)
     kwargs = dict(torch_module.init_kwargs(), dtype=dtype, param_dtype=param_dtype)
-    flax_module = build_unfilled(flax_class(torch_module), kwargs, seed=seed)
+    flax_module = build_unfilled(cls, kwargs, seed=seed)
     load_state_dict(flax_module, torch_module.state_dict(), strict=True)
     if torch_module.training:
         flax_module.train()
@@ -256,8 +257,9 @@ def flax_to_torch(flax_module, *, dtype=None):
     """
     import torch
 
+    cls = torch_class(flax_module)
     kwargs = {k: v for k, v in flax_module.init_kwargs().items() if k not in ("dtype", "param_dtype")}
-    torch_module = torch_class(flax_module)(**kwargs)
+    torch_module = cls(**kwargs)
     state = {}
     for key, array in state_dict(flax_module).items():
         state[key] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy

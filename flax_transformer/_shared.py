@@ -87,3 +87,30 @@ def check_divisible(width: int, heads: int, *, what: str = "embedding dimension"
         raise ValueError(f"number of heads must be >= 1, got {heads}")
     if width % heads:
         raise ValueError(f"{what} ({width}) must be divisible by the number of heads ({heads})")
+
+
+# ----------------------------------------------------------- tensor-shape logging
+# Notebook 003 logs tensor shapes per class at a level per kind of module. Both
+# frameworks log through the same logger, off by default: enable with
+#   logging.basicConfig(); logging.getLogger("tensor_shapes").setLevel(1)
+# In JAX the shapes are logged when a function is traced, not on every jitted call.
+
+import enum
+import logging
+
+shape_logger = logging.getLogger("tensor_shapes")
+
+
+class TensorLoggingLevels(enum.IntEnum):
+    attention = 1
+    attention_head = 2
+    multihead_attention_block = 3
+    enc_dec_block = 4
+    enc_dec = 5
+
+
+def log_size(module, shape, name: str) -> None:
+    """Log ``[class, name, shape]`` at the module class's ``level``, as notebook 003 does."""
+    level = type(module).level
+    if shape_logger.isEnabledFor(level):
+        shape_logger.log(level, "[%s] %s: %s", type(module).__name__, name, tuple(shape))

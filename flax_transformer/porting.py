@@ -33,12 +33,19 @@ LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "linear": {"weight": ("kernel", TRANSPOSE), "bias": ("bias", AS_IS)},  # torch (out, in), Flax (in, out)
     "layer_norm": {"weight": ("scale", AS_IS), "bias": ("bias", AS_IS)},
     "embedding": {"weight": ("embedding", AS_IS)},
+    # notebook 002 writes its own layers: matrix (d_in, d_out), gamma/beta, a bare table
+    "matrix_linear": {"matrix": ("matrix", AS_IS), "bias": ("bias", AS_IS)},
+    "gamma_beta_norm": {"gamma": ("gamma", AS_IS), "beta": ("beta", AS_IS)},
+    "table": {"embeddings": ("embeddings", AS_IS)},
 }
 
-# family -> {regex matching the end of a module path: kind of layer}. A pattern
+# family -> {regex matching the end of a module path: kind(s) of layer}. A pattern
 # matches a whole path or a dotted suffix of it, so the same table serves a full
-# model and any submodule ported on its own (an attention, a block).
-KEY_MAPS: dict[str, dict[str, str]] = {
+# model and any submodule ported on its own (an attention, a block); "" is the root
+# module itself. Where one name is used by two kinds of layer in a family (notebook
+# 002 has ``q_proj`` as its own Linear in ``Attention`` and as ``nn.Linear`` in
+# ``GPTMHAttention``), the entry lists both kinds: their leaf names tell them apart.
+KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "former": {
         r"token_embedding|pos_embedding": "embedding",
         r"tokeys|toqueries|tovalues|unifyheads|toprobs": "linear",
@@ -49,6 +56,23 @@ KEY_MAPS: dict[str, dict[str, str]] = {
         r"token_embeddings|position_embeddings": "embedding",
         r"q|k|v|output_linear|linear_1|linear_2|classifier": "linear",
         r"layer_norm|layer_norm_1|layer_norm_2": "layer_norm",
+    },
+    "gpt": {
+        r"": ("matrix_linear", "gamma_beta_norm", "table"),  # a bare Linear, LayerNorm or Embeddings
+        r"token_embeddings|position_embeddings": "embedding",
+        r"q_proj|k_proj|v_proj": ("linear", "matrix_linear"),
+        r"q|k|v|w1|w2": "matrix_linear",
+        r"lm_head": "linear",
+        r"input_layer_norm|attention_layer_norm|layer_norm_feed_forward|out_layer_norm|embedding_norm":
+            "gamma_beta_norm",
+        r"layer_norm_attention": ("layer_norm", "gamma_beta_norm"),
+        r"layer_norm_input": "layer_norm",
+    },
+    "classic": {
+        r"src_embedding|tgt_embedding": "embedding",
+        r"query_tfm|key_tfm|value_tfm|projection|out": "linear",
+        r"position_wise_feed_forward\.0|position_wise_feed_forward\.2": "linear",
+        r"layer_norm1|layer_norm2|layer_norm3": "layer_norm",
     },
 }
 
@@ -86,32 +110,35 @@ def _family(module) -> str:
     return family
 
 
-def _kind(family: str, module_path: str) -> str | None:
-    for pattern, kind in KEY_MAPS[family].items():
+def _leaf_rules(family: str, module_path: str) -> dict[str, tuple[str, str]] | None:
+    """The leaf rules of the layer at ``module_path``, or None if the table has no entry."""
+    for pattern, kinds in KEY_MAPS[family].items():
         if re.fullmatch(rf"(?:.+\.)?(?:{pattern})", module_path):
-            return kind
+            kinds = (kinds,) if isinstance(kinds, str) else kinds
+            return {leaf: rule for kind in kinds for leaf, rule in LEAF_RULES[kind].items()}
     return None
+
+
+def _join(module_path: str, leaf: str) -> str:
+    return f"{module_path}.{leaf}" if module_path else leaf
 
 
 def torch_key_to_flax(family: str, key: str) -> tuple[str, str] | None:
     """``a.b.weight`` -> (``a.b.kernel``, layout rule), or None if no rule covers the key."""
     module_path, _, leaf = key.rpartition(".")
-    kind = _kind(family, module_path)
-    if kind is None or leaf not in LEAF_RULES[kind]:
+    rules = _leaf_rules(family, module_path)
+    if rules is None or leaf not in rules:
         return None
-    flax_leaf, rule = LEAF_RULES[kind][leaf]
-    return f"{module_path}.{flax_leaf}" if module_path else flax_leaf, rule
+    flax_leaf, rule = rules[leaf]
+    return _join(module_path, flax_leaf), rule
 
 
 def flax_path_to_torch(family: str, path: str) -> tuple[str, str] | None:
     """``a.b.kernel`` -> (``a.b.weight``, layout rule), or None."""
     module_path, _, leaf = path.rpartition(".")
-    kind = _kind(family, module_path)
-    if kind is None:
-        return None
-    for torch_leaf, (flax_leaf, rule) in LEAF_RULES[kind].items():
+    for torch_leaf, (flax_leaf, rule) in (_leaf_rules(family, module_path) or {}).items():
         if flax_leaf == leaf:
-            return f"{module_path}.{torch_leaf}" if module_path else torch_leaf, rule
+            return _join(module_path, torch_leaf), rule
     return None
 
 

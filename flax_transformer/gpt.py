@@ -1,0 +1,284 @@
+"""The GPT from scratch of notebook 002, in Flax NNX.
+
+The twin of ``torch_reference.gpt``: same class names, constructor arguments (plus
+keyword-only ``rngs``, ``dtype``, ``param_dtype``), call signatures and parameter
+paths, the notebook's ``Linear`` (``matrix`` (d_in, d_out) + ``bias``) and
+``LayerNorm`` (``gamma``/``beta``, unbiased std, eps added to the std), and the
+notebook's additive -1e20 masks. ``attention_mask`` is (b, l) with 1 = token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ._common import (
+    Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, check_divisible, check_features,
+    check_length, check_token_ids, is_concrete, lookup,
+)
+
+INF = 1e20  # the notebook's additive mask constant
+
+
+def ReLU(x):
+    """The notebook's ReLU."""
+    return x * (x > 0).astype(x.dtype)
+
+
+def check_attention_mask(attention_mask, batch: int, length: int) -> None:
+    """(b, l) of 0/1 (bool, int or float); values checked when concrete."""
+    if attention_mask is None:
+        return
+    if not hasattr(attention_mask, "shape") or not hasattr(attention_mask, "dtype"):
+        raise TypeError(f"attention_mask must be an array, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask must have shape (batch, length)=({batch}, {length}), "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype != jnp.bool_ and is_concrete(attention_mask):
+        values = jax.device_get(attention_mask)
+        if not ((values == 0) | (values == 1)).all():
+            raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+
+
+def additive_mask(shape, attention_mask, causal: bool, dtype=jnp.float32):
+    """The notebook's mask for scores of ``shape`` (b, [h,] q, k): -INF on future and padded keys."""
+    q, k = shape[-2], shape[-1]
+    mask = jnp.zeros(shape, dtype)
+    if causal:
+        mask = mask + jnp.triu(jnp.ones((q, k), dtype), k=1)
+    if attention_mask is not None:
+        pad = 1.0 - attention_mask.astype(dtype)  # (b, l): 1 on padding
+        pad = pad[:, None, :] if len(shape) == 3 else pad[:, None, None, :]
+        mask = mask + pad
+    return mask * (-INF)
+
+
+class Embeddings(RecordsInit, nnx.Module):
+    """A lookup table ``embeddings`` (vocab_size, d), initialised N(0, 0.02^2)."""
+
+    def __init__(self, vocab_size, d, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.vocab_size, self.dtype = vocab_size, dtype
+        self.embeddings = nnx.Param(0.02 * jax.random.normal(rngs.params(), (vocab_size, d), param_dtype))
+
+    def __call__(self, x):
+        """(b, l) ids -> (b, l, d)."""
+        check_token_ids(x, self.vocab_size, name="x")
+        table = self.embeddings[...]
+        return jnp.take(table, x, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
+
+
+class Linear(RecordsInit, nnx.Module):
+    """x @ matrix + bias, with ``matrix`` (d_in, d_out), initialised N(0, 0.02^2)."""
+
+    def __init__(self, d_in, d_out, bias=True, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.dtype = dtype
+        self.matrix = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d_in, d_out), param_dtype))
+        self.bias = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d_out,), param_dtype)) if bias else None
+
+    def __call__(self, x):
+        """(..., d_in) -> (..., d_out)."""
+        results = x.astype(self.dtype) @ self.matrix[...].astype(self.dtype)
+        if self.bias is not None:
+            results = results + self.bias[...].astype(self.dtype)
+        return results
+
+
+class LayerNorm(RecordsInit, nnx.Module):
+    """gamma * (x - mean) / (std + eps) + beta with the unbiased std; statistics in fp32."""
+
+    def __init__(self, d, eps=1e-6, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.eps, self.dtype = eps, dtype
+        self.gamma = nnx.Param(jnp.ones((d,), param_dtype))
+        self.beta = nnx.Param(jnp.zeros((d,), param_dtype))
+
+    def __call__(self, x):
+        """(..., d) -> (..., d)."""
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(axis=-1, keepdims=True)
+        std = jnp.std(x32, axis=-1, keepdims=True, ddof=1)
+        y = self.gamma[...].astype(jnp.float32) * (x32 - mean) / (std + self.eps) + self.beta[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class FeedForward(RecordsInit, nnx.Module):
+    """w1 -> ReLU -> dropout -> w2; dropout only in training mode."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.w1 = Linear(d_embed, d_ff, **kw)
+        self.w2 = Linear(d_ff, d_embed, **kw)
+        self.act_fn = ReLU
+        self.dropout = dropout
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        return self.w2(self.drop(self.act_fn(self.w1(x))))
+
+
+def _softmax_attention(q, k, v, scores_mask):
+    """softmax(q k^T / sqrt(d) + additive mask) v; softmax in fp32."""
+    d = k.shape[-1]
+    s_ij = (q @ jnp.swapaxes(k, -1, -2) * d ** (-0.5)).astype(jnp.float32)
+    if scores_mask is not None:
+        s_ij = s_ij + scores_mask
+    return jax.nn.softmax(s_ij, axis=-1).astype(q.dtype) @ v
+
+
+class Attention(RecordsInit, nnx.Module):
+    """Single-head attention with biased projections, no causal mask; padded keys masked."""
+
+    def __init__(self, d, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.d = d
+        self.q_proj = Linear(d, d, **kw)
+        self.k_proj = Linear(d, d, **kw)
+        self.v_proj = Linear(d, d, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        """(b, l, d) -> (b, l, d)."""
+        check_features(x, self.d)
+        check_attention_mask(attention_mask, x.shape[0], x.shape[1])
+        mask = None if attention_mask is None else additive_mask((x.shape[0], x.shape[1], x.shape[1]),
+                                                                 attention_mask, False)
+        return _softmax_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), mask)
+
+
+class TransformerLayer(RecordsInit, nnx.Module):
+    """z = ln_att(att(ln_in(x)) + ln_in(x)); return ff(z) + z."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.attention = Attention(d_embed, **kw)
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout, **kw)
+        self.input_layer_norm = LayerNorm(d_embed, **kw)
+        self.attention_layer_norm = LayerNorm(d_embed, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        normed_input = self.input_layer_norm(x)
+        z = self.attention_layer_norm(self.attention(normed_input, attention_mask) + normed_input)
+        return self.feed_forward(z) + z
+
+
+class GPTAttention(RecordsInit, nnx.Module):
+    """Single-head causal attention, projections without bias."""
+
+    def __init__(self, d_embed, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.d_embed = d_embed
+        self.q = Linear(d_embed, d_embed, bias=False, **kw)
+        self.k = Linear(d_embed, d_embed, bias=False, **kw)
+        self.v = Linear(d_embed, d_embed, bias=False, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        """(b, l, d) -> (b, l, d)."""
+        check_features(x, self.d_embed)
+        check_attention_mask(attention_mask, x.shape[0], x.shape[1])
+        mask = additive_mask((x.shape[0], x.shape[1], x.shape[1]), attention_mask, True)
+        return _softmax_attention(self.q(x), self.k(x), self.v(x), mask)
+
+
+class GPTTransformerLayer(RecordsInit, nnx.Module):
+    """x = ln_in(x); z = ln_att(dropout(att(x)) + x); return dropout(ff(z)) + z."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dropout = dropout
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.attention = GPTAttention(d_embed, **kw)
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout=dropout, **kw)
+        self.layer_norm_attention = TorchLayerNorm(d_embed, **kw)
+        self.layer_norm_input = TorchLayerNorm(d_embed, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        x = self.layer_norm_input(x)
+        z = self.drop(self.attention(x, attention_mask=attention_mask)) + x
+        z = self.layer_norm_attention(z)
+        return self.drop(self.feed_forward(z)) + z
+
+
+class GPTMHAttention(RecordsInit, nnx.Module):
+    """Multi-head causal attention with the padding mask (the notebook's final attention).
+
+    ``attention_mask`` (b, l), 1 = token, becomes the notebook's additive mask here.
+    """
+
+    def __init__(self, d_embed, n_heads, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        check_divisible(d_embed, n_heads)
+        kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.d_embed, self.n_heads, self.dtype = d_embed, n_heads, dtype
+        self.q_proj = TorchLinear(d_embed, d_embed, **kw)
+        self.k_proj = TorchLinear(d_embed, d_embed, **kw)
+        self.v_proj = TorchLinear(d_embed, d_embed, **kw)
+
+    def _heads(self, x):
+        """(b, l, d) -> q, k, v each (b, h, l, d_h)."""
+        b, l, _ = x.shape
+        split = lambda y: y.reshape(b, l, self.n_heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        x = x.astype(self.dtype)
+        return split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+
+    def __call__(self, x, attention_mask=None):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        check_features(x, self.d_embed)
+        b, l, d = x.shape
+        check_attention_mask(attention_mask, b, l)
+        q, k, v = self._heads(x)
+        mask = additive_mask((b, self.n_heads, l, l), attention_mask, True)
+        y = _softmax_attention(q, k, v, mask)  # (b, h, l, d_h)
+        return y.transpose(0, 2, 1, 3).reshape(b, l, d)
+
+
+class GPTMHTransformerLayer(RecordsInit, nnx.Module):
+    """Post-LN: z = ln_att(dropout(att(x)) + x); return ln_ff(ff(z) + z)."""
+
+    def __init__(self, d_embed, d_ff, n_heads, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.attention = GPTMHAttention(d_embed, n_heads, **kw)
+        self.layer_norm_attention = LayerNorm(d_embed, **kw)
+        self.layer_norm_feed_forward = LayerNorm(d_embed, **kw)
+        self.dropout = dropout
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout=dropout, **kw)
+
+    def __call__(self, x, attention_mask=None):
+        z = self.layer_norm_attention(self.drop(self.attention(x, attention_mask)) + x)
+        return self.layer_norm_feed_forward(self.feed_forward(z) + z)
+
+
+class GPTTransformer(RecordsInit, nnx.Module):
+    """The notebook's GPT: embeddings, LayerNorm, n_layers layers, LayerNorm, lm_head."""
+
+    def __init__(self, n_layers, d_embed, d_ff, n_heads, voc_size, max_length, dropout=0.1, *, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.n_layers, self.d_embed, self.d_ff, self.num_heads = n_layers, d_embed, d_ff, n_heads
+        self.max_length, self.voc_size, self.dropout, self.dtype = max_length, voc_size, dropout, dtype
+        self.transformer_stack = nnx.List([
+            GPTMHTransformerLayer(d_embed=d_embed, d_ff=d_ff, n_heads=n_heads, dropout=dropout, **kw)
+            for _ in range(n_layers)
+        ])
+        self.token_embeddings = Embed(voc_size, d_embed, **kw)
+        self.position_embeddings = Embed(max_length, d_embed, **kw)
+        self.out_layer_norm = LayerNorm(d_embed, **kw)
+        self.embedding_norm = LayerNorm(d_embed, **kw)
+        self.lm_head = TorchLinear(d_embed, voc_size, **kw)
+
+    def __call__(self, input_ids, attention_mask=None):
+        """Args:
+            input_ids: (b, l) token ids, l <= max_length.
+            attention_mask: optional (b, l), 1 = token, 0 = pad.
+
+        Returns:
+            (b, l, voc_size) logits (float32).
+        """
+        check_token_ids(input_ids, self.voc_size)
+        check_length(input_ids.shape[1], self.max_length)
+        check_attention_mask(attention_mask, *input_ids.shape)
+        positions = lookup(self.position_embeddings, jnp.arange(input_ids.shape[1]), self.dtype)[None]
+        z = self.embedding_norm(lookup(self.token_embeddings, input_ids, self.dtype) + positions)  # (b, l, d)
+        for layer in self.transformer_stack:
+            z = layer(z, attention_mask) + z
+        return self.lm_head(self.out_layer_norm(z)).astype(jnp.float32)

@@ -1,0 +1,308 @@
+"""The GPT from scratch of notebook 002, in PyTorch.
+
+Class names, constructor arguments and attribute names are the notebook's, so a
+notebook ``GPTTransformer(n_layers=1, ...)`` state_dict loads with ``strict=True`` and
+gives the same logits in eval mode with dropout 0. The notebook's math is kept
+(its own ``Linear`` with a ``matrix`` of shape (d_in, d_out), its ``LayerNorm`` with
+the unbiased std and eps added to the std, the additive ``-1e20`` masks, and the
+residual added again around each layer in ``GPTTransformer.forward``).
+
+Bugs fixed (listed in the README): ``GPTTransformer`` built one layer whatever
+``n_layers`` was; the basic ``Attention`` computed v with ``k_proj``; ``FeedForward``
+and ``GPTTransformerLayer`` applied dropout in eval mode too; ``GPTMHAttention``
+required an ``attention_mask`` (here optional) and the basic attentions ignored it.
+
+Masks: ``attention_mask`` is (b, l) with 1 = token and 0 = pad, as the notebook's
+collator builds it. It becomes the notebook's additive mask at the attention boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import RecordsInit, check_divisible, check_features, check_length, check_token_ids
+
+INF = 1e20  # the notebook's additive mask constant
+
+
+def ReLU(x):
+    """The notebook's ReLU (it may not use torch's modules)."""
+    return x * (x > 0)
+
+
+def check_attention_mask(attention_mask, batch: int, length: int) -> None:
+    """(b, l) of 0/1 (bool, int or float), as the notebook's collator builds it."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask must have shape (batch, length)=({batch}, {length}), "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype != torch.bool and not torch.all((attention_mask == 0) | (attention_mask == 1)):
+        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+
+
+def additive_mask(scores, attention_mask, causal: bool):
+    """The notebook's mask: -INF on future keys, and again on padded keys (they add up)."""
+    mask = torch.zeros_like(scores)
+    if causal:
+        mask = torch.triu(torch.ones_like(scores), diagonal=1)
+    if attention_mask is not None:
+        pad = 1.0 - attention_mask.to(scores.dtype)  # (b, l): 1 on padding
+        pad = pad[:, None, :] if scores.ndim == 3 else pad[:, None, None, :]
+        mask = mask + pad
+    return mask * (-INF)
+
+
+class Embeddings(RecordsInit, nn.Module):
+    """A lookup table, initialised N(0, 0.02^2) (the notebook's)."""
+
+    def __init__(self, vocab_size, d):
+        super().__init__()
+        self.embeddings = nn.Parameter(0.02 * torch.randn(vocab_size, d))
+
+    def forward(self, x):
+        """(b, l) ids -> (b, l, d)."""
+        check_token_ids(x, self.embeddings.shape[0], name="x")
+        return self.embeddings[x]
+
+
+class Linear(RecordsInit, nn.Module):
+    """x @ matrix + bias, with ``matrix`` of shape (d_in, d_out), initialised N(0, 0.02^2)."""
+
+    def __init__(self, d_in, d_out, bias=True):
+        super().__init__()
+        self.matrix = nn.Parameter(0.02 * torch.randn(d_in, d_out))
+        if bias:
+            self.bias = nn.Parameter(0.02 * torch.randn(d_out))
+
+    def forward(self, x):
+        """(..., d_in) -> (..., d_out)."""
+        results = x @ self.matrix
+        if hasattr(self, "bias"):
+            results = results + self.bias
+        return results
+
+
+class LayerNorm(RecordsInit, nn.Module):
+    """The notebook's LayerNorm: gamma * (x - mean) / (std + eps) + beta, std unbiased."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.beta = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        """(..., d) -> (..., d); statistics in fp32."""
+        x32 = x.float()
+        mean = x32.mean(dim=-1, keepdim=True)
+        std = x32.std(dim=-1, keepdim=True)  # unbiased (n - 1), as the notebook
+        y = self.gamma.float() * (x32 - mean) / (std + self.eps) + self.beta.float()
+        return y.to(x.dtype)
+
+
+class FeedForward(RecordsInit, nn.Module):
+    """w1 -> ReLU -> dropout -> w2 (dropout only in training mode: the notebook's bug fixed)."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1):
+        super().__init__()
+        self.w1 = Linear(d_embed, d_ff)
+        self.w2 = Linear(d_ff, d_embed)
+        self.act_fn = ReLU
+        self.dropout = dropout
+
+    def forward(self, x):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        z = self.act_fn(self.w1(x))
+        z = F.dropout(z, p=self.dropout, training=self.training)
+        return self.w2(z)
+
+
+def _softmax_attention(q, k, v, scores_mask):
+    """softmax(q k^T / sqrt(d) + additive mask) v; softmax in fp32."""
+    d = k.shape[-1]
+    s_ij = q @ k.transpose(-1, -2) * d ** (-0.5)
+    if scores_mask is not None:
+        s_ij = s_ij + scores_mask
+    a_ij = torch.softmax(s_ij.float(), dim=-1).to(q.dtype)
+    return a_ij @ v
+
+
+class Attention(RecordsInit, nn.Module):
+    """Single-head attention with biased projections, no causal mask (the tutorial's first step).
+
+    ``attention_mask`` (b, l), 1 = token, masks padded keys additively (the notebook ignored it).
+    """
+
+    def __init__(self, d):
+        super().__init__()
+        self.q_proj = Linear(d, d)
+        self.k_proj = Linear(d, d)
+        self.v_proj = Linear(d, d)
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d) -> (b, l, d)."""
+        check_features(x, self.q_proj.matrix.shape[0])
+        check_attention_mask(attention_mask, x.shape[0], x.shape[1])
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # the notebook used k_proj for v
+        scores_shape = (x.shape[0], x.shape[1], x.shape[1])
+        mask = None if attention_mask is None else additive_mask(x.new_zeros(scores_shape), attention_mask, False)
+        return _softmax_attention(q, k, v, mask)
+
+
+class TransformerLayer(RecordsInit, nn.Module):
+    """z = ln_att(att(ln_in(x)) + ln_in(x)); return ff(z) + z (the notebook's order)."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1):
+        super().__init__()
+        self.attention = Attention(d_embed)
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout)
+        self.input_layer_norm = LayerNorm(d_embed)
+        self.attention_layer_norm = LayerNorm(d_embed)
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        normed_input = self.input_layer_norm(x)
+        z = self.attention(normed_input, attention_mask) + normed_input
+        z = self.attention_layer_norm(z)
+        return self.feed_forward(z) + z
+
+
+class GPTAttention(RecordsInit, nn.Module):
+    """Single-head causal attention, projections without bias."""
+
+    def __init__(self, d_embed):
+        super().__init__()
+        self.q = Linear(d_embed, d_embed, bias=False)
+        self.k = Linear(d_embed, d_embed, bias=False)
+        self.v = Linear(d_embed, d_embed, bias=False)
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d) -> (b, l, d); causal, plus padded keys masked if a mask is given."""
+        check_features(x, self.q.matrix.shape[0])
+        check_attention_mask(attention_mask, x.shape[0], x.shape[1])
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        mask = additive_mask(x.new_zeros(x.shape[0], x.shape[1], x.shape[1]), attention_mask, True)
+        return _softmax_attention(q, k, v, mask)
+
+
+class GPTTransformerLayer(RecordsInit, nn.Module):
+    """x = ln_in(x); z = ln_att(dropout(att(x)) + x); return dropout(ff(z)) + z."""
+
+    def __init__(self, d_embed, d_ff, dropout=0.1):
+        super().__init__()
+        self.dropout = dropout
+        self.attention = GPTAttention(d_embed)
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout=self.dropout)
+        self.layer_norm_attention = nn.LayerNorm(d_embed)
+        self.layer_norm_input = nn.LayerNorm(d_embed)
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        x = self.layer_norm_input(x)
+        z = self.attention(x, attention_mask=attention_mask)
+        z = F.dropout(z, p=self.dropout, training=self.training) + x
+        z = self.layer_norm_attention(z)
+        y = self.feed_forward(z)
+        return F.dropout(y, p=self.dropout, training=self.training) + z
+
+
+class GPTMHAttention(RecordsInit, nn.Module):
+    """Multi-head causal attention with the padding mask (the notebook's final attention).
+
+    Args of forward:
+        x: (b, l, d_embed).
+        attention_mask: optional (b, l), 1 = token, 0 = pad. Converted here to the
+            notebook's additive mask: -1e20 on future keys and -1e20 on padded keys.
+    """
+
+    def __init__(self, d_embed, n_heads):
+        super().__init__()
+        check_divisible(d_embed, n_heads)
+        self.q_proj = nn.Linear(d_embed, d_embed, bias=False)
+        self.k_proj = nn.Linear(d_embed, d_embed, bias=False)
+        self.v_proj = nn.Linear(d_embed, d_embed, bias=False)
+        self.n_heads = n_heads
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        check_features(x, self.q_proj.in_features)
+        batch_size, seq_len, d_embed = x.shape
+        check_attention_mask(attention_mask, batch_size, seq_len)
+        # (b, l, d) -> (b, h, l, d_h)
+        q = self.q_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        mask = additive_mask(x.new_zeros(batch_size, self.n_heads, seq_len, seq_len), attention_mask, True)
+        y = _softmax_attention(q, k, v, mask)  # (b, h, l, d_h)
+        return y.transpose(2, 1).reshape(batch_size, seq_len, d_embed)
+
+
+class GPTMHTransformerLayer(RecordsInit, nn.Module):
+    """Post-LN: z = ln_att(dropout(att(x)) + x); return ln_ff(ff(z) + z)."""
+
+    def __init__(self, d_embed, d_ff, n_heads, dropout=0.1):
+        super().__init__()
+        self.attention = GPTMHAttention(d_embed, n_heads)
+        self.layer_norm_attention = LayerNorm(d_embed)
+        self.layer_norm_feed_forward = LayerNorm(d_embed)
+        self.dropout = dropout
+        self.feed_forward = FeedForward(d_embed, d_ff, dropout=self.dropout)
+
+    def forward(self, x, attention_mask=None):
+        """(b, l, d_embed) -> (b, l, d_embed)."""
+        z = self.attention(x, attention_mask)
+        z = F.dropout(z, p=self.dropout, training=self.training) + x
+        z = self.layer_norm_attention(z)
+        y = self.feed_forward(z) + z
+        return self.layer_norm_feed_forward(y)
+
+
+class GPTTransformer(RecordsInit, nn.Module):
+    """The notebook's GPT: embeddings, LayerNorm, n_layers layers, LayerNorm, lm_head.
+
+    Each layer's output gets its input added once more (``z = layer(z) + z``), as in the
+    notebook.
+    """
+
+    def __init__(self, n_layers, d_embed, d_ff, n_heads, voc_size, max_length, dropout=0.1):
+        super().__init__()
+        self.n_layers = n_layers
+        self.d_embed = d_embed
+        self.d_ff = d_ff
+        self.num_heads = n_heads
+        self.max_length = max_length
+        self.voc_size = voc_size
+        self.dropout = dropout
+        # the notebook built a single layer here whatever n_layers was
+        self.transformer_stack = nn.ModuleList([
+            GPTMHTransformerLayer(d_embed=d_embed, d_ff=d_ff, n_heads=n_heads, dropout=self.dropout)
+            for _ in range(n_layers)
+        ])
+        self.token_embeddings = nn.Embedding(num_embeddings=self.voc_size, embedding_dim=self.d_embed)
+        self.position_embeddings = nn.Embedding(num_embeddings=self.max_length, embedding_dim=self.d_embed)
+        self.out_layer_norm = LayerNorm(self.d_embed)
+        self.embedding_norm = LayerNorm(self.d_embed)
+        self.lm_head = nn.Linear(self.d_embed, self.voc_size)
+
+    def forward(self, input_ids, attention_mask=None):
+        """Args:
+            input_ids: (b, l) token ids, l <= max_length.
+            attention_mask: optional (b, l), 1 = token, 0 = pad.
+
+        Returns:
+            (b, l, voc_size) logits.
+        """
+        check_token_ids(input_ids, self.voc_size)
+        check_length(input_ids.shape[1], self.max_length)
+        check_attention_mask(attention_mask, *input_ids.shape)
+        token_vectors = self.token_embeddings(input_ids)
+        position_vectors = self.position_embeddings(torch.arange(input_ids.shape[-1], device=input_ids.device))[None]
+        z = self.embedding_norm(token_vectors + position_vectors)  # (b, l, d)
+        for layer in self.transformer_stack:
+            z = layer(z, attention_mask) + z
+        return self.lm_head(self.out_layer_norm(z))  # (b, l, voc_size)

@@ -141,14 +141,17 @@ def _ids(rng, vocab, b, t):
 
 def specs(b: int = 3, t: int = 7) -> list[Spec]:
     """The modules ``verify`` covers, at attention, block and model level."""
+    from torch_reference import classic as tc
     from torch_reference import encoder as te
     from torch_reference import former as tf
+    from torch_reference import gpt as tg
 
     from .configs import EncoderConfig
 
     emb, heads, vocab, seq = 24, 4, 50, 16
     attention_cases = MASK_CASES
     model_cases = ("none", "padding", "fully-masked-row")
+    causal_cases = ("causal", "causal+padding", "fully-masked-row")
     enc = dict(causal_via_mask=True)
     x_in = lambda rng, m: ((_floats(rng, b, t, emb), m), {})  # noqa: E731
     ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
@@ -184,7 +187,51 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
              lambda c: te.TransformerForSequenceClassification(cfg), ids_in, model_cases),
         Spec("encoder", "TransformerForSequenceClassification(post-LN)",
              lambda c: te.TransformerForSequenceClassification(post_ln), ids_in, model_cases),
+        # gpt: attention_mask (b, t), 1 = token; the GPT attentions are always causal
+        Spec("gpt", "Attention", lambda c: tg.Attention(emb), x_in, model_cases),
+        Spec("gpt", "GPTAttention", lambda c: tg.GPTAttention(emb), x_in, causal_cases),
+        Spec("gpt", "GPTMHAttention", lambda c: tg.GPTMHAttention(emb, heads), x_in, causal_cases),
+        Spec("gpt", "TransformerLayer", lambda c: tg.TransformerLayer(emb, 2 * emb), x_in, model_cases),
+        Spec("gpt", "GPTTransformerLayer", lambda c: tg.GPTTransformerLayer(emb, 2 * emb), x_in, causal_cases),
+        Spec("gpt", "GPTMHTransformerLayer", lambda c: tg.GPTMHTransformerLayer(emb, 2 * emb, heads), x_in,
+             causal_cases),
+        Spec("gpt", "GPTTransformer", lambda c: tg.GPTTransformer(2, emb, 2 * emb, heads, vocab, seq), ids_in,
+             causal_cases),
+        # classic: attention masks are True = masked out (the notebook's convention)
+        Spec("classic", "MultiHeadAttention", lambda c: tc.MultiHeadAttention(emb, emb // heads, heads),
+             lambda rng, m: (_self_att(rng, m), {}), attention_cases, **enc),
+        Spec("classic", "EncoderBlock", lambda c: tc.EncoderBlock(emb, emb // heads, 2 * emb, heads),
+             lambda rng, m: ((_floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
+        Spec("classic", "DecoderBlock", lambda c: tc.DecoderBlock(emb, emb // heads, 2 * emb, heads),
+             lambda rng, m: (_decoder_block_inputs(rng, m, b, t, emb), {}), model_cases),
+        Spec("classic", "Transformer", lambda c: tc.Transformer(vocab, vocab - 7, emb, heads, 2, 2 * emb, max_len=seq),
+             lambda rng, m: (_seq2seq_inputs(rng, m, vocab, b, t), {}), model_cases),
     ]
+
+
+def _masked_out(keep):
+    """This library's keep-mask -> the classic family's convention (True = masked out)."""
+    return None if keep is None else ~keep
+
+
+def _self_att(rng, keep):
+    x = _floats(rng, keep.shape[0] if keep is not None else 3, 7, 24)
+    return x, x, x, _masked_out(keep)
+
+
+def _decoder_block_inputs(rng, padding, b, t, emb):
+    """Target states, encoder output (length t + 2), source padding and the causal target mask."""
+    x, enc = _floats(rng, b, t, emb), _floats(rng, b, t + 2, emb)
+    src = None if padding is None else np.concatenate([padding, np.ones((b, 2), padding.dtype)], 1) == 0
+    tgt = np.triu(np.ones((t, t), bool), 1)[None]
+    return x, enc, None if src is None else src[:, None, :], tgt
+
+
+def _seq2seq_inputs(rng, padding, vocab, b, t):
+    src = _ids(rng, vocab, b, t)
+    tgt = _ids(rng, vocab - 7, b, t - 2)
+    tgt_mask = None if padding is None else np.maximum(padding[:, : t - 2], np.eye(1, t - 2, dtype=padding.dtype))
+    return src, tgt, padding, tgt_mask
 
 
 def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:

@@ -76,12 +76,17 @@ class LayerNorm(nnx.Module):
 def lookup(embed: nnx.Embed, ids: jax.Array, dtype) -> jax.Array:
     """Gather rows of an embedding table.
 
-    Out-of-range ids give NaN rows instead of JAX's silent clamp to the last row. The
+    Out-of-range ids (negative ones too) give NaN rows instead of JAX's silent clamp
+    to the last row or NumPy-style wrap from the end. The
     models check ids eagerly whenever the values are known; this is the guard that
     stays under ``jit``, where they are not.
     """
-    table = embed.embedding[...]
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(dtype)
+    return gather_rows(embed.embedding[...], ids).astype(dtype)
+
+
+def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] where an id outside [0, len(table)) gives a NaN row (negative ids do not wrap)."""
+    return table.at[ids].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
 
 
 class ReLU(nnx.Module):
@@ -131,7 +136,7 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
-def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mask") -> jax.Array | None:
+def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, heads: int | None = None, name: str = "mask") -> jax.Array | None:
     """Check a user mask and bring it to bool (b|1, 1|h, 1|q_len, k_len).
 
     Accepted shapes: (batch, k_len) padding mask (1 = token, 0 = pad); (batch, q_len,
@@ -146,12 +151,13 @@ def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mas
     ok = (
         (mask.ndim == 2 and shape == (batch, k_len))
         or (mask.ndim == 3 and shape == (batch, q_len, k_len))
-        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[2] in (1, q_len) and shape[3] == k_len)
+        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[1] in (1, heads or shape[1])
+            and shape[2] in (1, q_len) and shape[3] == k_len)
     )
     if not ok:
         raise ValueError(
             f"{name} has shape {shape}; expected (batch, length)=({batch}, {k_len}), "
-            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|heads, 1|{q_len}, {k_len})"
+            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|{heads or 'heads'}, 1|{q_len}, {k_len})"
         )
     if mask.dtype != jnp.bool_:
         if jnp.issubdtype(mask.dtype, jnp.complexfloating):

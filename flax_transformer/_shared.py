@@ -6,6 +6,7 @@ never import JAX, and flax_transformer must not need torch).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -30,7 +31,9 @@ def _freeze(value):
         hash(value)
         return value
     except TypeError:
-        return _Opaque(value)
+        # a private copy: the caller may mutate its object later (notebook 001 sets
+        # config.num_labels after building models)
+        return _Opaque(copy.deepcopy(value))
 
 
 def _thaw(value):
@@ -47,7 +50,11 @@ class RecordsInit:
     ``flax_transformer.porting`` rebuilds a module's twin in the other framework from
     them, so porting needs no per-class knowledge of signatures. The arguments are
     stored hashable (lists become tuples) because NNX keeps them in the static graph.
+    A class may declare ``_init_converters = {"config": SomeConfig.from_any}`` to record
+    an argument in a canonical, immutable form.
     """
+
+    _init_converters: dict = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -62,7 +69,9 @@ class RecordsInit:
                 bound = inspect.signature(init).bind(self, *args, **kw)
                 del bound.arguments["self"]
                 bound.arguments.pop("rngs", None)
-                self._init_args = tuple((k, _freeze(v)) for k, v in bound.arguments.items())
+                convert = type(self)._init_converters
+                self._init_args = tuple((k, _freeze(convert[k](v) if k in convert else v))
+                                        for k, v in bound.arguments.items())
 
         cls.__init__ = recording_init
 
@@ -70,6 +79,22 @@ class RecordsInit:
         """The constructor's keyword arguments, as given (without ``rngs``)."""
         return {k: _thaw(v) for k, v in self._init_args}
 
+
+
+class StateDictError(ValueError):
+    """A state_dict does not fit a model; the message lists every problem."""
+
+    def __init__(self, missing=(), unexpected=(), mismatched=()):
+        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+        lines = []
+        if self.missing:
+            lines.append(f"missing keys ({len(self.missing)}): " + ", ".join(self.missing))
+        if self.unexpected:
+            lines.append(f"unexpected keys ({len(self.unexpected)}): " + ", ".join(self.unexpected))
+        if self.mismatched:
+            lines.append(f"shape mismatches ({len(self.mismatched)}): " + ", ".join(
+                f"{k}: checkpoint {a} vs model {b}" for k, a, b in self.mismatched))
+        super().__init__("state_dict does not match the model; nothing was loaded.\n  " + "\n  ".join(lines))
 
 
 # ------------------------------------------------------------------ input checks

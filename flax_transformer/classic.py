@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -184,6 +183,7 @@ class EncoderBlock(RecordsInit, nnx.Module):
     def __init__(self, d_model=512, d_feature=64, d_ff=2048, n_heads=8, dropout=0.1, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
         self.attn_head = MultiHeadAttention(d_model, d_feature, n_heads, dropout, **kw)
         self.layer_norm1 = LayerNorm(d_model, **kw)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
@@ -191,6 +191,7 @@ class EncoderBlock(RecordsInit, nnx.Module):
         self.layer_norm2 = LayerNorm(d_model, **kw)
 
     def __call__(self, x, mask=None):
+        x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         att = self.attn_head(x, x, x, mask=mask)
         x = self.layer_norm1(x + self.dropout(att))
         x = self.layer_norm2(x + self.dropout(self.position_wise_feed_forward(x)))
@@ -224,6 +225,7 @@ class DecoderBlock(RecordsInit, nnx.Module):
     def __init__(self, d_model=512, d_feature=64, d_ff=2048, n_heads=8, dropout=0.1, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
         self.masked_attn_head = MultiHeadAttention(d_model, d_feature, n_heads, dropout, **kw)
         self.attn_head = MultiHeadAttention(d_model, d_feature, n_heads, dropout, **kw)
         self.position_wise_feed_forward = _feed_forward(d_model, d_ff, kw)
@@ -234,6 +236,7 @@ class DecoderBlock(RecordsInit, nnx.Module):
 
     def __call__(self, x, enc_out, src_mask=None, tgt_mask=None):
         """x (b, t, d_model), enc_out (b, s, d_model); masks True = masked out. Returns (b, t, d_model)."""
+        x, enc_out = x.astype(self.dtype), enc_out.astype(self.dtype)  # residual stream in the compute dtype
         x = self.layer_norm1(x + self.dropout(self.masked_attn_head(x, x, x, mask=tgt_mask)))
         x = self.layer_norm2(x + self.dropout(self.attn_head(x, enc_out, enc_out, mask=src_mask)))
         x = self.layer_norm3(x + self.dropout(self.position_wise_feed_forward(x)))

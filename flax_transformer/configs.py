@@ -7,6 +7,7 @@ and flax_transformer without pulling in torch.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 
@@ -43,15 +44,18 @@ class EncoderConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "num_labels"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EncoderConfig.{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "num_hidden_layers" else 1
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+                raise ValueError(f"EncoderConfig.{name} must be an integer >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers -> int (hashable, JSON-able)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
             )
-        if self.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
+        supported = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+        if self.hidden_act not in supported:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(supported)})")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"EncoderConfig.{name} must lie in [0, 1), got {getattr(self, name)!r}")

@@ -21,6 +21,12 @@ from ._common import (
 )
 
 
+class _ConfigModule(RecordsInit, nnx.Module):
+    """Records its ``config`` as a frozen ``EncoderConfig``, whatever object was passed."""
+
+    _init_converters = {"config": EncoderConfig.from_any}
+
+
 def _mask_to_bool(mask, scores_shape):
     """The notebook's mask (0 = masked out, anything else = keep) as a bool, checked."""
     if not hasattr(mask, "shape"):
@@ -68,14 +74,14 @@ class AttentionHead(RecordsInit, nnx.Module):
         """
         check_features(hidden_state, self.embed_dim, name="hidden_state")
         b, t, _ = hidden_state.shape
-        mask = normalize_mask(mask, b, t, t)
+        mask = normalize_mask(mask, b, t, t, heads=1)
         if mask is not None:
             mask = mask[:, 0]  # (b, 1|t, t): no head axis here
         x = hidden_state.astype(self.dtype)
         return scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), mask, return_weights=return_weights)
 
 
-class MultiHeadAttention(RecordsInit, nnx.Module):
+class MultiHeadAttention(_ConfigModule):
     """``num_attention_heads`` ``AttentionHead``s, concatenated, then ``output_linear``.
 
     The heads keep their own parameters (the notebook's layout: ``heads.<i>.q``), but
@@ -110,7 +116,7 @@ class MultiHeadAttention(RecordsInit, nnx.Module):
         """
         check_features(hidden_state, self.hidden_size, name="hidden_state")
         b, t, e = hidden_state.shape
-        mask = normalize_mask(mask, b, t, t)
+        mask = normalize_mask(mask, b, t, t, heads=len(self.heads))
         x = hidden_state.astype(self.dtype)
         q, k, v = (self._project(x, n) for n in ("q", "k", "v"))  # (b, h, t, d)
         out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
@@ -118,24 +124,33 @@ class MultiHeadAttention(RecordsInit, nnx.Module):
         return (out, weights) if return_weights else out
 
 
-class FeedForward(RecordsInit, nnx.Module):
-    """linear_1 -> GELU (exact) -> linear_2 -> dropout."""
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf), as nn.GELU()
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+class FeedForward(_ConfigModule):
+    """linear_1 -> activation (``hidden_act``; "gelu" is the exact GELU) -> linear_2 -> dropout."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.linear_1 = Linear(config.hidden_size, config.intermediate_size, **kw)
         self.linear_2 = Linear(config.intermediate_size, config.hidden_size, **kw)
-        self.approximate_gelu = config.hidden_act != "gelu"  # "gelu" is exact (erf), as nn.GELU()
+        self.hidden_act = config.hidden_act
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
 
     def __call__(self, x):
         """(b, t, hidden_size) -> (b, t, hidden_size)."""
-        hidden = jax.nn.gelu(self.linear_1(x), approximate=self.approximate_gelu)
+        hidden = _ACTIVATIONS[self.hidden_act](self.linear_1(x))
         return self.dropout(self.linear_2(hidden))
 
 
-class TransformerEncoderLayer(RecordsInit, nnx.Module):
+class TransformerEncoderLayer(_ConfigModule):
     """Attention and feed-forward with residuals.
 
     ``config.norm_first=True`` (the notebook): x + att(ln1(x)), then x + ff(ln2(x)).
@@ -145,7 +160,7 @@ class TransformerEncoderLayer(RecordsInit, nnx.Module):
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.norm_first = config.norm_first
+        self.norm_first, self.dtype = config.norm_first, dtype
         self.layer_norm_1 = LayerNorm(config.hidden_size, eps=config.block_eps, **kw)
         self.layer_norm_2 = LayerNorm(config.hidden_size, eps=config.block_eps, **kw)
         self.attention = MultiHeadAttention(config, **kw)
@@ -157,6 +172,7 @@ class TransformerEncoderLayer(RecordsInit, nnx.Module):
 
         Returns: (b, t, hidden_size), and the attention weights (b, h, t, t) if asked.
         """
+        x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         if self.norm_first:
             attended, weights = self.attention(self.layer_norm_1(x), mask, return_weights=True)
             x = x + attended
@@ -168,7 +184,7 @@ class TransformerEncoderLayer(RecordsInit, nnx.Module):
         return (x, weights) if return_weights else x
 
 
-class Embeddings(RecordsInit, nnx.Module):
+class Embeddings(_ConfigModule):
     """Token + learned position embeddings, LayerNorm (config eps), dropout."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -190,7 +206,7 @@ class Embeddings(RecordsInit, nnx.Module):
         return self.dropout(self.layer_norm(embeddings))
 
 
-class TransformerEncoder(RecordsInit, nnx.Module):
+class TransformerEncoder(_ConfigModule):
     """Embeddings and ``num_hidden_layers`` encoder layers."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -222,7 +238,7 @@ class TransformerEncoder(RecordsInit, nnx.Module):
         return (hidden, tuple(attentions)) if return_attentions else hidden
 
 
-class TransformerForSequenceClassification(RecordsInit, nnx.Module):
+class TransformerForSequenceClassification(_ConfigModule):
     """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):

@@ -31,7 +31,7 @@ def _self_attention(module, x, mask, head_width: int, scale_width: int):
     """Shared forward of the narrow and the wide attention (they differ in widths only)."""
     b, t, _ = x.shape
     h = module.heads
-    mask = combine_masks(normalize_mask(mask, b, t, t), make_causal_mask(t) if module.causal else None)
+    mask = combine_masks(normalize_mask(mask, b, t, t, heads=h), make_causal_mask(t) if module.causal else None)
     x = x.astype(module.dtype)
     # (b, t, h*s) -> (b, h, t, s)
     queries = module.toqueries(x).reshape(b, t, h, head_width).transpose(0, 2, 1, 3)
@@ -121,6 +121,7 @@ class TransformerBlock(RecordsInit, nnx.Module):
         if attention not in _VARIANTS:
             raise ValueError(f"attention must be one of {_VARIANTS}, got {attention!r}")
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
         attention_cls = MHSelfAttention if attention == "narrow" else SelfAttention
         self.mhattention = attention_cls(emb, heads, causal=bool(mask), scale=scale, **kw)
         self.norm1 = LayerNorm(emb, **kw)
@@ -134,6 +135,7 @@ class TransformerBlock(RecordsInit, nnx.Module):
 
     def __call__(self, x, mask=None):
         """Args: x (b, t, emb); mask (b, t) padding mask, True = token. Returns (b, t, emb)."""
+        x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         attended = self.mhattention(x, mask)
         x = self.do(self.norm1(attended + x))
         fedforward = self.ff(x)

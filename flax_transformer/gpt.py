@@ -15,7 +15,7 @@ from flax import nnx
 
 from ._common import (
     Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, check_divisible, check_features,
-    check_length, check_token_ids, is_concrete, lookup,
+    check_length, check_token_ids, gather_rows, is_concrete, lookup,
 )
 
 INF = 1e20  # the notebook's additive mask constant
@@ -64,8 +64,7 @@ class Embeddings(RecordsInit, nnx.Module):
     def __call__(self, x):
         """(b, l) ids -> (b, l, d)."""
         check_token_ids(x, self.vocab_size, name="x")
-        table = self.embeddings[...]
-        return jnp.take(table, x, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
+        return gather_rows(self.embeddings[...], x).astype(self.dtype)
 
 
 class Linear(RecordsInit, nnx.Module):
@@ -156,7 +155,7 @@ class TransformerLayer(RecordsInit, nnx.Module):
         self.attention_layer_norm = LayerNorm(d_embed, **kw)
 
     def __call__(self, x, attention_mask=None):
-        normed_input = self.input_layer_norm(x)
+        normed_input = self.input_layer_norm(x)  # returns the compute dtype
         z = self.attention_layer_norm(self.attention(normed_input, attention_mask) + normed_input)
         return self.feed_forward(z) + z
 
@@ -236,6 +235,7 @@ class GPTMHTransformerLayer(RecordsInit, nnx.Module):
     def __init__(self, d_embed, d_ff, n_heads, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
         self.attention = GPTMHAttention(d_embed, n_heads, **kw)
         self.layer_norm_attention = LayerNorm(d_embed, **kw)
         self.layer_norm_feed_forward = LayerNorm(d_embed, **kw)
@@ -244,6 +244,7 @@ class GPTMHTransformerLayer(RecordsInit, nnx.Module):
         self.feed_forward = FeedForward(d_embed, d_ff, dropout=dropout, **kw)
 
     def __call__(self, x, attention_mask=None):
+        x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         z = self.layer_norm_attention(self.drop(self.attention(x, attention_mask)) + x)
         return self.layer_norm_feed_forward(self.feed_forward(z) + z)
 

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ._shared import StateDictError
+
 # --------------------------------------------------------------------- the tables
 
 AS_IS, TRANSPOSE = "as_is", "transpose"
@@ -77,22 +79,6 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
 }
 
 _LAYOUT = {AS_IS: lambda a: a, TRANSPOSE: lambda a: a.T}
-
-
-class StateDictError(ValueError):
-    """A state_dict does not fit a model; the message lists every problem."""
-
-    def __init__(self, missing=(), unexpected=(), mismatched=()):
-        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
-        lines = []
-        if self.missing:
-            lines.append(f"missing keys ({len(self.missing)}): " + ", ".join(self.missing))
-        if self.unexpected:
-            lines.append(f"unexpected keys ({len(self.unexpected)}): " + ", ".join(self.unexpected))
-        if self.mismatched:
-            lines.append(f"shape mismatches ({len(self.mismatched)}): " + ", ".join(
-                f"{k}: checkpoint {a} vs model {b}" for k, a, b in self.mismatched))
-        super().__init__("state_dict does not match the model; nothing was loaded.\n  " + "\n  ".join(lines))
 
 
 class LoadResult(NamedTuple):
@@ -202,17 +188,28 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> Loa
             continue
         path, rule = mapped
         seen.add(path)
-        array = _LAYOUT[rule](_to_numpy(value))
+        original = _to_numpy(value)
+        array = _LAYOUT[rule](original)
         expected = tuple(params[path].shape)
         if tuple(array.shape) != expected:
-            mismatched.append((key, tuple(array.shape), expected))
+            # report both shapes in the checkpoint's (torch) layout
+            mismatched.append((key, tuple(original.shape), tuple(_LAYOUT[rule](np.empty(expected, np.int8)).shape)))
             continue
         updates[path] = array
     missing = [(flax_path_to_torch(family, p) or (p,))[0] for p in params if p not in seen]
     if mismatched or (strict and (missing or unexpected)):
         raise StateDictError(missing if strict else (), unexpected if strict else (), mismatched)
-    for path, array in updates.items():
-        params[path].set_value(jnp.asarray(array, dtype=params[path].dtype))
+    unfilled = [(flax_path_to_torch(family, p) or (p,))[0] for p in params
+                if p not in seen and isinstance(params[p].get_value(), jax.ShapeDtypeStruct)]
+    if unfilled:
+        raise StateDictError(missing=unfilled)  # an unfilled model cannot be partly loaded
+    # convert everything first: a value that cannot be cast fails before any write
+    try:
+        converted = {path: jnp.asarray(array, dtype=params[path].dtype) for path, array in updates.items()}
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"state_dict values must be numeric arrays; nothing was loaded ({error})") from None
+    for path, array in converted.items():
+        params[path].set_value(array)
     return LoadResult(missing, unexpected)
 
 

@@ -67,9 +67,10 @@ def test_strict_load_reports_every_problem_and_loads_nothing():
     err = info.value
     assert sorted(err.missing) == ["tblocks.1.norm2.bias", "toprobs.weight"]
     assert sorted(err.unexpected) == ["decoder.weight", "tblocks.0.extra.weight"]
-    assert err.mismatched == [("tblocks.0.mhattention.tokeys.weight", (15, 16), (16, 16))]
+    assert err.mismatched == [("tblocks.0.mhattention.tokeys.weight", (16, 15), (16, 16))]  # torch layout
     message = str(err)
-    for name in ("tblocks.1.norm2.bias", "toprobs.weight", "decoder.weight", "tokeys", "nothing was loaded"):
+    for name in ("tblocks.1.norm2.bias", "toprobs.weight", "decoder.weight", "tokeys", "nothing was loaded",
+                 "checkpoint (16, 15) vs model (16, 16)"):
         assert name in message
     after = _snapshot(model)
     assert all(np.array_equal(before[k], after[k]) for k in before), "a failed load changed parameters"
@@ -161,3 +162,42 @@ def test_porting_builds_the_target_without_random_init():
     model = tf.GTransformer(8, 2, 1, 4, 50_000)
     porting.load_state_dict(unfilled, model.state_dict())
     assert np.array_equal(np.asarray(unfilled.token_embedding.embedding[...]), model.token_embedding.weight.detach().numpy())
+
+
+def test_torch_reference_load_is_all_or_nothing_too():
+    """torch's own loader copies matching keys before raising; torch_reference's does not."""
+    model = tf.CTransformer(8, 2, 1, 6, 20, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = {k: v + 1 for k, v in before.items()}
+    sd["extra.weight"] = torch.zeros(1)
+    sd["toprobs.weight"] = torch.zeros(3, 8)
+    with pytest.raises(RuntimeError) as info:  # also a StateDictError (a ValueError)
+        model.load_state_dict(sd)
+    assert isinstance(info.value, StateDictError)
+    assert info.value.unexpected == ["extra.weight"]
+    assert info.value.mismatched == [("toprobs.weight", (3, 8), (2, 8))]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_config_mutated_after_construction_does_not_break_porting():
+    """Notebook 001 sets config.num_labels after building models; the recorded config is a frozen copy."""
+    import types
+
+    cfg = types.SimpleNamespace(vocab_size=30, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+                                intermediate_size=16, max_position_embeddings=10, num_labels=2)
+    model = te.TransformerForSequenceClassification(cfg)
+    cfg.num_labels = 3
+    flax_model = porting.torch_to_flax(model)
+    assert flax_model.classifier.kernel.shape == (8, 2)
+    assert porting.flax_to_torch(flax_model).classifier.weight.shape == (2, 8)
+
+
+def test_unconvertible_values_load_nothing():
+    model = ff.GTransformer(8, 2, 1, 6, 11, rngs=nnx.Rngs(0))
+    before = _snapshot(model)
+    sd = porting.state_dict(model)
+    sd = {k: v + 1 for k, v in sd.items()}
+    sd["toprobs.bias"] = np.array(["x"] * 11)
+    with pytest.raises(TypeError, match="nothing was loaded"):
+        porting.load_state_dict(model, sd)
+    assert all(np.array_equal(before[k], v) for k, v in _snapshot(model).items())

@@ -11,7 +11,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flax_transformer._shared import RecordsInit, check_divisible, check_length  # noqa: F401  (re-exported)
+from torch import nn
+
+from flax_transformer._shared import RecordsInit, StateDictError, check_divisible, check_length  # noqa: F401
+
+
+class TorchStateDictError(StateDictError, RuntimeError):
+    """``StateDictError`` that is also the ``RuntimeError`` torch's own loader raises."""
+
+
+class Module(RecordsInit, nn.Module):
+    """Base of every torch_reference module.
+
+    Records its constructor arguments (for porting), and loads state_dicts all or
+    nothing: torch's ``load_state_dict`` copies the matching keys before it raises on
+    the rest; this one checks every key and shape first and reports them together.
+    """
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        own = self.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        mismatched = []
+        for key, value in state_dict.items():
+            if key not in own:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor; nothing was loaded")
+            if tuple(value.shape) != tuple(own[key].shape):
+                mismatched.append((key, tuple(value.shape), tuple(own[key].shape)))
+        if mismatched or (strict and (missing or unexpected)):
+            raise TorchStateDictError(missing if strict else (), unexpected if strict else (), mismatched)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -36,7 +67,7 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
-def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mask") -> torch.Tensor | None:
+def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, heads: int | None = None, name: str = "mask") -> torch.Tensor | None:
     """Check a user mask and bring it to bool (b|1, 1|h, q_len, k_len).
 
     Accepted shapes: (batch, k_len) padding mask (1 = token, 0 = pad); (batch, q_len,
@@ -50,12 +81,13 @@ def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, name: str = "mas
     ok = (
         (mask.ndim == 2 and shape == (batch, k_len))
         or (mask.ndim == 3 and shape == (batch, q_len, k_len))
-        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[2] in (1, q_len) and shape[3] == k_len)
+        or (mask.ndim == 4 and shape[0] in (1, batch) and shape[1] in (1, heads or shape[1])
+            and shape[2] in (1, q_len) and shape[3] == k_len)
     )
     if not ok:
         raise ValueError(
             f"{name} has shape {shape}; expected (batch, length)=({batch}, {k_len}), "
-            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|heads, 1|{q_len}, {k_len})"
+            f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|{heads or 'heads'}, 1|{q_len}, {k_len})"
         )
     if mask.dtype != torch.bool:
         if mask.dtype.is_complex or not torch.all((mask == 0) | (mask == 1)):
@@ -107,8 +139,8 @@ def check_token_ids(ids, vocab_size: int, *, name: str = "input_ids") -> None:
     """Ids must be an integer (b, t) tensor with 0 <= id < vocab_size."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32, as nn.Embedding takes), got dtype {ids.dtype}")
     if ids.ndim != 2:
         raise ValueError(f"{name} must have shape (batch, length), got {tuple(ids.shape)}")
     if ids.numel():

@@ -28,7 +28,7 @@ from torch import nn
 
 from flax_transformer._shared import TensorLoggingLevels, log_size
 
-from ._common import RecordsInit, attend, check_features, check_length, check_token_ids
+from ._common import Module, attend, check_features, check_length, check_token_ids
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
@@ -51,7 +51,7 @@ def keep_mask(mask, scores_shape):
     return ~mask.bool()
 
 
-class ScaledDotProductAttention(RecordsInit, nn.Module):
+class ScaledDotProductAttention(Module):
     """softmax(q k^T / sqrt(d_k)) v with dropout on the weights; ``mask`` True = masked out."""
 
     level = TensorLoggingLevels.attention
@@ -73,7 +73,7 @@ class ScaledDotProductAttention(RecordsInit, nn.Module):
         return output
 
 
-class AttentionHead(RecordsInit, nn.Module):
+class AttentionHead(Module):
     """One head: query/key/value projections d_model -> d_feature, then attention."""
 
     level = TensorLoggingLevels.attention_head
@@ -92,7 +92,7 @@ class AttentionHead(RecordsInit, nn.Module):
         return self.attn(Q, K, V, mask=mask)  # the notebook dropped the mask here
 
 
-class MultiHeadAttention(RecordsInit, nn.Module):
+class MultiHeadAttention(Module):
     """``n_heads`` attention heads, concatenated, then ``projection``.
 
     Called as ``(queries, keys, values, mask=None)`` with ``mask`` broadcastable to
@@ -141,7 +141,7 @@ class MultiHeadAttention(RecordsInit, nn.Module):
         return x
 
 
-class PositionalEmbedding(RecordsInit, nn.Module):
+class PositionalEmbedding(Module):
     """Sinusoidal positions (the paper's); a constant, not in the state_dict."""
 
     level = TensorLoggingLevels.enc_dec
@@ -174,7 +174,7 @@ def _feed_forward(d_model, d_ff):
     return nn.Sequential(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Linear(d_ff, d_model))
 
 
-class EncoderBlock(RecordsInit, nn.Module):
+class EncoderBlock(Module):
     """Post-LN: x = ln1(x + dropout(att(x, x, x))); x = ln2(x + dropout(ff(x)))."""
 
     level = TensorLoggingLevels.enc_dec_block
@@ -196,7 +196,7 @@ class EncoderBlock(RecordsInit, nn.Module):
         return x
 
 
-class TransformerEncoder(RecordsInit, nn.Module):
+class TransformerEncoder(Module):
     level = TensorLoggingLevels.enc_dec
 
     def __init__(self, n_blocks=6, d_model=512, n_heads=8, d_ff=2048, dropout=0.1):
@@ -213,7 +213,7 @@ class TransformerEncoder(RecordsInit, nn.Module):
         return x
 
 
-class DecoderBlock(RecordsInit, nn.Module):
+class DecoderBlock(Module):
     """Masked self-attention, cross-attention on the encoder output, feed-forward; post-LN."""
 
     level = TensorLoggingLevels.enc_dec_block
@@ -243,7 +243,7 @@ class DecoderBlock(RecordsInit, nn.Module):
         return x
 
 
-class TransformerDecoder(RecordsInit, nn.Module):
+class TransformerDecoder(Module):
     level = TensorLoggingLevels.enc_dec
 
     def __init__(self, n_blocks=6, d_model=512, d_feature=64, d_ff=2048, n_heads=8, dropout=0.1):
@@ -285,7 +285,7 @@ def _check_padding_mask(mask, ids, name):
         raise ValueError(f"{name} must hold only 0 (pad) and 1 (token)")
 
 
-class Transformer(RecordsInit, nn.Module):
+class Transformer(Module):
     """Encoder-decoder: embeddings * sqrt(d_model) + sinusoids, encoder, decoder, ``out``.
 
     Args:

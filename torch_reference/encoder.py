@@ -23,7 +23,13 @@ from torch import nn
 
 from flax_transformer.configs import EncoderConfig
 
-from ._common import RecordsInit, attend, check_features, check_length, check_token_ids, normalize_mask
+from ._common import Module, attend, check_features, check_length, check_token_ids, normalize_mask
+
+
+class _ConfigModule(Module):
+    """Records its ``config`` as a frozen ``EncoderConfig``, whatever object was passed."""
+
+    _init_converters = {"config": EncoderConfig.from_any}
 
 
 def _mask_to_bool(mask, scores_shape):
@@ -56,7 +62,7 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights
     return (out, weights) if return_weights else out
 
 
-class AttentionHead(RecordsInit, nn.Module):
+class AttentionHead(Module):
     """One head: its own q, k, v projections (embed_dim -> head_dim)."""
 
     def __init__(self, embed_dim, head_dim):
@@ -72,14 +78,14 @@ class AttentionHead(RecordsInit, nn.Module):
         """
         check_features(hidden_state, self.q.in_features, name="hidden_state")
         b, t, _ = hidden_state.shape
-        mask = normalize_mask(mask, b, t, t)
+        mask = normalize_mask(mask, b, t, t, heads=1)
         if mask is not None:
             mask = mask[:, 0]  # (b, 1|t, t): no head axis here
         return scaled_dot_product_attention(
             self.q(hidden_state), self.k(hidden_state), self.v(hidden_state), mask, return_weights=return_weights)
 
 
-class MultiHeadAttention(RecordsInit, nn.Module):
+class MultiHeadAttention(_ConfigModule):
     """``num_attention_heads`` ``AttentionHead``s, concatenated, then ``output_linear``.
 
     The heads keep their own parameters (the notebook's state_dict layout), but the
@@ -113,7 +119,7 @@ class MultiHeadAttention(RecordsInit, nn.Module):
         """
         check_features(hidden_state, self.output_linear.in_features, name="hidden_state")
         b, t, e = hidden_state.shape
-        mask = normalize_mask(mask, b, t, t)
+        mask = normalize_mask(mask, b, t, t, heads=len(self.heads))
         q, k, v = (self._project(hidden_state, n) for n in ("q", "k", "v"))  # (b, h, t, d)
         d = q.shape[-1]
         out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(d), dropout=self.attn_dropout)
@@ -121,15 +127,19 @@ class MultiHeadAttention(RecordsInit, nn.Module):
         return (out, weights) if return_weights else out
 
 
-class FeedForward(RecordsInit, nn.Module):
-    """linear_1 -> GELU (exact) -> linear_2 -> dropout."""
+_ACTIVATIONS = {"gelu": nn.GELU, "gelu_new": lambda: nn.GELU(approximate="tanh"),
+                "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU, "silu": nn.SiLU}
+
+
+class FeedForward(_ConfigModule):
+    """linear_1 -> activation (``hidden_act``; "gelu" is the exact GELU) -> linear_2 -> dropout."""
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
         self.linear_1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.linear_2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.gelu = nn.GELU() if config.hidden_act == "gelu" else nn.GELU(approximate="tanh")
+        self.gelu = _ACTIVATIONS[config.hidden_act]()  # named gelu, as the notebook's nn.GELU()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x):
@@ -137,7 +147,7 @@ class FeedForward(RecordsInit, nn.Module):
         return self.dropout(self.linear_2(self.gelu(self.linear_1(x))))
 
 
-class TransformerEncoderLayer(RecordsInit, nn.Module):
+class TransformerEncoderLayer(_ConfigModule):
     """Attention and feed-forward with residuals.
 
     ``config.norm_first=True`` (the notebook): x + att(ln1(x)), then x + ff(ln2(x)).
@@ -170,7 +180,7 @@ class TransformerEncoderLayer(RecordsInit, nn.Module):
         return (x, weights) if return_weights else x
 
 
-class Embeddings(RecordsInit, nn.Module):
+class Embeddings(_ConfigModule):
     """Token + learned position embeddings, LayerNorm (config eps), dropout."""
 
     def __init__(self, config):
@@ -191,7 +201,7 @@ class Embeddings(RecordsInit, nn.Module):
         return self.dropout(self.layer_norm(embeddings))
 
 
-class TransformerEncoder(RecordsInit, nn.Module):
+class TransformerEncoder(_ConfigModule):
     """Embeddings and ``num_hidden_layers`` encoder layers."""
 
     def __init__(self, config):
@@ -223,7 +233,7 @@ class TransformerEncoder(RecordsInit, nn.Module):
         return (hidden, tuple(attentions)) if return_attentions else hidden
 
 
-class TransformerForSequenceClassification(RecordsInit, nn.Module):
+class TransformerForSequenceClassification(_ConfigModule):
     """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
 
     def __init__(self, config):

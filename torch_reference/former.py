@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import RecordsInit, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, normalize_mask, combine_masks
+from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, normalize_mask, combine_masks
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
@@ -39,7 +39,7 @@ def _self_attention(module, x, mask, head_width: int, scale_width: int):
     b, t, _ = x.shape
     h = module.heads
     mask = combine_masks(
-        normalize_mask(mask, b, t, t),
+        normalize_mask(mask, b, t, t, heads=h),
         make_causal_mask(t, device=x.device) if module.causal else None,
     )
     # (b, t, h*s) -> (b, h, t, s)
@@ -54,7 +54,7 @@ def _self_attention(module, x, mask, head_width: int, scale_width: int):
     return module.unifyheads(out)
 
 
-class MHSelfAttention(RecordsInit, nn.Module):
+class MHSelfAttention(Module):
     """Narrow multi-head self-attention (notebook 000): the heads split the embedding.
 
     Args:
@@ -86,7 +86,7 @@ class MHSelfAttention(RecordsInit, nn.Module):
         return _self_attention(self, x, mask, s, self.emb if self.scale == "emb" else s)
 
 
-class SelfAttention(RecordsInit, nn.Module):
+class SelfAttention(Module):
     """Wide multi-head self-attention (notebook 004): every head projects to width ``k``.
 
     Args:
@@ -115,7 +115,7 @@ class SelfAttention(RecordsInit, nn.Module):
         return _self_attention(self, x, mask, self.k, self.k)
 
 
-class TransformerBlock(RecordsInit, nn.Module):
+class TransformerBlock(Module):
     """Post-LN block: x = norm1(att(x) + x); x = norm2(ff(x) + x), dropout after each.
 
     The signature is notebook 000's. ``seq_length`` and ``pos_embedding`` are accepted
@@ -153,7 +153,7 @@ def _per_block(attention: str | Sequence[str], depth: int) -> list[str]:
     return variants
 
 
-class _Former(nn.Module):
+class _Former(Module):
     """Token + learned position embeddings and a stack of blocks (both models share it)."""
 
     def _embed_and_run(self, x, mask):
@@ -174,7 +174,7 @@ class _Former(nn.Module):
         return x, pad
 
 
-class CTransformer(RecordsInit, _Former):
+class CTransformer(_Former):
     """Sequence classifier (notebook 000): embeddings, blocks, pooling over time, linear.
 
     ``max_pool`` chooses global max pooling (True) or mean pooling (False); with a
@@ -216,7 +216,7 @@ class CTransformer(RecordsInit, _Former):
         return F.log_softmax(self.toprobs(x), dim=1)
 
 
-class GTransformer(RecordsInit, _Former):
+class GTransformer(_Former):
     """Causal language model (notebook 004, section 1.5, after Bloem's ``former``).
 
     Same embeddings and blocks as ``CTransformer`` with a causal mask, and a

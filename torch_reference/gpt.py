@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import RecordsInit, check_divisible, check_features, check_length, check_token_ids
+from ._common import Module, check_divisible, check_features, check_length, check_token_ids
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -57,7 +57,7 @@ def additive_mask(scores, attention_mask, causal: bool):
     return mask * (-INF)
 
 
-class Embeddings(RecordsInit, nn.Module):
+class Embeddings(Module):
     """A lookup table, initialised N(0, 0.02^2) (the notebook's)."""
 
     def __init__(self, vocab_size, d):
@@ -70,7 +70,7 @@ class Embeddings(RecordsInit, nn.Module):
         return self.embeddings[x]
 
 
-class Linear(RecordsInit, nn.Module):
+class Linear(Module):
     """x @ matrix + bias, with ``matrix`` of shape (d_in, d_out), initialised N(0, 0.02^2)."""
 
     def __init__(self, d_in, d_out, bias=True):
@@ -87,7 +87,7 @@ class Linear(RecordsInit, nn.Module):
         return results
 
 
-class LayerNorm(RecordsInit, nn.Module):
+class LayerNorm(Module):
     """The notebook's LayerNorm: gamma * (x - mean) / (std + eps) + beta, std unbiased."""
 
     def __init__(self, d, eps=1e-6):
@@ -105,7 +105,7 @@ class LayerNorm(RecordsInit, nn.Module):
         return y.to(x.dtype)
 
 
-class FeedForward(RecordsInit, nn.Module):
+class FeedForward(Module):
     """w1 -> ReLU -> dropout -> w2 (dropout only in training mode: the notebook's bug fixed)."""
 
     def __init__(self, d_embed, d_ff, dropout=0.1):
@@ -132,7 +132,7 @@ def _softmax_attention(q, k, v, scores_mask):
     return a_ij @ v
 
 
-class Attention(RecordsInit, nn.Module):
+class Attention(Module):
     """Single-head attention with biased projections, no causal mask (the tutorial's first step).
 
     ``attention_mask`` (b, l), 1 = token, masks padded keys additively (the notebook ignored it).
@@ -154,7 +154,7 @@ class Attention(RecordsInit, nn.Module):
         return _softmax_attention(q, k, v, mask)
 
 
-class TransformerLayer(RecordsInit, nn.Module):
+class TransformerLayer(Module):
     """z = ln_att(att(ln_in(x)) + ln_in(x)); return ff(z) + z (the notebook's order)."""
 
     def __init__(self, d_embed, d_ff, dropout=0.1):
@@ -172,7 +172,7 @@ class TransformerLayer(RecordsInit, nn.Module):
         return self.feed_forward(z) + z
 
 
-class GPTAttention(RecordsInit, nn.Module):
+class GPTAttention(Module):
     """Single-head causal attention, projections without bias."""
 
     def __init__(self, d_embed):
@@ -190,7 +190,7 @@ class GPTAttention(RecordsInit, nn.Module):
         return _softmax_attention(q, k, v, mask)
 
 
-class GPTTransformerLayer(RecordsInit, nn.Module):
+class GPTTransformerLayer(Module):
     """x = ln_in(x); z = ln_att(dropout(att(x)) + x); return dropout(ff(z)) + z."""
 
     def __init__(self, d_embed, d_ff, dropout=0.1):
@@ -211,7 +211,7 @@ class GPTTransformerLayer(RecordsInit, nn.Module):
         return F.dropout(y, p=self.dropout, training=self.training) + z
 
 
-class GPTMHAttention(RecordsInit, nn.Module):
+class GPTMHAttention(Module):
     """Multi-head causal attention with the padding mask (the notebook's final attention).
 
     Args of forward:
@@ -242,7 +242,7 @@ class GPTMHAttention(RecordsInit, nn.Module):
         return y.transpose(2, 1).reshape(batch_size, seq_len, d_embed)
 
 
-class GPTMHTransformerLayer(RecordsInit, nn.Module):
+class GPTMHTransformerLayer(Module):
     """Post-LN: z = ln_att(dropout(att(x)) + x); return ln_ff(ff(z) + z)."""
 
     def __init__(self, d_embed, d_ff, n_heads, dropout=0.1):
@@ -262,7 +262,7 @@ class GPTMHTransformerLayer(RecordsInit, nn.Module):
         return self.layer_norm_feed_forward(y)
 
 
-class GPTTransformer(RecordsInit, nn.Module):
+class GPTTransformer(Module):
     """The notebook's GPT: embeddings, LayerNorm, n_layers layers, LayerNorm, lm_head.
 
     Each layer's output gets its input added once more (``z = layer(z) + z``), as in the

@@ -243,3 +243,192 @@ class TransformerForSequenceClassification(nn.Module):
         x = self.dropout(x)
         x = self.classifier(x)
         return x
+
+
+# ------------------------------------------------------------------ notebook 002
+# (the GPT from scratch: its own Linear/LayerNorm, the final multi-head classes)
+
+INF = 1e20
+
+
+class Linear(nn.Module):
+    def __init__(self, d_in, d_out, bias=True):
+        super().__init__()
+        self.matrix = nn.Parameter(0.02 * torch.randn(d_in, d_out))
+        if bias:
+            self.bias = nn.Parameter(0.02 * torch.randn(d_out))
+
+    def forward(self, x):
+        results = x @ self.matrix
+        if hasattr(self, "bias"):
+            results += self.bias
+        return results
+
+
+def ReLU(x):
+    return x * (x > 0)
+
+
+class GPTFeedForward(nn.Module):  # the notebook's ``FeedForward``
+    def __init__(self, d_embed, d_ff, dropout=0.1):
+        super().__init__()
+        self.w1 = Linear(d_embed, d_ff)
+        self.w2 = Linear(d_ff, d_embed)
+        self.act_fn = ReLU
+        self.dropout = dropout
+
+    def forward(self, x):
+        z = self.w1(x)
+        z = self.act_fn(z)
+        z = F.dropout(z, p=self.dropout)
+        z = self.w2(z)
+        return z
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.beta = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        std = x.std(dim=-1, keepdim=True)
+        return self.gamma * (x - mean) / (std + self.eps) + self.beta
+
+
+class GPTMHAttention(nn.Module):
+    def __init__(self, d_embed, n_heads):
+        super().__init__()
+        self.q_proj = nn.Linear(d_embed, d_embed, bias=False)
+        self.k_proj = nn.Linear(d_embed, d_embed, bias=False)
+        self.v_proj = nn.Linear(d_embed, d_embed, bias=False)
+        assert (d_embed % n_heads) == 0
+        self.n_heads = n_heads
+
+    def forward(self, x, attention_mask):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        batch_size, seq_len, d_embed = x.shape
+        q = q.reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        k = k.reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        v = v.reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        s_ij = q @ k.transpose(-1, -2)
+        d = k.shape[-1]
+        s_ij = s_ij * (d**-0.5)
+        mask = torch.ones_like(s_ij)
+        mask = torch.triu(mask, diagonal=1)
+        attention_mask = 1.0 - attention_mask
+        mask = mask + attention_mask[:, None, None]
+        mask = mask.float() * (-INF)
+        s_ij = s_ij + mask
+        a_ij = torch.softmax(s_ij, dim=-1)
+        y = a_ij @ v
+        y = y.transpose(2, 1)
+        y = y.reshape(batch_size, seq_len, d_embed)
+        return y
+
+
+class GPTMHTransformerLayer(nn.Module):
+    def __init__(self, d_embed, d_ff, n_heads, dropout=0.1):
+        super().__init__()
+        self.attention = GPTMHAttention(d_embed, n_heads)
+        self.layer_norm_attention = LayerNorm(d_embed)
+        self.layer_norm_feed_forward = LayerNorm(d_embed)
+        self.dropout = dropout
+        self.feed_forward = GPTFeedForward(d_embed, d_ff, dropout=self.dropout)
+
+    def forward(self, x, attention_mask):
+        z = self.attention(x, attention_mask)
+        z = F.dropout(z, p=self.dropout, training=self.training)
+        z = z + x
+        z = self.layer_norm_attention(z)
+        y = self.feed_forward(z)
+        y = y + z
+        y = self.layer_norm_feed_forward(y)
+        return y
+
+
+class GPTTransformer(nn.Module):
+    def __init__(self, n_layers, d_embed, d_ff, n_heads, voc_size, max_length, dropout=0.1):
+        super().__init__()
+        self.n_layers = n_layers
+        self.d_embed = d_embed
+        self.d_ff = d_ff
+        self.num_heads = n_heads
+        self.max_length = max_length
+        self.voc_size = voc_size
+        self.dropout = dropout
+        self.transformer_stack = nn.ModuleList(
+            [GPTMHTransformerLayer(d_embed=d_embed, d_ff=d_ff, n_heads=n_heads, dropout=self.dropout)]
+        )
+        self.token_embeddings = nn.Embedding(num_embeddings=self.voc_size, embedding_dim=self.d_embed)
+        self.position_embeddings = nn.Embedding(num_embeddings=self.max_length, embedding_dim=self.d_embed)
+        self.out_layer_norm = LayerNorm(self.d_embed)
+        self.embedding_norm = LayerNorm(self.d_embed)
+        self.lm_head = nn.Linear(self.d_embed, self.voc_size)
+
+    def forward(self, input_ids, attention_mask):
+        token_vectors = self.token_embeddings(input_ids)
+        position_vectors = self.position_embeddings(torch.arange(input_ids.shape[-1], device=input_ids.device))[None, :, :]
+        z = token_vectors + position_vectors
+        z = self.embedding_norm(z)
+        for layer in self.transformer_stack:
+            z = layer(z, attention_mask) + z
+        y = self.out_layer_norm(z)
+        logits = self.lm_head(y)
+        return logits
+
+
+# ------------------------------------------------------------------ notebook 003
+# (its shape logging is dropped: it inspects the call stack for ``self``)
+
+
+class ScaledDotProductAttention(nn.Module):
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v, mask=None):
+        d_k = k.size(-1)
+        attn = torch.bmm(q, k.transpose(1, 2))
+        attn = attn / math.sqrt(d_k)
+        attn = torch.exp(attn)
+        if mask is not None:
+            attn = attn.masked_fill(mask, 0)
+        attn = attn / attn.sum(dim=-1, keepdim=True)
+        attn = self.dropout(attn)
+        return torch.bmm(attn, v)
+
+
+class ClassicAttentionHead(nn.Module):  # the notebook's ``AttentionHead`` (003)
+    def __init__(self, d_model, d_feature, dropout=0.1):
+        super().__init__()
+        self.attn = ScaledDotProductAttention(dropout)
+        self.query_tfm = nn.Linear(d_model, d_feature)
+        self.key_tfm = nn.Linear(d_model, d_feature)
+        self.value_tfm = nn.Linear(d_model, d_feature)
+
+    def forward(self, queries, keys, values, mask=None):
+        Q = self.query_tfm(queries)
+        K = self.key_tfm(keys)
+        V = self.value_tfm(values)
+        return self.attn(Q, K, V)
+
+
+class ClassicMultiHeadAttention(nn.Module):  # the notebook's ``MultiHeadAttention`` (003)
+    def __init__(self, d_model, d_feature, n_heads, dropout=0.1):
+        super().__init__()
+        self.d_model = d_model
+        self.d_feature = d_feature
+        self.n_heads = n_heads
+        assert d_model == d_feature * n_heads
+        self.attn_heads = nn.ModuleList([ClassicAttentionHead(d_model, d_feature, dropout) for _ in range(n_heads)])
+        self.projection = nn.Linear(d_feature * n_heads, d_model)
+
+    def forward(self, queries, keys, values, mask=None):
+        x = [attn(queries, keys, values, mask=mask) for i, attn in enumerate(self.attn_heads)]
+        x = torch.cat(x, dim=2)
+        return self.projection(x)

@@ -22,13 +22,13 @@ from flax_transformer.verify import MASK_CASES, _mask_for, padding_mask
 from . import notebook_classes as nb
 from .conftest import TOL, assert_both_directions
 
-# (heads, batch, length): 1 to 12 heads, odd lengths, batch 1
-SHAPES = [(1, 1, 1), (2, 3, 5), (3, 2, 7), (4, 1, 9), (6, 2, 3), (12, 3, 11)]
+# (variant, heads, batch, length): 1 to 12 heads, odd lengths, batch 1
+SHAPES = [("narrow", 1, 1, 1), ("narrow", 3, 2, 7), ("narrow", 4, 1, 9), ("narrow", 12, 3, 11),
+          ("wide", 1, 2, 5), ("wide", 6, 1, 3)]
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("heads,b,t", SHAPES)
-@pytest.mark.parametrize("variant", ["narrow", "wide"])
+@pytest.mark.parametrize("variant,heads,b,t", SHAPES)
 def test_attention(variant, heads, b, t, case, rng):
     emb = 4 * heads if variant == "narrow" else 8
     mask, causal = _mask_for(case, rng, b, t)

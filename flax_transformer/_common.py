@@ -174,6 +174,31 @@ def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, heads: int | Non
     return mask
 
 
+# ------------------------------------------------------------- key/value cache
+# A decode cache is, per attention layer, a (keys, values) pair of static shape
+# (b, h, max_len, d). A step writes the new positions at ``index`` and attends over
+# the whole buffer with a mask that hides positions not yet written.
+
+
+def update_cache(cache, k, v, index):
+    """Write k, v (b, h, n, d) at positions [index, index + n) of cache = (keys, values)."""
+    keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, 0, index, 0))
+    values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, 0, index, 0))
+    return keys, values
+
+
+def cache_mask(n: int, length: int, index) -> jax.Array:
+    """bool (1, 1, n, length): the query at position index + i sees key positions <= index + i."""
+    q_pos = index + jnp.arange(n)[:, None]
+    return (jnp.arange(length)[None, :] <= q_pos)[None, None]
+
+
+def empty_cache(layers: int, batch: int, heads: int, length: int, head_dim: int, dtype):
+    """A zeroed cache for ``layers`` attention layers."""
+    shape = (batch, heads, length, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers)]
+
+
 # --------------------------------------------------------------------- attention
 
 

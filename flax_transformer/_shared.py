@@ -10,6 +10,8 @@ import copy
 import functools
 import inspect
 
+import numpy as np
+
 
 # ------------------------------------------------------------- constructor records
 
@@ -139,3 +141,38 @@ def log_size(module, shape, name: str) -> None:
     level = type(module).level
     if shape_logger.isEnabledFor(level):
         shape_logger.log(level, "[%s] %s: %s", type(module).__name__, name, tuple(shape))
+
+
+# ------------------------------------------------------------ generation checks
+
+
+def check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab):
+    """The sampling arguments, checked before anything runs (shared with the torch twin)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling (or pass greedy=True), got {temperature!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if top_k is not None and not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k must lie in [1, {vocab}], got {top_k!r}")
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise ValueError(f"eos_id must lie in [0, {vocab}), got {eos_id!r}")
+
+
+def prompt_lengths(input_ids, attention_mask) -> np.ndarray:
+    """Per-row prompt length from a right-padded (b, p) mask (1 = token); checks the padding side."""
+    b, p = input_ids.shape
+    if attention_mask is None:
+        return np.full(b, p, np.int32)
+    mask = np.asarray(attention_mask)
+    if mask.shape != (b, p):
+        raise ValueError(f"attention_mask must have shape (batch, length)=({b}, {p}), got {mask.shape}")
+    if not np.all((mask == 0) | (mask == 1)):
+        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+    lengths = mask.sum(axis=1).astype(np.int32)
+    if np.any(mask != (np.arange(p)[None] < lengths[:, None])):
+        raise ValueError("prompts must be right-padded: attention_mask rows must be 1s followed by 0s")
+    if np.any(lengths == 0):
+        raise ValueError("every prompt needs at least one token (a start token for an empty prompt)")
+    return lengths

@@ -17,7 +17,7 @@ from flax import nnx
 
 from ._common import (
     Embed, LayerNorm, Linear, RecordsInit, ReLU, Sequential, attend, check_features, check_length,
-    check_token_ids, is_concrete, lookup,
+    cache_mask, check_token_ids, empty_cache, is_concrete, lookup, update_cache,
 )
 from ._shared import TensorLoggingLevels, log_size
 
@@ -244,6 +244,24 @@ class DecoderBlock(RecordsInit, nnx.Module):
         return x
 
 
+    def step(self, x, index, cache, cross, src_keep):
+        """Decode positions [index, index + n) of x (b, n, d_model) with a self-attention cache.
+
+        ``cross`` is this block's projected encoder keys/values, ``src_keep`` the source
+        keep-mask (b, 1, s) or None. Returns (output, updated cache).
+        """
+        x = x.astype(self.dtype)
+        b, n, _ = x.shape
+        mha = self.masked_attn_head
+        q = mha.project(x, "query_tfm")
+        k, v = cache = update_cache(cache, mha.project(x, "key_tfm"), mha.project(x, "value_tfm"), index)
+        x = self.layer_norm1(x + self.dropout(mha.attend_projected(q, k, v, cache_mask(n, k.shape[2], index), b, n)))
+        q = self.attn_head.project(x, "query_tfm")
+        x = self.layer_norm2(x + self.dropout(self.attn_head.attend_projected(q, *cross, src_keep, b, n)))
+        x = self.layer_norm3(x + self.dropout(self.position_wise_feed_forward(x)))
+        return x, cache
+
+
 class TransformerDecoder(RecordsInit, nnx.Module):
     level = TensorLoggingLevels.enc_dec
 
@@ -340,3 +358,29 @@ class Transformer(RecordsInit, nnx.Module):
         _check_padding_mask(tgt_attention_mask, tgt_ids, "tgt_attention_mask")
         enc_out = self.encode(src_ids, src_attention_mask)
         return self.decode(tgt_ids, enc_out, src_attention_mask, tgt_attention_mask)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty self-attention cache for decoding up to ``length`` target positions."""
+        check_length(length, self.pos_embedding.max_len)
+        first = self.decoder.decoders[0].masked_attn_head
+        return empty_cache(len(self.decoder.decoders), batch, first.n_heads, length, first.d_feature, self.dtype)
+
+    def cross_cache(self, enc_out):
+        """Every decoder block's cross-attention keys and values, projected once: [(b, h, s, f) x2]."""
+        return [(block.attn_head.project(enc_out, "key_tfm"), block.attn_head.project(enc_out, "value_tfm"))
+                for block in self.decoder.decoders]
+
+    def decode_step(self, tokens, index, cache, cross, src_attention_mask=None):
+        """Run target positions [index, index + n) given the cache of the earlier ones.
+
+        Returns ((b, n, tgt_vocab_size) logits, cache).
+        """
+        n = tokens.shape[1]
+        x = lookup(self.tgt_embedding, tokens, self.dtype) * math.sqrt(self.d_model)
+        x = self.dropout(x + self.pos_embedding.at(index + jnp.arange(n))[None])
+        src_keep = None if src_attention_mask is None else (src_attention_mask != 0)[:, None, :]
+        new_cache = []
+        for block, layer_cache, layer_cross in zip(self.decoder.decoders, cache, cross):
+            x, layer_cache = block.step(x, index, layer_cache, layer_cross, src_keep)
+            new_cache.append(layer_cache)
+        return self.out(x).astype(jnp.float32), new_cache

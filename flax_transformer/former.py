@@ -20,18 +20,22 @@ from flax import nnx
 
 from ._common import (
     Embed, LayerNorm, Linear, RecordsInit, ReLU, Sequential, attend, check_divisible, check_features,
-    check_length, check_token_ids, combine_masks, lookup, make_causal_mask, normalize_mask,
+    cache_mask, check_length, check_token_ids, combine_masks, empty_cache, lookup, make_causal_mask, normalize_mask,
+    update_cache,
 )
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
 
 
-def _self_attention(module, x, mask, head_width: int, scale_width: int):
-    """Shared forward of the narrow and the wide attention (they differ in widths only)."""
+def _self_attention(module, x, mask, head_width: int, scale_width: int, cache=None, index=0):
+    """Shared forward of the narrow and the wide attention (they differ in widths only).
+
+    With ``cache`` (keys, values of shape (b, h, max_len, s)), x holds the positions
+    [index, index + t); returns (output, updated cache).
+    """
     b, t, _ = x.shape
     h = module.heads
-    mask = combine_masks(normalize_mask(mask, b, t, t, heads=h), make_causal_mask(t) if module.causal else None)
     x = x.astype(module.dtype)
     # (b, t, h*s) -> (b, h, t, s)
     queries = module.toqueries(x).reshape(b, t, h, head_width).transpose(0, 2, 1, 3)
@@ -40,9 +44,14 @@ def _self_attention(module, x, mask, head_width: int, scale_width: int):
     # Scale q and k by the fourth root each, as the notebooks do (not the scores).
     queries = queries / (scale_width ** (1 / 4))
     keys = keys / (scale_width ** (1 / 4))
+    if cache is not None:
+        keys, values = cache = update_cache(cache, keys, values, index)
+        mask = cache_mask(t, keys.shape[2], index)  # causal over what has been written
+    else:
+        mask = combine_masks(normalize_mask(mask, b, t, t, heads=h), make_causal_mask(t) if module.causal else None)
     out, _ = attend(queries, keys, values, mask)  # (b, h, t, s)
-    out = out.transpose(0, 2, 1, 3).reshape(b, t, h * head_width)  # (b, t, h*s)
-    return module.unifyheads(out)
+    out = module.unifyheads(out.transpose(0, 2, 1, 3).reshape(b, t, h * head_width))  # (b, t, e)
+    return out if cache is None else (out, cache)
 
 
 class MHSelfAttention(RecordsInit, nnx.Module):
@@ -68,14 +77,15 @@ class MHSelfAttention(RecordsInit, nnx.Module):
         self.tovalues = Linear(emb, emb, **kw)
         self.unifyheads = Linear(emb, emb, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, mask=None):
-        """Args: x (b, t, emb); mask (b, t) padding or (b, t, t) / (b, 1, t, t), True = attend.
+    def __call__(self, x, mask=None, *, cache=None, index=0):
+        """Args: x (b, t, emb); mask (b, t) padding or (b, t, t) / (b, 1, t, t), True = attend;
+        cache, index: decode with a key/value cache (see ``GTransformer.decode_step``).
 
-        Returns: (b, t, emb).
+        Returns: (b, t, emb) (and the updated cache when one is given).
         """
         check_features(x, self.emb)
         s = self.emb // self.heads
-        return _self_attention(self, x, mask, s, self.emb if self.scale == "emb" else s)
+        return _self_attention(self, x, mask, s, self.emb if self.scale == "emb" else s, cache, index)
 
 
 class SelfAttention(RecordsInit, nnx.Module):
@@ -102,10 +112,10 @@ class SelfAttention(RecordsInit, nnx.Module):
         self.tovalues = Linear(k, k * heads, **kw)
         self.unifyheads = Linear(heads * k, k, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, mask=None):
-        """Args: x (b, t, k); mask as for ``MHSelfAttention``. Returns: (b, t, k)."""
+    def __call__(self, x, mask=None, *, cache=None, index=0):
+        """Args: x (b, t, k); mask, cache, index as for ``MHSelfAttention``. Returns: (b, t, k)."""
         check_features(x, self.k)
-        return _self_attention(self, x, mask, self.k, self.k)
+        return _self_attention(self, x, mask, self.k, self.k, cache, index)
 
 
 class TransformerBlock(RecordsInit, nnx.Module):
@@ -133,13 +143,19 @@ class TransformerBlock(RecordsInit, nnx.Module):
         ])
         self.do = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, x, mask=None):
-        """Args: x (b, t, emb); mask (b, t) padding mask, True = token. Returns (b, t, emb)."""
+    def __call__(self, x, mask=None, *, cache=None, index=0):
+        """Args: x (b, t, emb); mask (b, t) padding mask, True = token; cache, index: decoding.
+
+        Returns (b, t, emb) (and the updated cache when one is given).
+        """
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
-        attended = self.mhattention(x, mask)
+        attended = self.mhattention(x, mask) if cache is None else self.mhattention(x, cache=cache, index=index)
+        if cache is not None:
+            attended, cache = attended
         x = self.do(self.norm1(attended + x))
         fedforward = self.ff(x)
-        return self.do(self.norm2(fedforward + x))
+        x = self.do(self.norm2(fedforward + x))
+        return x if cache is None else (x, cache)
 
 
 def _per_block(attention: str | Sequence[str], depth: int) -> list[str]:
@@ -234,3 +250,27 @@ class GTransformer(RecordsInit, _Former):
         """
         x, _ = self._embed_and_run(x, mask)
         return jax.nn.log_softmax(self.toprobs(x).astype(jnp.float32), axis=2)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty key/value cache for decoding up to ``length`` positions."""
+        check_length(length, self.seq_length)
+        widths = [(b.mhattention.heads, b.mhattention.emb // b.mhattention.heads)
+                  if isinstance(b.mhattention, MHSelfAttention) else (b.mhattention.heads, b.mhattention.k)
+                  for b in self.tblocks]
+        return [empty_cache(1, batch, h, length, d, self.dtype)[0] for h, d in widths]
+
+    def decode_step(self, tokens, index, cache):
+        """Run the positions [index, index + n) with a cache of the earlier ones.
+
+        Args: tokens (b, n) ids; index: first position (an int or a traced scalar); cache
+        from ``init_cache`` or the previous step. Returns ((b, n, num_tokens) log-probs, cache).
+        """
+        n = tokens.shape[1]
+        x = lookup(self.token_embedding, tokens, self.dtype)
+        x = x + lookup(self.pos_embedding, index + jnp.arange(n), self.dtype)[None]
+        x = self.do(x)
+        new_cache = []
+        for block, layer_cache in zip(self.tblocks, cache):
+            x, layer_cache = block(x, cache=layer_cache, index=index)
+            new_cache.append(layer_cache)
+        return jax.nn.log_softmax(self.toprobs(x).astype(jnp.float32), axis=2), new_cache

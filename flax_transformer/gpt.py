@@ -15,7 +15,7 @@ from flax import nnx
 
 from ._common import (
     Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, check_divisible, check_features,
-    check_length, check_token_ids, gather_rows, is_concrete, lookup,
+    cache_mask, check_length, check_token_ids, empty_cache, gather_rows, is_concrete, lookup, update_cache,
 )
 
 INF = 1e20  # the notebook's additive mask constant
@@ -218,15 +218,25 @@ class GPTMHAttention(RecordsInit, nnx.Module):
         x = x.astype(self.dtype)
         return split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
 
-    def __call__(self, x, attention_mask=None):
-        """(b, l, d_embed) -> (b, l, d_embed)."""
+    def __call__(self, x, attention_mask=None, *, cache=None, index=0):
+        """(b, l, d_embed) -> (b, l, d_embed).
+
+        With ``cache`` (keys, values (b, h, max_len, d_h)), x holds positions
+        [index, index + l); unwritten positions get the notebook's -1e20 like future
+        ones. Returns (output, updated cache) then.
+        """
         check_features(x, self.d_embed)
         b, l, d = x.shape
-        check_attention_mask(attention_mask, b, l)
         q, k, v = self._heads(x)
-        mask = additive_mask((b, self.n_heads, l, l), attention_mask, True)
+        if cache is None:
+            check_attention_mask(attention_mask, b, l)
+            mask = additive_mask((b, self.n_heads, l, l), attention_mask, True)
+        else:
+            k, v = cache = update_cache(cache, k, v, index)
+            mask = jnp.where(cache_mask(l, k.shape[2], index), 0.0, -INF)
         y = _softmax_attention(q, k, v, mask)  # (b, h, l, d_h)
-        return y.transpose(0, 2, 1, 3).reshape(b, l, d)
+        y = y.transpose(0, 2, 1, 3).reshape(b, l, d)
+        return y if cache is None else (y, cache)
 
 
 class GPTMHTransformerLayer(RecordsInit, nnx.Module):
@@ -243,10 +253,15 @@ class GPTMHTransformerLayer(RecordsInit, nnx.Module):
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.feed_forward = FeedForward(d_embed, d_ff, dropout=dropout, **kw)
 
-    def __call__(self, x, attention_mask=None):
+    def __call__(self, x, attention_mask=None, *, cache=None, index=0):
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
-        z = self.layer_norm_attention(self.drop(self.attention(x, attention_mask)) + x)
-        return self.layer_norm_feed_forward(self.feed_forward(z) + z)
+        if cache is None:
+            attended = self.attention(x, attention_mask)
+        else:
+            attended, cache = self.attention(x, cache=cache, index=index)
+        z = self.layer_norm_attention(self.drop(attended) + x)
+        y = self.layer_norm_feed_forward(self.feed_forward(z) + z)
+        return y if cache is None else (y, cache)
 
 
 class GPTTransformer(RecordsInit, nnx.Module):
@@ -283,3 +298,24 @@ class GPTTransformer(RecordsInit, nnx.Module):
         for layer in self.transformer_stack:
             z = layer(z, attention_mask) + z
         return self.lm_head(self.out_layer_norm(z)).astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty key/value cache for decoding up to ``length`` positions."""
+        check_length(length, self.max_length)
+        return empty_cache(self.n_layers, batch, self.num_heads, length, self.d_embed // self.num_heads, self.dtype)
+
+    def decode_step(self, tokens, index, cache):
+        """Run positions [index, index + n) given a cache of the earlier ones.
+
+        Args: tokens (b, n) ids; index: first position (int or traced scalar); cache from
+        ``init_cache`` or the previous step. Returns ((b, n, voc_size) logits, cache).
+        """
+        n = tokens.shape[1]
+        positions = lookup(self.position_embeddings, index + jnp.arange(n), self.dtype)[None]
+        z = self.embedding_norm(lookup(self.token_embeddings, tokens, self.dtype) + positions)
+        new_cache = []
+        for layer, layer_cache in zip(self.transformer_stack, cache):
+            out, layer_cache = layer(z, cache=layer_cache, index=index)
+            z = out + z
+            new_cache.append(layer_cache)
+        return self.lm_head(self.out_layer_norm(z)).astype(jnp.float32), new_cache

@@ -1,0 +1,200 @@
+"""Autoregressive generation for ``gpt.GPTTransformer``, ``former.GTransformer`` and the
+``classic.Transformer`` decoder, as one compiled program.
+
+How prompts of different lengths share a batch: prompts are right-padded and the
+loop walks positions 0, 1, 2, ... for all rows at once. At position p a row whose
+prompt is longer than p keeps its prompt token; any other row takes the sampled
+token. So every row's sequence is contiguous (no padding inside it), all rows write
+the key/value cache at the same index, and each row's result equals what it would
+get alone. The loop is a ``lax.while_loop`` over a static-shape cache; it stops early
+once every row has produced ``eos_id``.
+
+The same algorithm, without a cache, is ``torch_reference.generate.generate``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ._common import check_token_ids, is_concrete
+from ._shared import check_generate_args, prompt_lengths
+
+
+def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: float | None, greedy: bool):
+    """Pick one token per row from (b, V) logits.
+
+    ``greedy`` takes the argmax. Otherwise logits are divided by ``temperature``, cut to
+    the ``top_k`` largest and to the smallest set whose probability reaches ``top_p``
+    (nucleus), and sampled.
+    """
+    if greedy:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (b, 1)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def _family(model) -> str:
+    name = type(model).__name__
+    if name in ("GPTTransformer", "GTransformer", "Transformer"):
+        return name
+    raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
+
+
+def _max_positions(model) -> int:
+    return {"GPTTransformer": lambda m: m.max_length, "GTransformer": lambda m: m.seq_length,
+            "Transformer": lambda m: m.pos_embedding.max_len}[_family(model)](model)
+
+
+def _vocab(model) -> int:
+    return {"GPTTransformer": lambda m: m.voc_size, "GTransformer": lambda m: m.num_tokens,
+            "Transformer": lambda m: m.tgt_vocab_size}[_family(model)](model)
+
+
+def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, eos_id: int | None = None,
+             rng=None, seed: int = 0, src_ids=None, src_attention_mask=None, use_cache: bool = True,
+             return_logits: bool = False):
+    """Continue each prompt by ``max_new_tokens`` tokens.
+
+    Args:
+        model: a flax ``gpt.GPTTransformer``, ``former.GTransformer`` or ``classic.Transformer``
+            (for which ``input_ids`` are the decoder's prompt, e.g. a start token, and
+            ``src_ids`` the source). Dropout is off during generation whatever the mode.
+        input_ids: (b, p) prompt ids, right-padded; ``attention_mask`` (b, p), 1 = token.
+        temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``).
+        eos_id: a row that produces it keeps producing it (stops early when all rows have).
+        rng / seed: a ``jax.random`` key, or an int seed when ``rng`` is None.
+        use_cache: decode with a key/value cache (True) or rerun the whole prefix each step.
+        return_logits: also return the logits each new token was chosen from.
+
+    Returns:
+        (b, max_new_tokens) int32 new tokens, and (b, max_new_tokens, vocab) float32 logits
+        if asked (log-probabilities for ``GTransformer``, whose output they are).
+    """
+    family = _family(model)
+    vocab = _vocab(model)
+    check_token_ids(input_ids, vocab)
+    if not is_concrete(input_ids):
+        raise TypeError("generate compiles its own loop: call it with concrete arrays, not inside jit")
+    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
+    lengths = prompt_lengths(input_ids, attention_mask)
+    total = input_ids.shape[1] + max_new_tokens
+    if total > _max_positions(model):
+        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"the model's position table ({_max_positions(model)})")
+    if family == "Transformer":
+        if src_ids is None:
+            raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
+        check_token_ids(src_ids, model.src_vocab_size, name="src_ids")
+        if src_ids.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"src_ids has batch {src_ids.shape[0]} but input_ids {input_ids.shape[0]}")
+    elif src_ids is not None:
+        raise ValueError(f"src_ids is only for classic.Transformer, not {family}")
+    if max_new_tokens == 0:
+        empty = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
+        return (empty, jnp.zeros((input_ids.shape[0], 0, vocab), jnp.float32)) if return_logits else empty
+    key = rng if rng is not None else jax.random.key(seed)
+    deterministic = [m.deterministic for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]
+    model.eval()
+    try:
+        tokens, logits = _generate(
+            model, jnp.asarray(input_ids, jnp.int32), jnp.asarray(lengths), key,
+            None if src_ids is None else jnp.asarray(src_ids, jnp.int32),
+            None if src_attention_mask is None else jnp.asarray(src_attention_mask),
+            max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=top_k,
+            top_p=None if top_p is None else float(top_p), greedy=bool(greedy), eos_id=eos_id, use_cache=use_cache,
+            return_logits=return_logits)
+    finally:  # restore each dropout's mode
+        dropouts = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]
+        for dropout, det in zip(dropouts, deterministic):
+            dropout.deterministic = det
+    return (tokens, logits) if return_logits else tokens
+
+
+@partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "eos_id",
+                                   "use_cache", "return_logits"))
+def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, max_new_tokens, temperature, top_k,
+              top_p, greedy, eos_id, use_cache, return_logits):
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    family = type(model).__name__
+    buffer = jnp.zeros((b, total), jnp.int32).at[:, :p].set(input_ids)  # (b, total)
+
+    if family == "Transformer":
+        enc_out = model.encode(src_ids, src_attention_mask)
+        cross = model.cross_cache(enc_out) if use_cache else None
+
+    def next_logits(buffer, s, cache):
+        """Logits (b, V) for position s + 1, from position s (cached) or the whole buffer."""
+        if use_cache:
+            token = jax.lax.dynamic_slice_in_dim(buffer, s, 1, axis=1)  # (b, 1)
+            if family == "Transformer":
+                out, cache = model.decode_step(token, s, cache, cross, src_attention_mask)
+            else:
+                out, cache = model.decode_step(token, s, cache)
+            return out[:, 0], cache
+        out = model.decode(buffer, enc_out, src_attention_mask) if family == "Transformer" else model(buffer)
+        return jax.lax.dynamic_index_in_dim(out, s, axis=1, keepdims=False), cache
+
+    cache = model.init_cache(b, total) if use_cache else None
+    vocab = _vocab(model)
+    all_logits = jnp.zeros((b, max_new_tokens if return_logits else 0, vocab), jnp.float32)
+    done = jnp.zeros((b,), bool)
+    last = lengths + max_new_tokens - 1  # the last position each row fills
+
+    def cond(carry):
+        s, _, _, _, done, _ = carry
+        return (s < total - 1) & ~jnp.all(done | (s >= last))
+
+    def body(carry):
+        s, buffer, cache, key, done, all_logits = carry
+        logits, cache = next_logits(buffer, s, cache)
+        key, sub = jax.random.split(key)
+        sampled = sample_logits(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+        position = s + 1
+        generating = position >= lengths  # (b,): past this row's prompt
+        if eos_id is not None:
+            sampled = jnp.where(done, eos_id, sampled)
+            done = done | (generating & (sampled == eos_id))
+        current = jax.lax.dynamic_index_in_dim(buffer, position, axis=1, keepdims=False)
+        token = jnp.where(generating, sampled.astype(jnp.int32), current)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, token, position, axis=1)
+        if return_logits:
+            slot = position - lengths  # which new token this is, per row
+            hit = generating[:, None] & (jnp.arange(max_new_tokens)[None] == slot[:, None])  # (b, max_new)
+            all_logits = jnp.where(hit[:, :, None], logits[:, None, :], all_logits)
+        return s + 1, buffer, cache, key, done, all_logits
+
+    start = jnp.min(lengths) - 1  # the first position whose successor is generated
+    if use_cache:
+        # prefill: the prompt positions every row shares, in one pass
+        if family == "Transformer":
+            _, cache = model.decode_step(buffer[:, :p], 0, cache, cross, src_attention_mask)
+        else:
+            _, cache = model.decode_step(buffer[:, :p], 0, cache)
+        # Positions < start hold every row's prompt. Beyond, a shorter row's prefill saw
+        # padding; harmless: the step at s rewrites position s before any query sees it.
+    carry = (start, buffer, cache, key, done, all_logits)
+    _, buffer, _, _, done, all_logits = jax.lax.while_loop(cond, body, carry)
+    # each row's new tokens start right after its prompt
+    idx = lengths[:, None] + jnp.arange(max_new_tokens)[None]  # (b, max_new)
+    new = jnp.take_along_axis(buffer, idx, axis=1)
+    if eos_id is not None:  # rows stopped early keep eos after it
+        seen = jnp.cumsum(new == eos_id, axis=1) > 0
+        first = jnp.argmax(new == eos_id, axis=1)
+        new = jnp.where(seen & (jnp.arange(max_new_tokens)[None] > first[:, None]), eos_id, new)
+    return new, all_logits

@@ -1,0 +1,108 @@
+"""Autoregressive generation, the reference way: rerun the model on the whole prefix per token.
+
+Same algorithm and arguments as ``flax_transformer.generate.generate`` (see there):
+right-padded prompts, each row continues after its own prompt, ``eos_id`` sticks.
+No cache, on purpose: this is the plain loop the notebook leaves as an exercise, and
+the yardstick the cached JAX loop is checked and timed against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flax_transformer._shared import check_generate_args, prompt_lengths
+
+from ._common import check_token_ids
+
+
+def sample_logits(logits, generator, *, temperature, top_k, top_p, greedy):
+    """Pick one token per row from (b, V) logits (as the JAX twin, with torch's RNG)."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        cutoff = sorted_logits.masked_fill(before >= top_p, float("inf")).min(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+def _forward(model, buffer, src_ids, src_attention_mask):
+    name = type(model).__name__
+    if name == "Transformer":
+        return model(src_ids, buffer, src_attention_mask)
+    if name in ("GPTTransformer", "GTransformer"):
+        return model(buffer)
+    raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, eos_id: int | None = None,
+             generator: torch.Generator | None = None, seed: int = 0, src_ids=None, src_attention_mask=None,
+             return_logits: bool = False):
+    """Continue each right-padded prompt (b, p) by ``max_new_tokens`` tokens.
+
+    Returns (b, max_new_tokens) int64 new tokens, and the (b, max_new_tokens, vocab)
+    logits they were chosen from if asked. Runs in eval mode; restores the mode after.
+    """
+    name = type(model).__name__
+    vocab = {"GPTTransformer": lambda m: m.voc_size, "GTransformer": lambda m: m.num_tokens,
+             "Transformer": lambda m: m.tgt_vocab_size}.get(name)
+    if vocab is None:
+        raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
+    vocab = vocab(model)
+    check_token_ids(input_ids, vocab)
+    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
+    lengths = prompt_lengths(input_ids.cpu().numpy(), None if attention_mask is None else attention_mask.cpu().numpy())
+    limit = {"GPTTransformer": lambda m: m.max_length, "GTransformer": lambda m: m.pos_embedding.num_embeddings,
+             "Transformer": lambda m: m.pos_embedding.max_len}[name](model)
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    if total > limit:
+        raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"the model's position table ({limit})")
+    if name == "Transformer" and src_ids is None:
+        raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
+    if name != "Transformer" and src_ids is not None:
+        raise ValueError(f"src_ids is only for classic.Transformer, not {name}")
+    generator = generator or torch.Generator(device=input_ids.device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        lengths_t = torch.as_tensor(lengths, device=input_ids.device)
+        buffer = torch.zeros(b, total, dtype=torch.long, device=input_ids.device)
+        buffer[:, :p] = input_ids
+        logits_out = torch.zeros(b, max_new_tokens, vocab)
+        done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        last = lengths_t + max_new_tokens - 1
+        for s in range(int(lengths.min()) - 1, total - 1):
+            if bool(torch.all(done | (s >= last))):
+                break
+            logits = _forward(model, buffer[:, : s + 1], src_ids, src_attention_mask)[:, s]
+            sampled = sample_logits(logits, generator, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+            generating = (s + 1) >= lengths_t
+            if eos_id is not None:
+                sampled = torch.where(done, torch.full_like(sampled, eos_id), sampled)
+                done = done | (generating & (sampled == eos_id))
+            buffer[:, s + 1] = torch.where(generating, sampled, buffer[:, s + 1])
+            for i in np.nonzero(generating.cpu().numpy())[0]:
+                slot = s + 1 - int(lengths[i])
+                if slot < max_new_tokens:
+                    logits_out[i, slot] = logits[i].float().cpu()
+        idx = lengths_t[:, None] + torch.arange(max_new_tokens, device=input_ids.device)[None]
+        new = buffer.gather(1, idx)
+        if eos_id is not None:
+            is_eos = new == eos_id
+            first = is_eos.int().argmax(dim=1)
+            after = (is_eos.cumsum(dim=1) > 0) & (torch.arange(max_new_tokens, device=new.device)[None] > first[:, None])
+            new = new.masked_fill(after, eos_id)
+    finally:
+        model.train(was_training)
+    return (new, logits_out) if return_logits else new

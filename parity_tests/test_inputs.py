@@ -10,10 +10,14 @@ import pytest
 import torch
 from flax import nnx
 
+import flax_transformer.classic as fc
 import flax_transformer.encoder as fe
 import flax_transformer.former as ff
+import flax_transformer.gpt as fg
+import torch_reference.classic as tc
 import torch_reference.encoder as te
 import torch_reference.former as tf
+import torch_reference.gpt as tg
 from flax_transformer.configs import EncoderConfig
 
 VOCAB, SEQ = 20, 8
@@ -28,6 +32,7 @@ def _models():
         ("TransformerEncoder", te.TransformerEncoder(cfg), fe.TransformerEncoder(cfg, rngs=nnx.Rngs(0))),
         ("TransformerForSequenceClassification", te.TransformerForSequenceClassification(cfg),
          fe.TransformerForSequenceClassification(cfg, rngs=nnx.Rngs(0))),
+        ("GPTTransformer", tg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ), fg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ, rngs=nnx.Rngs(0))),
     ]
 
 
@@ -68,8 +73,8 @@ def test_bad_ids(name, torch_model, flax_model, what, ids, error, message, frame
             if isinstance(m, torch.nn.Embedding):
                 monkeypatch.setattr(m, "forward", _fail)
     else:
-        monkeypatch.setattr(ff, "lookup", _fail)
-        monkeypatch.setattr(fe, "lookup", _fail)
+        for module in (ff, fe, fg):
+            monkeypatch.setattr(module, "lookup", _fail)
     with pytest.raises(error, match=message):
         _call(framework, model, ids)
 
@@ -81,7 +86,7 @@ def _fail(*args, **kwargs):
 BAD_MASKS = [
     ("wrong length", np.ones((2, 3)), ValueError, r"shape \(batch, length\)=\(2, 4\)|has shape \(2, 3\)"),
     ("wrong batch", np.ones((3, 4)), ValueError, r"shape \(batch, length\)=\(2, 4\)|has shape \(3, 4\)"),
-    ("values other than 0/1", np.array([[1, 1, 2, 0], [1, 1, 1, 1]]), ValueError, "only 0 and 1"),
+    ("values other than 0/1", np.array([[1, 1, 2, 0], [1, 1, 1, 1]]), ValueError, "only 0"),
     ("3-d mask at model level", np.ones((2, 4, 4)), ValueError, r"\(batch, length\)"),
 ]
 
@@ -96,8 +101,8 @@ def test_bad_masks(name, torch_model, flax_model, what, mask, error, message, fr
             if isinstance(m, torch.nn.Embedding):
                 monkeypatch.setattr(m, "forward", _fail)
     else:
-        monkeypatch.setattr(ff, "lookup", _fail)
-        monkeypatch.setattr(fe, "lookup", _fail)
+        for module in (ff, fe, fg):
+            monkeypatch.setattr(module, "lookup", _fail)
     with pytest.raises(error, match=message):
         _call(framework, model, IDS, mask)
 
@@ -148,11 +153,13 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_row():
 
 def test_package_boundaries():
     """torch_reference never imports JAX; flax_transformer's models never import torch."""
-    code = ("import sys, torch_reference.former, torch_reference.encoder; "
+    code = ("import sys, torch_reference.former, torch_reference.encoder, torch_reference.gpt, "
+            "torch_reference.classic, torch_reference.generate; "
             "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'torch_reference imported jax'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    code = ("import sys, flax_transformer.former, flax_transformer.encoder, flax_transformer.porting, "
-            "flax_transformer.cli; assert 'torch' not in sys.modules, 'flax_transformer imported torch'")
+    code = ("import sys, flax_transformer.former, flax_transformer.encoder, flax_transformer.gpt, "
+            "flax_transformer.classic, flax_transformer.generate, flax_transformer.porting, flax_transformer.cli; "
+            "assert 'torch' not in sys.modules, 'flax_transformer imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -164,3 +171,22 @@ def test_mask_head_axis_is_checked(framework):
         att, x, mask = ff.MHSelfAttention(8, 2, rngs=nnx.Rngs(0)), jnp.zeros((2, 5, 8)), jnp.ones((2, 3, 5, 5))
     with pytest.raises(ValueError, match=r"1\|2"):
         att(x, mask)
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+def test_seq2seq_bad_inputs(framework):
+    if framework == "torch":
+        model, conv = tc.Transformer(VOCAB, VOCAB - 5, 8, 2, 1, 16, max_len=SEQ), torch.as_tensor
+    else:
+        model, conv = fc.Transformer(VOCAB, VOCAB - 5, 8, 2, 1, 16, max_len=SEQ, rngs=nnx.Rngs(0)), jnp.asarray
+    src, tgt = conv(np.array([[1, 2, 3]])), conv(np.array([[1, 2]]))
+    with pytest.raises(ValueError, match=r"tgt_ids must lie in \[0, 15\)"):
+        model(src, conv(np.array([[1, VOCAB - 5]])))
+    with pytest.raises(ValueError, match="different batch sizes"):
+        model(src, conv(np.array([[1, 2], [3, 4]])))
+    with pytest.raises(ValueError, match=r"src_attention_mask must have shape \(batch, length\)=\(1, 3\)"):
+        model(src, tgt, conv(np.ones((1, 2))))
+    with pytest.raises(ValueError, match="exceeds the position table"):
+        model(conv(np.zeros((1, SEQ + 1), np.int64)), tgt)
+    with pytest.raises(ValueError, match=r"d_model \(8\) must equal d_feature \(3\) \* n_heads \(2\)"):
+        (tc if framework == "torch" else fc).MultiHeadAttention(8, 3, 2, **({} if framework == "torch" else {"rngs": nnx.Rngs(0)}))

@@ -23,7 +23,7 @@ from flax_transformer.configs import EncoderConfig
 from flax_transformer.verify import MASK_CASES, _mask_for, full_mask, padding_mask
 
 from . import notebook_classes as nb
-from .conftest import TOL, assert_both_directions
+from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match
 
 
 def config(heads=4, head_dim=6, **kw):
@@ -106,20 +106,8 @@ def test_returned_attentions_match(rng):
 def test_parameter_gradients(rng):
     torch.manual_seed(0)
     cfg = config(norm_first=False)
-    model = te.TransformerForSequenceClassification(cfg).eval()
-    flax_model = porting.torch_to_flax(model)
-    ids = rng.integers(0, cfg.vocab_size, size=(3, 8))
-    mask = padding_mask(rng, 3, 8, empty_row=False)
-    w = rng.standard_normal((3, cfg.num_labels)).astype(np.float32)
-    (model(torch.from_numpy(ids), torch.from_numpy(mask)) * torch.from_numpy(w)).sum().backward()
-    grads = nnx.grad(lambda m: (m(jnp.asarray(ids), jnp.asarray(mask)) * w).sum())(flax_model)
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, grads)
-    flax_grads = porting.state_dict(holder)
-    for key, p in model.named_parameters():
-        scale = max(1.0, float(p.grad.abs().max()))
-        err = float(np.abs(flax_grads[key] - p.grad.numpy()).max())
-        assert err <= TOL * scale, f"{key}: grad max abs err {err:.3g}"
+    ids, mask = rng.integers(0, cfg.vocab_size, size=(3, 8)), padding_mask(rng, 3, 8, empty_row=False)
+    assert_parameter_gradients_match(te.TransformerForSequenceClassification(cfg), (ids, mask), rng)
 
 
 def test_jit_matches_eager(rng):

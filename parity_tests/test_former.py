@@ -20,7 +20,7 @@ from flax_transformer import porting
 from flax_transformer.verify import MASK_CASES, _mask_for, padding_mask
 
 from . import notebook_classes as nb
-from .conftest import TOL, assert_both_directions
+from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match
 
 # (variant, heads, batch, length): 1 to 12 heads, odd lengths, batch 1
 SHAPES = [("narrow", 1, 1, 1), ("narrow", 3, 2, 7), ("narrow", 4, 1, 9), ("narrow", 12, 3, 11),
@@ -87,13 +87,6 @@ def test_jit_matches_eager(rng):
 # ------------------------------------------------------------------ backward
 
 
-def _flax_grads_by_torch_name(flax_model, loss_fn):
-    grads = nnx.grad(loss_fn)(flax_model)
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, grads)
-    return porting.state_dict(holder)
-
-
 @pytest.mark.parametrize("which", ["CTransformer", "GTransformer"])
 def test_parameter_gradients(which, rng):
     """d loss / d every parameter agrees after porting (loss = <output, fixed weights>)."""
@@ -102,24 +95,8 @@ def test_parameter_gradients(which, rng):
         model = tf.CTransformer(16, 4, 2, 12, 40, 3, max_pool=False, attention=["narrow", "wide"])
     else:
         model = tf.GTransformer(16, 4, 2, 12, 40)
-    model.eval()
-    flax_model = porting.torch_to_flax(model)
-    ids = rng.integers(0, 40, size=(3, 9))
-    mask = padding_mask(rng, 3, 9, empty_row=False)
-    out_shape = model(torch.from_numpy(ids)).shape
-    w = rng.standard_normal(out_shape).astype(np.float32)
-
-    loss = (model(torch.from_numpy(ids), torch.from_numpy(mask)) * torch.from_numpy(w)).sum()
-    loss.backward()
-    torch_grads = {k: p.grad.numpy() for k, p in model.named_parameters()}
-
-    flax_grads = _flax_grads_by_torch_name(
-        flax_model, lambda m: (m(jnp.asarray(ids), jnp.asarray(mask)) * w).sum())
-    assert set(flax_grads) == set(torch_grads)
-    for key, g in torch_grads.items():
-        scale = max(1.0, float(np.abs(g).max()))
-        err = float(np.abs(flax_grads[key] - g).max())
-        assert err <= TOL * scale, f"{key}: grad max abs err {err:.3g} (scale {scale:.3g})"
+    ids, mask = rng.integers(0, 40, size=(3, 9)), padding_mask(rng, 3, 9, empty_row=False)
+    assert_parameter_gradients_match(model, (ids, mask), rng)
 
 
 @pytest.mark.parametrize("variant", ["narrow", "wide"])

@@ -17,7 +17,7 @@ from flax_transformer import porting
 from flax_transformer.verify import padding_mask
 
 from . import notebook_classes as nb
-from .conftest import TOL, assert_both_directions
+from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match
 
 CASES = {
     "none": lambda rng, b, t: None,
@@ -88,18 +88,8 @@ def test_dropout_is_off_in_eval_mode(rng):
 
 def test_parameter_gradients(rng):
     torch.manual_seed(0)
-    model = tg.GPTTransformer(2, 16, 24, 4, 50, 9).eval()
-    flax_model = porting.torch_to_flax(model)
     ids, mask = rng.integers(0, 50, size=(3, 7)), padding_mask(rng, 3, 7, empty_row=False)
-    w = rng.standard_normal((3, 7, 50)).astype(np.float32)
-    (model(torch.from_numpy(ids), torch.from_numpy(mask)) * torch.from_numpy(w)).sum().backward()
-    grads = nnx.grad(lambda m: (m(jnp.asarray(ids), jnp.asarray(mask)) * w).sum())(flax_model)
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, grads)
-    flax_grads = porting.state_dict(holder)
-    for key, p in model.named_parameters():
-        scale = max(1.0, float(p.grad.abs().max()))
-        assert float(np.abs(flax_grads[key] - p.grad.numpy()).max()) <= TOL * scale, key
+    assert_parameter_gradients_match(tg.GPTTransformer(2, 16, 24, 4, 50, 9), (ids, mask), rng)
 
 
 def test_notebook_002_checkpoint(rng):

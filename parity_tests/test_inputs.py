@@ -67,7 +67,17 @@ def test_bad_ids(name, torch_model, flax_model, what, ids, error, message, frame
         if framework == "flax":
             return
         error, message = TypeError, "int64 or int32"
-    # any embedding lookup before the check would fail loudly
+    _forbid_embedding_lookups(framework, model, monkeypatch)
+    with pytest.raises(error, match=message):
+        _call(framework, model, ids)
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("computation started before the input was checked")
+
+
+def _forbid_embedding_lookups(framework, model, monkeypatch):
+    """Any embedding lookup before the input check fails loudly."""
     if framework == "torch":
         for m in model.modules():
             if isinstance(m, torch.nn.Embedding):
@@ -75,12 +85,6 @@ def test_bad_ids(name, torch_model, flax_model, what, ids, error, message, frame
     else:
         for module in (ff, fe, fg):
             monkeypatch.setattr(module, "lookup", _fail)
-    with pytest.raises(error, match=message):
-        _call(framework, model, ids)
-
-
-def _fail(*args, **kwargs):
-    raise AssertionError("computation started before the input was checked")
 
 
 BAD_MASKS = [
@@ -96,13 +100,7 @@ BAD_MASKS = [
 @pytest.mark.parametrize("name,torch_model,flax_model", MODELS, ids=[m[0] for m in MODELS])
 def test_bad_masks(name, torch_model, flax_model, what, mask, error, message, framework, monkeypatch):
     model = torch_model if framework == "torch" else flax_model
-    if framework == "torch":
-        for m in model.modules():
-            if isinstance(m, torch.nn.Embedding):
-                monkeypatch.setattr(m, "forward", _fail)
-    else:
-        for module in (ff, fe, fg):
-            monkeypatch.setattr(module, "lookup", _fail)
+    _forbid_embedding_lookups(framework, model, monkeypatch)
     with pytest.raises(error, match=message):
         _call(framework, model, IDS, mask)
 

@@ -44,9 +44,9 @@ def Linear(d_in: int, d_out: int, *, use_bias: bool = True, rngs: nnx.Rngs, dtyp
 
 
 def Embed(num_embeddings: int, features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-          param_dtype=jnp.float32) -> nnx.Embed:
-    """``nnx.Embed`` initialised like ``torch.nn.Embedding`` (N(0, 1))."""
-    return nnx.Embed(num_embeddings, features, embedding_init=jax.nn.initializers.normal(1.0),
+          param_dtype=jnp.float32, std: float = 1.0) -> nnx.Embed:
+    """``nnx.Embed`` initialised like ``torch.nn.Embedding`` (N(0, std^2), std 1 by default)."""
+    return nnx.Embed(num_embeddings, features, embedding_init=jax.nn.initializers.normal(std),
                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 

@@ -24,6 +24,11 @@ class EncoderConfig:
         layer_norm_eps_blocks: eps of the two LayerNorms inside each encoder layer.
             ``None`` means what the notebook does: ``nn.LayerNorm``'s default 1e-5 with
             ``norm_first=True``, and ``layer_norm_eps`` (BERT's 1e-12) with post-LN.
+        token_types: size of BERT's token-type (segment) embedding table; 0 = none, as
+            in the notebook. Not read from a ``BertConfig``'s ``type_vocab_size`` by
+            ``from_any`` (a notebook model built from a BertConfig has no such table);
+            ``EncoderConfig.bert`` sets it.
+        pooler: add BERT's pooler (dense + tanh on the [CLS] state); off in the notebook.
     """
 
     vocab_size: int = 30522
@@ -39,6 +44,8 @@ class EncoderConfig:
     hidden_act: str = "gelu"
     norm_first: bool = True
     layer_norm_eps_blocks: float | None = None
+    token_types: int = 0
+    pooler: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -85,6 +92,29 @@ class EncoderConfig:
             values[f.name] = value
         return cls(**values)
 
+    @classmethod
+    def bert(cls, config) -> "EncoderConfig":
+        """The encoder with BERT's options, from a BERT config (dict, ``BertConfig``, namespace)."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        base = cls.from_any(config)
+        return dataclasses.replace(
+            base, norm_first=False, layer_norm_eps_blocks=None, pooler=True,
+            token_types=int(get("type_vocab_size", 2)),
+            attention_probs_dropout_prob=float(get("attention_probs_dropout_prob", 0.1) or 0.0))
+
+    def to_bert_dict(self) -> dict:
+        """A transformers ``config.json`` for this (BERT-style) encoder."""
+        if self.norm_first or not self.pooler:
+            raise ValueError("only a BERT-style encoder (norm_first=False, pooler=True) has a BERT config")
+        return dict(architectures=["BertModel"], model_type="bert", vocab_size=self.vocab_size,
+                    hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+                    num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
+                    hidden_act=self.hidden_act, hidden_dropout_prob=self.hidden_dropout_prob,
+                    attention_probs_dropout_prob=self.attention_probs_dropout_prob,
+                    max_position_embeddings=self.max_position_embeddings, type_vocab_size=self.token_types,
+                    layer_norm_eps=self.layer_norm_eps, initializer_range=0.02, pad_token_id=0,
+                    position_embedding_type="absolute")
+
     # -------------------------------------------------------------- presets
 
     @classmethod
@@ -102,4 +132,62 @@ class EncoderConfig:
     @classmethod
     def base(cls, **kw) -> "EncoderConfig":
         """bert-base-uncased's shape (the config notebook 001 loads)."""
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 (HuggingFace's ``GPT2Config`` names), for ``gpt.GPT2LMHeadModel``.
+
+    Pre-LN blocks, tanh GELU, a final LayerNorm, learned positions, and (by default)
+    the output projection tied to the token embeddings.
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # None: 4 * n_embd
+    activation_function: str = "gelu_new"
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu"):
+            raise ValueError(f"activation_function {self.activation_function!r} is not supported")
+
+    @property
+    def inner(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @classmethod
+    def from_any(cls, config) -> "GPTConfig":
+        """From a ``GPT2Config``, a dict (config.json) or a namespace; missing names take defaults."""
+        if isinstance(config, cls):
+            return config
+        get = config.get if isinstance(config, dict) else (lambda k, d: getattr(config, k, d))
+        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def to_hf_dict(self) -> dict:
+        """A transformers ``config.json`` for ``GPT2LMHeadModel``."""
+        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", **dataclasses.asdict(self),
+                    initializer_range=0.02, n_ctx=self.n_positions)
+
+    @classmethod
+    def tiny(cls, **kw) -> "GPTConfig":
+        return cls(**{**dict(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4), **kw})
+
+    @classmethod
+    def small(cls, **kw) -> "GPTConfig":
+        """GPT-2 small (124M)."""
         return cls(**kw)

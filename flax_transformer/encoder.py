@@ -185,57 +185,88 @@ class TransformerEncoderLayer(_ConfigModule):
 
 
 class Embeddings(_ConfigModule):
-    """Token + learned position embeddings, LayerNorm (config eps), dropout."""
+    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout."""
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.vocab_size, self.max_positions, self.dtype = config.vocab_size, config.max_position_embeddings, dtype
+        self.token_types = config.token_types
         self.token_embeddings = Embed(config.vocab_size, config.hidden_size, **kw)
         self.position_embeddings = Embed(config.max_position_embeddings, config.hidden_size, **kw)
+        if config.token_types:
+            self.token_type_embeddings = Embed(config.token_types, config.hidden_size, **kw)
         self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, **kw)
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
 
-    def __call__(self, input_ids):
-        """(b, t) integer ids -> (b, t, hidden_size)."""
+    def check(self, input_ids, token_type_ids=None):
+        """Every check of ``__call__``, so a caller can make them before computing anything."""
         check_token_ids(input_ids, self.vocab_size)
+        check_length(input_ids.shape[1], self.max_positions)
+        if token_type_ids is not None:
+            if not self.token_types:
+                raise ValueError("token_type_ids given, but this encoder has no token-type embeddings "
+                                 "(EncoderConfig.token_types = 0)")
+            check_token_ids(token_type_ids, self.token_types, name="token_type_ids")
+            if token_type_ids.shape != input_ids.shape:
+                raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)}, "
+                                 f"input_ids {tuple(input_ids.shape)}")
+
+    def __call__(self, input_ids, token_type_ids=None):
+        """(b, t) integer ids (and segment ids, default 0) -> (b, t, hidden_size)."""
+        self.check(input_ids, token_type_ids)
         seq_length = input_ids.shape[1]
-        check_length(seq_length, self.max_positions)
         embeddings = (lookup(self.token_embeddings, input_ids, self.dtype)
                       + lookup(self.position_embeddings, jnp.arange(seq_length), self.dtype)[None])  # (b, t, e)
+        if self.token_types:
+            if token_type_ids is None:
+                token_type_ids = jnp.zeros_like(input_ids)
+            embeddings = embeddings + lookup(self.token_type_embeddings, token_type_ids, self.dtype)
         return self.dropout(self.layer_norm(embeddings))
 
 
 class TransformerEncoder(_ConfigModule):
-    """Embeddings and ``num_hidden_layers`` encoder layers."""
+    """Embeddings and ``num_hidden_layers`` encoder layers (and BERT's pooler if configured).
+
+    With ``EncoderConfig.bert(...)`` this is BERT's ``BertModel``: post-LN, token types,
+    pooler; ``flax_transformer.hf`` loads HuggingFace checkpoints into it.
+    """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embeddings = Embeddings(config, **kw)
         self.layers = nnx.List([TransformerEncoderLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+        self.pooler = Linear(config.hidden_size, config.hidden_size, **kw) if config.pooler else None
 
-    def __call__(self, x, attention_mask=None, *, return_attentions: bool = False):
+    def __call__(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
             x: (b, t) integer token ids.
             attention_mask: optional (b, t), 1 = token, 0 = padding (HF's convention).
+            token_type_ids: optional (b, t) segment ids (needs ``token_types``); default 0.
             return_attentions: also return a tuple with each layer's weights (b, h, t, t).
 
         Returns: the last hidden state (b, t, hidden_size), and the attentions if asked.
         """
         # check everything before computing anything
-        check_token_ids(x, self.embeddings.vocab_size, name="x")
+        self.embeddings.check(x, token_type_ids)
         b, t = x.shape
         if attention_mask is not None and (not hasattr(attention_mask, "ndim") or attention_mask.ndim != 2):
             got = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
             raise ValueError(f"attention_mask must have shape (batch, length)=({b}, {t}), got {got}")
         mask = normalize_mask(attention_mask, b, t, t, name="attention_mask")
-        hidden = self.embeddings(x)
+        hidden = self.embeddings(x, token_type_ids)
         attentions = []
         for layer in self.layers:
             hidden, weights = layer(hidden, mask, return_weights=True)
             attentions.append(weights)
         return (hidden, tuple(attentions)) if return_attentions else hidden
+
+    def pool(self, hidden):
+        """BERT's pooler output: tanh(dense(hidden[:, 0])), (b, hidden_size)."""
+        if self.pooler is None:
+            raise ValueError("this encoder has no pooler (EncoderConfig.pooler = False)")
+        return jnp.tanh(self.pooler(hidden[:, 0]))
 
 
 class TransformerForSequenceClassification(_ConfigModule):

@@ -18,7 +18,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ._common import check_token_ids, is_concrete
@@ -49,18 +48,20 @@ def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: 
 
 def _family(model) -> str:
     name = type(model).__name__
-    if name in ("GPTTransformer", "GTransformer", "Transformer"):
+    if name in ("GPTTransformer", "GTransformer", "Transformer", "GPT2LMHeadModel"):
         return name
     raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
 
 
 def _max_positions(model) -> int:
-    return {"GPTTransformer": lambda m: m.max_length, "GTransformer": lambda m: m.seq_length,
+    return {"GPTTransformer": lambda m: m.max_length, "GPT2LMHeadModel": lambda m: m.max_length,
+            "GTransformer": lambda m: m.seq_length,
             "Transformer": lambda m: m.pos_embedding.max_len}[_family(model)](model)
 
 
 def _vocab(model) -> int:
-    return {"GPTTransformer": lambda m: m.voc_size, "GTransformer": lambda m: m.num_tokens,
+    return {"GPTTransformer": lambda m: m.voc_size, "GPT2LMHeadModel": lambda m: m.voc_size,
+            "GTransformer": lambda m: m.num_tokens,
             "Transformer": lambda m: m.tgt_vocab_size}[_family(model)](model)
 
 

@@ -9,12 +9,15 @@ notebook's additive -1e20 masks. ``attention_mask`` is (b, l) with 1 = token.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .configs import GPTConfig
 from ._common import (
-    Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, check_divisible, check_features,
+    Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, check_divisible, check_features,
     cache_mask, check_length, check_token_ids, empty_cache, gather_rows, is_concrete, lookup, update_cache,
 )
 
@@ -319,3 +322,155 @@ class GPTTransformer(RecordsInit, nnx.Module):
             z = out + z
             new_cache.append(layer_cache)
         return self.lm_head(self.out_layer_norm(z)).astype(jnp.float32), new_cache
+
+
+# ------------------------------------------------------------------------ GPT-2
+# The twin of torch_reference.gpt's GPT-2 classes: HuggingFace's module names, the
+# notebook's ``Linear`` for Conv1D (matrix (d_in, d_out)), tied output embeddings.
+
+_GPT2_ACTIVATIONS = {"gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+                     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                     "gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu}
+
+
+class _GPTConfigModule(RecordsInit, nnx.Module):
+    _init_converters = {"config": GPTConfig.from_any}
+
+
+class GPT2Attention(_GPTConfigModule):
+    """Causal multi-head attention with fused q/k/v (``c_attn``) and ``c_proj``."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = GPTConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.n_head, self.n_embd, self.dtype = config.n_head, config.n_embd, dtype
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, **kw)
+        self.c_proj = Linear(config.n_embd, config.n_embd, **kw)
+        self.attn_dropout = nnx.Dropout(config.attn_pdrop, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+
+    def __call__(self, x, attention_mask=None, *, cache=None, index=0):
+        """x (b, t, n_embd); attention_mask (b, t), 1 = token. Returns (b, t, n_embd)."""
+        b, t, e = x.shape
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=2)  # (b, t, e) each
+        q, k, v = (y.reshape(b, t, self.n_head, e // self.n_head).transpose(0, 2, 1, 3) for y in (q, k, v))
+        if cache is None:
+            keep = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            if attention_mask is not None:
+                keep = keep & attention_mask.astype(bool)[:, None, None, :]
+        else:
+            k, v = cache = update_cache(cache, k, v, index)
+            keep = cache_mask(t, k.shape[2], index)
+        out, _ = attend(q, k, v, keep, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
+        out = self.resid_dropout(self.c_proj(out.transpose(0, 2, 1, 3).reshape(b, t, e)))
+        return out if cache is None else (out, cache)
+
+
+class GPT2MLP(_GPTConfigModule):
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = GPTConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.c_fc = Linear(config.n_embd, config.inner, **kw)
+        self.c_proj = Linear(config.inner, config.n_embd, **kw)
+        self.activation = config.activation_function
+        self.dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.c_proj(_GPT2_ACTIVATIONS[self.activation](self.c_fc(x))))
+
+
+class GPT2Block(_GPTConfigModule):
+    """Pre-LN: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = GPTConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.dtype = dtype
+        self.ln_1 = TorchLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, **kw)
+        self.attn = GPT2Attention(config, **kw)
+        self.ln_2 = TorchLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, **kw)
+        self.mlp = GPT2MLP(config, **kw)
+
+    def __call__(self, x, attention_mask=None, *, cache=None, index=0):
+        x = x.astype(self.dtype)
+        attended = self.attn(self.ln_1(x), attention_mask, cache=cache, index=index)
+        if cache is not None:
+            attended, cache = attended
+        x = x + attended
+        x = x + self.mlp(self.ln_2(x))
+        return x if cache is None else (x, cache)
+
+
+class GPT2Model(_GPTConfigModule):
+    """Token + position embeddings, ``n_layer`` blocks, final LayerNorm ``ln_f``."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = GPTConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.vocab_size, self.n_positions, self.dtype = config.vocab_size, config.n_positions, dtype
+        self.wte = Embed(config.vocab_size, config.n_embd, std=0.02, **kw)  # GPT-2's initializer_range
+        self.wpe = Embed(config.n_positions, config.n_embd, std=0.02, **kw)
+        self.drop = nnx.Dropout(config.embd_pdrop, rngs=rngs)
+        self.h = nnx.List([GPT2Block(config, **kw) for _ in range(config.n_layer)])
+        self.ln_f = TorchLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, **kw)
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None, index=0):
+        """(b, t) ids -> last hidden state (b, t, n_embd) (and the cache when decoding)."""
+        check_token_ids(input_ids, self.vocab_size)
+        check_length(input_ids.shape[1] if cache is None else cache[0][0].shape[2], self.n_positions)
+        if cache is None:
+            check_attention_mask(attention_mask, *input_ids.shape)
+        positions = index + jnp.arange(input_ids.shape[1])
+        x = self.drop(lookup(self.wte, input_ids, self.dtype) + lookup(self.wpe, positions, self.dtype)[None])
+        new_cache = []
+        for i, block in enumerate(self.h):
+            if cache is None:
+                x = block(x, attention_mask)
+            else:
+                x, layer_cache = block(x, cache=cache[i], index=index)
+                new_cache.append(layer_cache)
+        x = self.ln_f(x)
+        return x if cache is None else (x, new_cache)
+
+
+class GPT2LMHeadModel(_GPTConfigModule):
+    """GPT-2 with its language-model head; called as ``model(input_ids, attention_mask=None)``.
+
+    Returns float32 logits (b, t, vocab_size). The head is the token embedding
+    transposed (``tie_word_embeddings``) or its own ``lm_head``.
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = GPTConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.config, self.dtype = config, dtype
+        self.transformer = GPT2Model(config, **kw)
+        self.lm_head = None if config.tie_word_embeddings else TorchLinear(
+            config.n_embd, config.vocab_size, use_bias=False, **kw)
+
+    @property
+    def voc_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.config.n_positions
+
+    def _head(self, hidden):
+        if self.lm_head is None:
+            return (hidden @ self.transformer.wte.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, input_ids, attention_mask=None):
+        return self._head(self.transformer(input_ids, attention_mask))
+
+    def init_cache(self, batch: int, length: int):
+        """An empty key/value cache for decoding up to ``length`` positions."""
+        check_length(length, self.config.n_positions)
+        c = self.config
+        return empty_cache(c.n_layer, batch, c.n_head, length, c.n_embd // c.n_head, self.dtype)
+
+    def decode_step(self, tokens, index, cache):
+        """Positions [index, index + n) given the cache -> ((b, n, vocab) logits, cache)."""
+        hidden, cache = self.transformer(tokens, cache=cache, index=index)
+        return self._head(hidden), cache

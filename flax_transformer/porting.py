@@ -55,8 +55,8 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"norm1|norm2": "layer_norm",
     },
     "encoder": {
-        r"token_embeddings|position_embeddings": "embedding",
-        r"q|k|v|output_linear|linear_1|linear_2|classifier": "linear",
+        r"token_embeddings|position_embeddings|token_type_embeddings": "embedding",
+        r"q|k|v|output_linear|linear_1|linear_2|classifier|pooler": "linear",
         r"layer_norm|layer_norm_1|layer_norm_2": "layer_norm",
     },
     "gpt": {
@@ -69,6 +69,10 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
             "gamma_beta_norm",
         r"layer_norm_attention": ("layer_norm", "gamma_beta_norm"),
         r"layer_norm_input": "layer_norm",
+        # GPT-2 (HuggingFace's module names; Conv1D is the notebook's matrix layout)
+        r"wte|wpe": "embedding",
+        r"c_attn|c_proj|c_fc": "matrix_linear",
+        r"ln_1|ln_2|ln_f": "layer_norm",
     },
     "classic": {
         r"src_embedding|tgt_embedding": "embedding",

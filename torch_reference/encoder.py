@@ -181,56 +181,87 @@ class TransformerEncoderLayer(_ConfigModule):
 
 
 class Embeddings(_ConfigModule):
-    """Token + learned position embeddings, LayerNorm (config eps), dropout."""
+    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout."""
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        if config.token_types:
+            self.token_type_embeddings = nn.Embedding(config.token_types, config.hidden_size)
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids):
-        """(b, t) integer ids -> (b, t, hidden_size)."""
+    def check(self, input_ids, token_type_ids=None):
+        """Every check of ``forward``, so a caller can make them before computing anything."""
         check_token_ids(input_ids, self.token_embeddings.num_embeddings)
+        check_length(input_ids.size(1), self.position_embeddings.num_embeddings)
+        if token_type_ids is not None:
+            if not hasattr(self, "token_type_embeddings"):
+                raise ValueError("token_type_ids given, but this encoder has no token-type embeddings "
+                                 "(EncoderConfig.token_types = 0)")
+            check_token_ids(token_type_ids, self.token_type_embeddings.num_embeddings, name="token_type_ids")
+            if token_type_ids.shape != input_ids.shape:
+                raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)}, "
+                                 f"input_ids {tuple(input_ids.shape)}")
+
+    def forward(self, input_ids, token_type_ids=None):
+        """(b, t) integer ids (and segment ids, default 0) -> (b, t, hidden_size)."""
+        self.check(input_ids, token_type_ids)
         seq_length = input_ids.size(1)
-        check_length(seq_length, self.position_embeddings.num_embeddings)
         position_ids = torch.arange(seq_length, dtype=torch.long, device=input_ids.device)[None]  # (1, t)
         embeddings = self.token_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if hasattr(self, "token_type_embeddings"):
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.layer_norm(embeddings))
 
 
 class TransformerEncoder(_ConfigModule):
-    """Embeddings and ``num_hidden_layers`` encoder layers."""
+    """Embeddings and ``num_hidden_layers`` encoder layers (and BERT's pooler if configured).
+
+    With ``EncoderConfig.bert(...)`` this is BERT's ``BertModel``: post-LN, token types,
+    pooler; ``flax_transformer.hf`` loads HuggingFace checkpoints into it.
+    """
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList([TransformerEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        if config.pooler:
+            self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x, attention_mask=None, *, return_attentions: bool = False):
+    def forward(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
             x: (b, t) integer token ids.
             attention_mask: optional (b, t), 1 = token, 0 = padding (HF's convention).
+            token_type_ids: optional (b, t) segment ids (needs ``token_types``); default 0.
             return_attentions: also return a tuple with each layer's weights (b, h, t, t).
 
         Returns: the last hidden state (b, t, hidden_size), and the attentions if asked.
         """
         # check everything before computing anything
-        check_token_ids(x, self.embeddings.token_embeddings.num_embeddings, name="x")
+        self.embeddings.check(x, token_type_ids)
         b, t = x.shape
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must have shape (batch, length)=({b}, {t}), got {got}")
         mask = normalize_mask(attention_mask, b, t, t, name="attention_mask")
-        hidden = self.embeddings(x)
+        hidden = self.embeddings(x, token_type_ids)
         attentions = []
         for layer in self.layers:
             hidden, weights = layer(hidden, mask, return_weights=True)
             attentions.append(weights)
         return (hidden, tuple(attentions)) if return_attentions else hidden
+
+    def pool(self, hidden):
+        """BERT's pooler output: tanh(dense(hidden[:, 0])), (b, hidden_size)."""
+        if not hasattr(self, "pooler"):
+            raise ValueError("this encoder has no pooler (EncoderConfig.pooler = False)")
+        return torch.tanh(self.pooler(hidden[:, 0]))
 
 
 class TransformerForSequenceClassification(_ConfigModule):

@@ -18,11 +18,15 @@ collator builds it. It becomes the notebook's additive mask at the attention bou
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import Module, check_divisible, check_features, check_length, check_token_ids
+from flax_transformer.configs import GPTConfig
+
+from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -306,3 +310,128 @@ class GPTTransformer(Module):
         for layer in self.transformer_stack:
             z = layer(z, attention_mask) + z
         return self.lm_head(self.out_layer_norm(z))  # (b, l, voc_size)
+
+
+# ------------------------------------------------------------------------ GPT-2
+# The gpt family with GPT-2's options: pre-LN, tanh GELU, a final LayerNorm, tied
+# input/output embeddings and Conv1D weights, which are the notebook's ``Linear``
+# layout (x @ matrix, matrix (d_in, d_out)). Module names are HuggingFace's, so the
+# key map to a transformers checkpoint only renames Conv1D ``weight`` to ``matrix``.
+
+
+_GPT2_ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                     "gelu": F.gelu, "relu": F.relu}
+
+
+class _GPTConfigModule(Module):
+    _init_converters = {"config": GPTConfig.from_any}
+
+
+class GPT2Attention(_GPTConfigModule):
+    """Causal multi-head attention with fused q/k/v (``c_attn``) and ``c_proj``."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = GPTConfig.from_any(config)
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = Linear(config.n_embd, config.n_embd)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x, attention_mask=None):
+        """x (b, t, n_embd); attention_mask (b, t), 1 = token. Returns (b, t, n_embd)."""
+        b, t, e = x.shape
+        q, k, v = self.c_attn(x).split(e, dim=2)  # (b, t, e) each
+        q, k, v = (y.view(b, t, self.n_head, e // self.n_head).transpose(1, 2) for y in (q, k, v))  # (b, h, t, d)
+        keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None]
+        if attention_mask is not None:
+            keep = keep & attention_mask.bool()[:, None, None, :]
+        out, _ = attend(q, k, v, keep, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
+        return self.resid_dropout(self.c_proj(out.transpose(1, 2).reshape(b, t, e)))
+
+
+class GPT2MLP(_GPTConfigModule):
+    def __init__(self, config):
+        super().__init__()
+        config = GPTConfig.from_any(config)
+        self.c_fc = Linear(config.n_embd, config.inner)
+        self.c_proj = Linear(config.inner, config.n_embd)
+        self.act = _GPT2_ACTIVATIONS[config.activation_function]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class GPT2Block(_GPTConfigModule):
+    """Pre-LN: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = GPTConfig.from_any(config)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, attention_mask=None):
+        x = x + self.attn(self.ln_1(x), attention_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(_GPTConfigModule):
+    """Token + position embeddings, ``n_layer`` blocks, final LayerNorm ``ln_f``."""
+
+    def __init__(self, config):
+        super().__init__()
+        config = GPTConfig.from_any(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        for table in (self.wte, self.wpe):
+            nn.init.normal_(table.weight, std=0.02)  # GPT-2's initializer_range
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([GPT2Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    def forward(self, input_ids, attention_mask=None):
+        """(b, t) ids -> last hidden state (b, t, n_embd)."""
+        check_token_ids(input_ids, self.wte.num_embeddings)
+        check_length(input_ids.shape[1], self.wpe.num_embeddings)
+        check_attention_mask(attention_mask, *input_ids.shape)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
+        for block in self.h:
+            x = block(x, attention_mask)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(_GPTConfigModule):
+    """GPT-2 with its language-model head; called as ``model(input_ids, attention_mask=None)``.
+
+    Returns logits (b, t, vocab_size). The head is the token embedding transposed
+    (``tie_word_embeddings``, GPT-2's default) or its own ``lm_head`` otherwise.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        config = GPTConfig.from_any(config)
+        self.config = config
+        self.transformer = GPT2Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    @property
+    def voc_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.config.n_positions
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.transformer(input_ids, attention_mask)
+        if self.config.tie_word_embeddings:
+            return hidden @ self.transformer.wte.weight.T
+        return self.lm_head(hidden)

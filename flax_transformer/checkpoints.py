@@ -1,0 +1,213 @@
+"""Flax weights on disk: safetensors with torch names, and orbax checkpoints.
+
+Both carry what is needed to rebuild the model: its family, class and constructor
+arguments (``model.init_kwargs()``), as JSON in the safetensors header or in a
+``flax_transformer.json`` beside the orbax files. So
+
+    save_safetensors(model, "m.safetensors");  model = load("m.safetensors")
+
+works for any flax_transformer (or torch_reference) model, and a torch user can read
+the same file with ``safetensors.torch.load_file`` and ``load_state_dict``: the names
+and layouts are torch's (``porting.state_dict``). Writes go to a temporary path that
+is renamed at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import configs, porting
+
+METADATA_KEY = "flax_transformer"
+
+
+# ------------------------------------------------------------ model descriptions
+
+
+def _to_json(value):
+    if dataclasses.is_dataclass(value):
+        return {"__config__": type(value).__name__, **dataclasses.asdict(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "__dict__") or isinstance(value, dict):  # a duck-typed config
+        items = value if isinstance(value, dict) else vars(value)
+        return {k: _to_json(v) for k, v in items.items() if not k.startswith("_")}
+    raise TypeError(f"cannot describe constructor argument {value!r} in JSON")
+
+
+def _from_json(value):
+    if isinstance(value, dict) and "__config__" in value:
+        cls = getattr(configs, value["__config__"])
+        return cls(**{k: v for k, v in value.items() if k != "__config__"})
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def describe(model) -> dict:
+    """{"family", "class", "init_kwargs"} of a flax_transformer or torch_reference model."""
+    family = porting._family(model)
+    kwargs = {k: v for k, v in model.init_kwargs().items() if k not in ("dtype", "param_dtype")}
+    return {"family": family, "class": type(model).__name__, "init_kwargs": _to_json(kwargs)}
+
+
+def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, param_dtype=jnp.float32, seed=0):
+    """An (unfilled, for Flax) model of the described family/class/arguments."""
+    try:
+        family, name = description["family"], description["class"]
+        kwargs = {k: _from_json(v) for k, v in description["init_kwargs"].items()}
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"not a model description: {description!r} ({error})") from None
+    if family not in porting.KEY_MAPS:
+        raise ValueError(f"unknown family {family!r} (families: {', '.join(porting.KEY_MAPS)})")
+    package = "flax_transformer" if framework == "flax" else "torch_reference"
+    cls = getattr(importlib.import_module(f"{package}.{family}"), name, None)
+    if cls is None:
+        raise ValueError(f"{package}.{family} has no class {name!r}")
+    if framework == "flax":
+        return porting.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
+    return cls(**kwargs)
+
+
+# ------------------------------------------------------------------- writing
+
+
+def _atomic_file(path: Path, write) -> Path:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the parent folder of {path} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _state(model) -> dict[str, np.ndarray]:
+    if type(model).__module__.startswith("torch_reference"):
+        return {k: porting._to_numpy(v) for k, v in model.state_dict().items()}
+    return porting.state_dict(model)
+
+
+def save_safetensors(model, path) -> Path:
+    """Weights under torch names and layouts, plus the model description in the header."""
+    from safetensors.numpy import save_file
+
+    state = {k: np.ascontiguousarray(v) for k, v in _state(model).items()}
+    metadata = {"format": "pt", METADATA_KEY: json.dumps(describe(model))}
+    return _atomic_file(Path(path), lambda tmp: save_file(state, tmp, metadata=metadata))
+
+
+def save_torch(model, path) -> Path:
+    """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``."""
+    import torch
+
+    state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in _state(model).items()}
+    return _atomic_file(Path(path), lambda tmp: torch.save(state, tmp))
+
+
+def save_orbax(model, path) -> Path:
+    """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it."""
+    import orbax.checkpoint as ocp
+
+    if type(model).__module__.startswith("torch_reference"):
+        model = porting.torch_to_flax(model)
+    path = Path(path).absolute()
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the parent folder of {path} does not exist")
+    if path.exists():
+        raise FileExistsError(f"{path} exists")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / "params", params)
+        (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+# ------------------------------------------------------------------- reading
+
+
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict | None]:
+    """(tensors, model description or None) of a safetensors file."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {error}") from None
+    description = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
+    return tensors, description
+
+
+def load_orbax(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
+    """A Flax model from ``save_orbax``'s folder."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta = path / f"{METADATA_KEY}.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a flax_transformer orbax checkpoint (no {meta.name})")
+    model = build(json.loads(meta.read_text()), dtype=dtype, param_dtype=param_dtype)
+    state = nnx.state(model, nnx.Param)
+    target = nnx.to_pure_dict(state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path / "params", target)
+    nnx.replace_by_pure_dict(state, jax_tree_cast(restored, target))
+    nnx.update(model, state)
+    model.eval()
+    return model
+
+
+def jax_tree_cast(tree, like):
+    """Cast each leaf of ``tree`` to the dtype of the matching leaf of ``like``."""
+    import jax
+
+    return jax.tree.map(lambda a, b: jnp.asarray(a, dtype=b.dtype), tree, like)
+
+
+def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
+    """A Flax model (eval mode) from any checkpoint that describes itself:
+    an HF folder, an orbax folder from ``save_orbax``, or a ``save_safetensors`` file."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / f"{METADATA_KEY}.json").exists():
+            return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
+        from . import hf
+
+        return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)
+    tensors, description = read_safetensors(path) if path.suffix == ".safetensors" else (None, None)
+    if description is None:
+        raise ValueError(f"{path} does not say which model it holds: give --family, --class and --config "
+                         "(or use a file written by flax_transformer)")
+    model = build(description, dtype=dtype, param_dtype=param_dtype)
+    porting.load_state_dict(model, tensors, strict=True)
+    model.eval()
+    return model

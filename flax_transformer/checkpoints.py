@@ -84,6 +84,13 @@ def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, para
 # ------------------------------------------------------------------- writing
 
 
+def usual_permissions(path, *, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create 0600/0700; give a finished output the umask's usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask)
+
+
 def _atomic_file(path: Path, write) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
@@ -92,6 +99,7 @@ def _atomic_file(path: Path, write) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        usual_permissions(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -139,6 +147,7 @@ def save_orbax(model, path) -> Path:
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
+        usual_permissions(tmp, directory=True)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

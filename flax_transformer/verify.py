@@ -146,7 +146,7 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
     from torch_reference import former as tf
     from torch_reference import gpt as tg
 
-    from .configs import EncoderConfig
+    from .configs import EncoderConfig, GPTConfig
 
     emb, heads, vocab, seq = 24, 4, 50, 16
     attention_cases = MASK_CASES
@@ -157,6 +157,8 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
     ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
     cfg = EncoderConfig.tiny(vocab_size=vocab, hidden_size=emb, num_attention_heads=heads, max_position_embeddings=seq)
     post_ln = dataclasses.replace(cfg, norm_first=False)
+    bert = EncoderConfig.bert(dataclasses.asdict(cfg))
+    gpt2 = GPTConfig.tiny(vocab_size=vocab, n_positions=seq, n_embd=emb, n_head=heads)
     return [
         Spec("former", "MHSelfAttention", lambda c: tf.MHSelfAttention(emb, heads, causal=c), x_in, attention_cases),
         Spec("former", "MHSelfAttention(scale=head)",
@@ -204,8 +206,16 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
              lambda rng, m: ((_floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
         Spec("classic", "DecoderBlock", lambda c: tc.DecoderBlock(emb, emb // heads, 2 * emb, heads),
              lambda rng, m: (_decoder_block_inputs(rng, m, b, t, emb), {}), model_cases),
+        Spec("classic", "TransformerEncoder", lambda c: tc.TransformerEncoder(2, emb, heads, 2 * emb),
+             lambda rng, m: ((_floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
+        Spec("classic", "TransformerDecoder", lambda c: tc.TransformerDecoder(2, emb, emb // heads, 2 * emb, heads),
+             lambda rng, m: (_decoder_block_inputs(rng, m, b, t, emb), {}), model_cases),
         Spec("classic", "Transformer", lambda c: tc.Transformer(vocab, vocab - 7, emb, heads, 2, 2 * emb, max_len=seq),
              lambda rng, m: (_seq2seq_inputs(rng, m, vocab, b, t), {}), model_cases),
+        # HuggingFace shapes: BERT (post-LN, token types, pooler) and GPT-2 (pre-LN, tied head)
+        Spec("encoder", "TransformerEncoder(BERT)", lambda c: te.TransformerEncoder(bert),
+             lambda rng, m: ((_ids(rng, vocab, b, t), m, rng.integers(0, 2, size=(b, t))), {}), model_cases),
+        Spec("gpt", "GPT2LMHeadModel", lambda c: tg.GPT2LMHeadModel(gpt2), ids_in, ("none", "padding")),
     ]
 
 
@@ -234,11 +244,13 @@ def _seq2seq_inputs(rng, padding, vocab, b, t):
     return src, tgt, padding, tgt_mask
 
 
-def run(*, seed: int = 0, use_jit: bool = True) -> Iterator[Row]:
-    """Yield one Row per (module, mask case, direction)."""
+def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None = None) -> Iterator[Row]:
+    """Yield one Row per (module, mask case, direction), for all families or the ones named."""
     import torch
 
     for i, spec in enumerate(specs()):
+        if families and spec.family not in families:
+            continue
         for case in spec.cases:
             rng = np.random.default_rng(seed + i)
             torch.manual_seed(seed + i)

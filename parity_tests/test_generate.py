@@ -20,9 +20,12 @@ MASK = (np.arange(6)[None] < np.array([[6], [3], [1]])).astype(np.int64)
 
 
 def _models():
+    from flax_transformer.configs import GPTConfig
+
     torch.manual_seed(0)
     return {
         "gpt": tg.GPTTransformer(2, 16, 32, 4, 40, 24).eval(),
+        "gpt2": tg.GPT2LMHeadModel(GPTConfig.tiny(vocab_size=40, n_positions=24)).eval(),
         "former": tf.GTransformer(16, 4, 2, 24, 40, attention=["narrow", "wide"]).eval(),
         "classic": tc.Transformer(30, 40, 16, 4, 2, 32, max_len=24).eval(),
     }

@@ -37,7 +37,7 @@ def _forward(model, buffer, src_ids, src_attention_mask):
     name = type(model).__name__
     if name == "Transformer":
         return model(src_ids, buffer, src_attention_mask)
-    if name in ("GPTTransformer", "GTransformer"):
+    if name in ("GPTTransformer", "GTransformer", "GPT2LMHeadModel"):
         return model(buffer)
     raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
 
@@ -53,15 +53,16 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     logits they were chosen from if asked. Runs in eval mode; restores the mode after.
     """
     name = type(model).__name__
-    vocab = {"GPTTransformer": lambda m: m.voc_size, "GTransformer": lambda m: m.num_tokens,
-             "Transformer": lambda m: m.tgt_vocab_size}.get(name)
+    vocab = {"GPTTransformer": lambda m: m.voc_size, "GPT2LMHeadModel": lambda m: m.voc_size,
+             "GTransformer": lambda m: m.num_tokens, "Transformer": lambda m: m.tgt_vocab_size}.get(name)
     if vocab is None:
         raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
     vocab = vocab(model)
     check_token_ids(input_ids, vocab)
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
     lengths = prompt_lengths(input_ids.cpu().numpy(), None if attention_mask is None else attention_mask.cpu().numpy())
-    limit = {"GPTTransformer": lambda m: m.max_length, "GTransformer": lambda m: m.pos_embedding.num_embeddings,
+    limit = {"GPTTransformer": lambda m: m.max_length, "GPT2LMHeadModel": lambda m: m.max_length,
+             "GTransformer": lambda m: m.pos_embedding.num_embeddings,
              "Transformer": lambda m: m.pos_embedding.max_len}[name](model)
     b, p = input_ids.shape
     total = p + max_new_tokens

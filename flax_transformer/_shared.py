@@ -148,8 +148,14 @@ def log_size(module, shape, name: str) -> None:
 
 def check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab):
     """The sampling arguments, checked before anything runs (shared with the torch twin)."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    def integer(value):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+    if not integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    for name, value in (("top_k", top_k), ("eos_id", eos_id)):
+        if value is not None and not integer(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if not greedy and not temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling (or pass greedy=True), got {temperature!r}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -163,6 +169,8 @@ def check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_i
 def prompt_lengths(input_ids, attention_mask) -> np.ndarray:
     """Per-row prompt length from a right-padded (b, p) mask (1 = token); checks the padding side."""
     b, p = input_ids.shape
+    if p == 0:
+        raise ValueError("every prompt needs at least one token (a start token for an empty prompt)")
     if attention_mask is None:
         return np.full(b, p, np.int32)
     mask = np.asarray(attention_mask)

@@ -76,9 +76,12 @@ def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, para
     cls = getattr(importlib.import_module(f"{package}.{family}"), name, None)
     if cls is None:
         raise ValueError(f"{package}.{family} has no class {name!r}")
-    if framework == "flax":
-        return porting.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
-    return cls(**kwargs)
+    try:
+        if framework == "flax":
+            return porting.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
+        return cls(**kwargs)
+    except TypeError as error:  # wrong constructor arguments
+        raise ValueError(f"cannot build {family}.{name} from {kwargs}: {error}") from None
 
 
 # ------------------------------------------------------------------- writing
@@ -214,8 +217,8 @@ def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
         return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)
     tensors, description = read_safetensors(path) if path.suffix == ".safetensors" else (None, None)
     if description is None:
-        raise ValueError(f"{path} does not say which model it holds: give --family, --class and --config "
-                         "(or use a file written by flax_transformer)")
+        raise ValueError(f"{path} does not say which model it holds (a bare state_dict): convert it with "
+                         "`flax-transformer port SRC DST --family F --class C --config JSON` first")
     model = build(description, dtype=dtype, param_dtype=param_dtype)
     porting.load_state_dict(model, tensors, strict=True)
     model.eval()

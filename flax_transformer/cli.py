@@ -51,7 +51,8 @@ def _load_pair(src: str, family=None, cls=None, config=None):
         return hf.from_pretrained(path), hf.torch_from_pretrained(path)
     if path.suffix in (".pt", ".bin", ".pth") or (path.suffix == ".safetensors" and
                                                    checkpoints.read_safetensors(path)[1] is None):
-        raise ValueError(f"{path} is a bare state_dict: say what it holds with --family, --class and --config")
+        raise ValueError(f"{path} is a bare state_dict: say what it holds (port takes --family, --class and "
+                         "--config; an HF checkpoint goes in a folder with its config.json)")
     flax_model = checkpoints.load(path)
     return flax_model, porting.flax_to_torch(flax_model)
 
@@ -117,10 +118,19 @@ def _port(args) -> int:
 
     flax_model, torch_model = _load_pair(args.src, args.family, args.cls, args.config)
     dst = Path(args.dst)
+    if args.to is None and dst.suffix not in ("", ".safetensors", ".pt", ".bin", ".pth"):
+        raise ValueError(f"cannot tell the output format from {dst.name!r}: use .safetensors, .pt/.bin, "
+                         "a folder name without a suffix, or --to")
     fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
                       else "hf" if type(flax_model).__name__ in ("TransformerEncoder", "GPT2LMHeadModel") else "orbax")
+    if dst.exists() and not args.overwrite:
+        raise FileExistsError(f"{dst} exists (--overwrite replaces it)")
+    if dst.is_dir() and args.overwrite and fmt == "orbax":
+        import shutil
+
+        shutil.rmtree(dst)
     writers = {"safetensors": checkpoints.save_safetensors, "torch": checkpoints.save_torch,
-               "orbax": checkpoints.save_orbax, "hf": hf.save_pretrained}
+               "orbax": checkpoints.save_orbax, "hf": lambda m, p: hf.save_pretrained(m, p, overwrite=args.overwrite)}
     writers[fmt](flax_model, dst)
     print(f"wrote {dst} ({fmt})")
     if not args.verify:
@@ -144,6 +154,8 @@ def _port(args) -> int:
 def _summary(args) -> int:
     from . import checkpoints, inspection
 
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0, got {args.top}")
     presets = _presets()
     if args.model in presets:
         model = presets[args.model]()
@@ -204,8 +216,9 @@ def _attention_map(args) -> int:
     else:
         title = args.text + (f" / {args.text_b}" if args.text_b else "")
         inspection.save_attention_html(tokens, weights, args.layer, args.head or 0, out, b_start=b_start, title=title)
-    print(f"wrote {out}: layer {args.layer}, {'all heads' if args.head is None else f'head {args.head}'}, "
-          f"{len(tokens)} tokens")
+    shown = "every head (choose in the page)" if out.suffix == ".html" else (
+        "all heads" if args.head is None else f"head {args.head}")
+    print(f"wrote {out}: layer {args.layer}, {shown}, {len(tokens)} tokens")
     return 0
 
 
@@ -231,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf"],
                    help="output format (default: from DST's suffix; a folder is HF for BERT/GPT-2, else orbax)")
     p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_port)
 
     p = sub.add_parser("summary", help="modules, parameter counts and shapes, totals, largest layers")

@@ -157,10 +157,11 @@ class GPTConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer"):
             value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "n_layer" else 1
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu"):
@@ -168,7 +169,7 @@ class GPTConfig:
 
     @property
     def inner(self) -> int:
-        return self.n_inner or 4 * self.n_embd
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
     @classmethod
     def from_any(cls, config) -> "GPTConfig":
@@ -176,6 +177,11 @@ class GPTConfig:
         if isinstance(config, cls):
             return config
         get = config.get if isinstance(config, dict) else (lambda k, d: getattr(config, k, d))
+        # GPT-2 switches this model does not implement: refuse rather than compute something else
+        for name, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                            ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+            if get(name, plain) != plain:
+                raise ValueError(f"GPT-2 option {name}={get(name, plain)!r} is not supported (only {plain!r})")
         return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
 
     def to_hf_dict(self) -> dict:

@@ -135,8 +135,9 @@ def _torch_pickle(file: Path) -> dict[str, np.ndarray]:
             f"refusing to load {file}: torch.load(weights_only=True) rejected it, so unpickling it would run "
             f"code from the file. Convert it to safetensors where you trust it. ({str(error).splitlines()[0]})"
         ) from None
-    except (RuntimeError, EOFError, OSError) as error:
-        raise ValueError(f"{file} is not a readable torch checkpoint (truncated or corrupted?): {error}") from None
+    except Exception as error:  # a corrupted pickle fails in many ways (KeyError, IndexError, EOFError...)
+        raise ValueError(f"{file} is not a readable torch checkpoint (truncated or corrupted?): "
+                         f"{type(error).__name__}: {error}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -186,9 +187,12 @@ def read_config(folder) -> dict:
     if not file.exists():
         raise FileNotFoundError(f"{folder} has no config.json")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 # --------------------------------------------------------------- key conversion
@@ -285,7 +289,8 @@ def _kind_of(model) -> tuple[str, object]:
         return "bert", config
     if name == "GPT2LMHeadModel":
         return "gpt2", model.init_kwargs()["config"]
-    raise TypeError(f"save_pretrained writes encoder.TransformerEncoder (BERT) and gpt.GPT2LMHeadModel, not {name}")
+    raise ValueError(f"save_pretrained writes encoder.TransformerEncoder (BERT) and gpt.GPT2LMHeadModel, not {name}; "
+                     "use checkpoints.save_safetensors or save_orbax for the others")
 
 
 def save_pretrained(model, path, *, overwrite: bool = False) -> Path:
@@ -310,7 +315,7 @@ def save_pretrained(model, path, *, overwrite: bool = False) -> Path:
     if not path.parent.is_dir():
         raise FileNotFoundError(f"the parent folder of {path} does not exist")
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+        raise FileExistsError(f"{path} exists (overwrite=True, or --overwrite on the command line, replaces it)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -158,7 +158,7 @@ def save_attention_html(tokens, weights, layer: int, head: int, path, *, b_start
     """A self-contained page: pick layer and head, hover a token to see its attention."""
     from .checkpoints import _atomic_file
 
-    page = _HTML % dict(title=html.escape(title), tokens=json.dumps(tokens),
+    page = _HTML % dict(title=html.escape(title), tokens=json.dumps(tokens).replace("</", "<\\/"),
                         weights=json.dumps(np.round(weights, 4).tolist()), b_start=b_start, layer=layer, head=head,
                         height=40 + 20 * len(tokens))
     return _atomic_file(Path(path), lambda tmp: Path(tmp).write_text(page))

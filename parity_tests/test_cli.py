@@ -95,7 +95,20 @@ def test_port_errors_are_clear_and_leave_no_output(tmp_path, capsys):
                 "CTransformer", "--config", '{"emb": 8, "heads": 2, "depth": 1, "seq_length": 6, '
                 '"num_tokens": 20, "num_classes": 2}') == 2
     assert "parent folder" in capsys.readouterr().err
+    config = '{"emb": 8, "heads": 2, "depth": 1, "seq_length": 6, "num_tokens": 20, "num_classes": 2}'
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "x.onnx", "--family", "former", "--class", "CTransformer",
+                "--config", config) == 2
+    assert "cannot tell the output format" in capsys.readouterr().err
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "hf", "--to", "hf", "--family", "former", "--class",
+                "CTransformer", "--config", config) == 2
+    assert "save_pretrained writes" in capsys.readouterr().err
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "x.safetensors", "--family", "former", "--class",
+                "CTransformer", "--config", '{"embedding": 8}') == 2
+    assert "cannot build former.CTransformer" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+    assert _cli("port", tmp_path / "c.pt", tmp_path / "c.pt", "--family", "former", "--class", "CTransformer",
+                "--config", config) == 2
+    assert "--overwrite" in capsys.readouterr().err
 
 
 def test_summary_of_a_preset_lists_the_largest_layers(capsys):

@@ -127,6 +127,9 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
     (dict(max_new_tokens=3, attention_mask=np.array([[1, 1, 0, 1, 1, 1]] * 3)), "right-padded"),
     (dict(max_new_tokens=3, attention_mask=np.ones((3, 5))), "shape"),
     (dict(max_new_tokens=3, attention_mask=np.full((3, 6), 2)), "only 0"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (dict(max_new_tokens=3, eos_id=3.0), "eos_id must be an integer"),
+    (dict(max_new_tokens=3, top_k=2.5), "top_k must be an integer"),
 ])
 def test_bad_arguments(framework, kwargs, message):
     torch_model = MODELS["gpt"]
@@ -149,3 +152,12 @@ def test_temperature_zero_is_fine_with_greedy_and_zero_new_tokens():
     out = flax_generate(model, jnp.asarray(PROMPTS), 2, attention_mask=jnp.asarray(MASK), greedy=True, temperature=0)
     assert out.shape == (3, 2)
     assert flax_generate(model, jnp.asarray(PROMPTS), 0).shape == (3, 0)
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+def test_empty_prompt_is_refused(framework):
+    model = MODELS["gpt"] if framework == "torch" else porting.torch_to_flax(MODELS["gpt"])
+    ids = torch.zeros(1, 0, dtype=torch.long) if framework == "torch" else jnp.zeros((1, 0), jnp.int32)
+    run = torch_generate if framework == "torch" else flax_generate
+    with pytest.raises(ValueError, match="at least one token|at least 1"):
+        run(model, ids, 3)

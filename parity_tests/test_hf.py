@@ -268,3 +268,23 @@ def test_verify_checkpoint_command_compares_with_transformers(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("encoder")]
     assert len(rows) == 4 and all(line.rstrip().endswith("pass") for line in rows)
     assert sum("transformers vs flax" in line for line in rows) == 2
+
+
+def test_more_bad_input_gets_clear_errors(tmp_path):
+    reference, folder = _small_bert(tmp_path)
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        hf.from_pretrained(folder)
+    (folder / "config.json").write_text(config)
+    (folder / "model.safetensors").unlink()
+    for garbage in (b"hello world garbage", b"\x80\x02K"):
+        (folder / "pytorch_model.bin").write_bytes(garbage)
+        with pytest.raises(ValueError, match="not a readable torch checkpoint"):
+            hf.from_pretrained(folder)
+    gpt2 = transformers.GPT2Config(vocab_size=30, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                   scale_attn_weights=False)
+    with pytest.raises(ValueError, match="scale_attn_weights=False is not supported"):
+        from flax_transformer.configs import GPTConfig
+
+        GPTConfig.from_any(gpt2)

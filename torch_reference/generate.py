@@ -60,6 +60,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     vocab = vocab(model)
     check_token_ids(input_ids, vocab)
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     lengths = prompt_lengths(input_ids.cpu().numpy(), None if attention_mask is None else attention_mask.cpu().numpy())
     limit = {"GPTTransformer": lambda m: m.max_length, "GPT2LMHeadModel": lambda m: m.max_length,
              "GTransformer": lambda m: m.pos_embedding.num_embeddings,

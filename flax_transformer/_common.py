@@ -89,6 +89,17 @@ def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     return table.at[ids].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
 
 
+# activation by HF's ``hidden_act`` / ``activation_function`` name; "gelu" is the exact
+# (erf) GELU, as torch's nn.GELU(); the "_new"/"_pytorch_tanh" names are the tanh form
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
 class ReLU(nnx.Module):
     """Parameter-free, so that ``Sequential`` indices match torch's ``nn.Sequential``."""
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from .configs import EncoderConfig
 from ._common import (
-    Embed, LayerNorm, Linear, RecordsInit, attend, check_features, check_length, check_token_ids,
+    ACTIVATIONS, Embed, LayerNorm, Linear, RecordsInit, attend, check_features, check_length, check_token_ids,
     lookup, normalize_mask,
 )
 
@@ -124,15 +124,6 @@ class MultiHeadAttention(_ConfigModule):
         return (out, weights) if return_weights else out
 
 
-_ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf), as nn.GELU()
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
-
-
 class FeedForward(_ConfigModule):
     """linear_1 -> activation (``hidden_act``; "gelu" is the exact GELU) -> linear_2 -> dropout."""
 
@@ -146,7 +137,7 @@ class FeedForward(_ConfigModule):
 
     def __call__(self, x):
         """(b, t, hidden_size) -> (b, t, hidden_size)."""
-        hidden = _ACTIVATIONS[self.hidden_act](self.linear_1(x))
+        hidden = ACTIVATIONS[self.hidden_act](self.linear_1(x))
         return self.dropout(self.linear_2(hidden))
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from .configs import GPTConfig
 from ._common import (
-    Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, check_divisible, check_features,
+    ACTIVATIONS, Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, check_divisible, check_features,
     cache_mask, check_length, check_token_ids, empty_cache, gather_rows, is_concrete, lookup, update_cache,
 )
 
@@ -328,11 +328,6 @@ class GPTTransformer(RecordsInit, nnx.Module):
 # The twin of torch_reference.gpt's GPT-2 classes: HuggingFace's module names, the
 # notebook's ``Linear`` for Conv1D (matrix (d_in, d_out)), tied output embeddings.
 
-_GPT2_ACTIVATIONS = {"gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-                     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-                     "gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu}
-
-
 class _GPTConfigModule(RecordsInit, nnx.Module):
     _init_converters = {"config": GPTConfig.from_any}
 
@@ -376,7 +371,7 @@ class GPT2MLP(_GPTConfigModule):
         self.dropout = nnx.Dropout(config.resid_pdrop, rngs=rngs)
 
     def __call__(self, x):
-        return self.dropout(self.c_proj(_GPT2_ACTIVATIONS[self.activation](self.c_fc(x))))
+        return self.dropout(self.c_proj(ACTIVATIONS[self.activation](self.c_fc(x))))
 
 
 class GPT2Block(_GPTConfigModule):

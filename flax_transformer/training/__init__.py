@@ -1,0 +1,6 @@
+"""The training library (issue 5, in progress): optimizers so far; the train step, data and
+checkpointing come next. ``train/`` holds the thin entry points."""
+
+from .optim import OptimConfig, decay_mask, make_optimizer, schedule
+
+__all__ = ["OptimConfig", "decay_mask", "make_optimizer", "schedule"]

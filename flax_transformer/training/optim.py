@@ -1,0 +1,107 @@
+"""The optax chain the notebooks' PyTorch runs translate to.
+
+Notebook 000/004 train with ``torch.optim.Adam``, a ``LambdaLR`` warmup
+``lr * min(step / warmup, 1)`` and ``clip_grad_norm_(params, 1.0)``; notebook 002 with
+``AdamW``. Here: ``optax.chain(clip_by_global_norm, adam | adamw(schedule, mask))``.
+
+How the two map (the optimizer-parity test checks it step by step):
+* The warmup: optax counts updates from 0 like LambdaLR, so update k uses
+  ``lr * min(k / warmup, 1)``; the very first update has learning rate 0 in both.
+* AdamW's weight decay is decoupled in both: torch multiplies the weights by
+  ``1 - lr * wd`` before the Adam step, optax adds ``-lr * wd * w`` (the same weights)
+  to it. Adam's eps sits outside the square root in both (``m / (sqrt(v) + eps)``).
+* Clipping happens on the raw gradients, before Adam, in both. torch divides by
+  ``norm + 1e-6``, optax by ``norm``: a relative difference of 1e-6 / norm.
+* No weight decay on biases, LayerNorm scales and embeddings (nanoGPT's rule):
+  ``decay_mask`` decays only 2-D projection weights (``kernel``, the notebook-002
+  ``matrix``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import optax
+
+_DECAYED = ("kernel", "matrix")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    Attributes:
+        optimizer: "adam" (notebooks 000/004) or "adamw" (notebook 002).
+        lr: peak learning rate.
+        warmup_steps: linear warmup from 0 (the notebooks' LambdaLR); 0 = none.
+        decay: after warmup, "constant", "cosine" or "linear" down to ``end_lr_ratio * lr``
+            at ``total_steps`` (required for cosine and linear).
+        weight_decay: AdamW's decoupled decay (only on ``decay_mask``'s leaves).
+        clip_norm: clip the global gradient norm to this; None = no clipping.
+    """
+
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    decay: str = "constant"
+    total_steps: int | None = None
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
+        if self.decay not in ("constant", "cosine", "linear"):
+            raise ValueError(f"decay must be 'constant', 'cosine' or 'linear', got {self.decay!r}")
+        if self.decay != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"decay={self.decay!r} needs total_steps > warmup_steps, got {self.total_steps!r}")
+        if self.lr <= 0 or self.warmup_steps < 0:
+            raise ValueError(f"lr must be > 0 and warmup_steps >= 0, got {self.lr!r}, {self.warmup_steps!r}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
+
+
+def schedule(config: OptimConfig) -> optax.Schedule:
+    """Learning rate per update count: linear warmup from 0, then constant, cosine or linear decay."""
+    pieces, boundaries = [], []
+    if config.warmup_steps:
+        pieces.append(optax.linear_schedule(0.0, config.lr, config.warmup_steps))
+        boundaries.append(config.warmup_steps)
+    if config.decay == "constant":
+        pieces.append(optax.constant_schedule(config.lr))
+    else:
+        steps = config.total_steps - config.warmup_steps
+        end = config.lr * config.end_lr_ratio
+        pieces.append(optax.cosine_decay_schedule(config.lr, steps, alpha=config.end_lr_ratio)
+                      if config.decay == "cosine" else optax.linear_schedule(config.lr, end, steps))
+    return pieces[0] if len(pieces) == 1 else optax.join_schedules(pieces, boundaries)
+
+
+def _leaf_name(path) -> str | None:
+    """The parameter's own name in an NNX state path (the last string key)."""
+    for entry in reversed(path):
+        key = getattr(entry, "key", None)
+        if isinstance(key, str):
+            return key
+    return None
+
+
+def decay_mask(params):
+    """True on the leaves that get weight decay: 2-D projection weights, not biases, norms or embeddings."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in _DECAYED, params)
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    """``chain(clip_by_global_norm, adam | adamw(schedule, mask=decay_mask))``."""
+    lr = schedule(config)
+    if config.optimizer == "adam":
+        core = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)
+    else:
+        core = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                           mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), core) if config.clip_norm else core

@@ -93,3 +93,40 @@ def test_trajectory_matches_torch(optimizer, standard_promotion):
         theirs = p.numpy()
         err = np.abs(ours[key] - theirs).max() / max(1.0, np.abs(theirs).max())
         assert err <= 1e-5, (key, err)
+
+
+def test_train_step_learns_compiles_once_and_follows_the_mode(standard_promotion):
+    """A tiny classifier learns "does token 1 occur?"; the step is traced once for one batch shape."""
+    from flax_transformer.former import CTransformer
+    from flax_transformer.training import cross_entropy, make_steps
+
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)  # runs only while tracing
+        logp = model(batch["ids"], batch["mask"])
+        accuracy = (logp.argmax(-1) == batch["labels"]).mean()
+        return cross_entropy(logp, batch["labels"]), {"accuracy": accuracy}
+
+    model = CTransformer(16, 2, 1, 12, 20, 2, dropout=0.1, rngs=nnx.Rngs(params=0, dropout=1))
+    optimizer = nnx.Optimizer(model, make_optimizer(OptimConfig(lr=3e-3, warmup_steps=5)), wrt=nnx.Param)
+    train_step, eval_step = make_steps(loss_fn)
+    rng = np.random.default_rng(0)
+
+    def batch():
+        ids = rng.integers(2, 20, size=(32, 12))
+        labels = rng.integers(0, 2, size=32)
+        ids[labels == 1, rng.integers(0, 12)] = 1
+        return {"ids": jnp.asarray(ids), "mask": jnp.ones((32, 12), jnp.int32), "labels": jnp.asarray(labels)}
+
+    model.train()
+    first = [float(train_step(model, optimizer, batch())["loss"]) for _ in range(5)]
+    for _ in range(150):
+        metrics = train_step(model, optimizer, batch())
+    assert len(traces) == 1, "the train step was traced more than once"
+    assert float(metrics["loss"]) < 0.5 * np.mean(first) and np.isfinite(float(metrics["grad_norm"]))
+    model.eval()
+    held_out = eval_step(model, batch())
+    assert float(held_out["accuracy"]) >= 0.9
+    same = batch()
+    assert float(eval_step(model, same)["loss"]) == float(eval_step(model, same)["loss"])  # no dropout in eval

@@ -1,5 +1,5 @@
-"""The training library (issue 5, in progress): the optax chain, the jitted train/eval steps and
-the dataset readers so far; tokenizers, bucketing, checkpointing and the run loop come next.
+"""The training library (issue 5, in progress): the optax chain, the jitted train/eval steps, the
+dataset readers and the tokenizers so far; bucketing, checkpointing and the run loop come next.
 ``train/`` holds the thin entry points."""
 
 from .optim import OptimConfig, decay_mask, make_optimizer, schedule

@@ -43,13 +43,14 @@ def test_notebook_002_vocabulary_and_encoding():
     texts = _texts()
     tokenizer = tokenizers.notebook_002(texts, max_voc=500, max_length=12)
     vocab = tokenizer.get_vocab()
-    assert [vocab[s] for s in ("<UNK>", "<BOS>", "<EOS>", "<PAD>")] == [500, 501, 502, 503]  # after the words
     words = {}
     for text in texts:
         for w in notebook_002_preprocess(text).split(" "):
             words[w] = words.get(w, 0) + 1
+    n = min(500, len(words))  # the special tokens come after the words
+    assert [vocab[s] for s in ("<UNK>", "<BOS>", "<EOS>", "<PAD>")] == [n, n + 1, n + 2, n + 3]
     ranked = [w for w, _ in sorted(words.items(), key=lambda kv: kv[1], reverse=True)[:500]]  # the notebook's fit
-    assert [w for w, _ in sorted(vocab.items(), key=lambda kv: kv[1])][:500] == ranked
+    assert [w for w, _ in sorted(vocab.items(), key=lambda kv: kv[1])][:n] == ranked
     encoding = tokenizer.encode("The film was zzqx great!")
     assert encoding.tokens[0] == "<BOS>" and encoding.tokens[-1] == "<EOS>" and "<UNK>" in encoding.tokens
     assert len(tokenizer.encode(" ".join(["film"] * 50)).ids) == 12

@@ -185,3 +185,23 @@ def imdb(data_dir=None, split: str = "train", *, cache_dir=None) -> list[tuple[s
     if found is None:
         found = download_imdb(cache_dir or Path.home() / ".cache" / "flax_transformer")
     return read_imdb(found, split)
+
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+def tinyshakespeare(data_dir=None, *, cache_dir=None, url: str = SHAKESPEARE_URL) -> Path:
+    """The path of Tiny Shakespeare's ``input.txt``: ``data_dir/tinyshakespeare/`` (default
+    ../shared/data), else downloaded once into ``cache_dir/tinyshakespeare/``. (Karpathy's file
+    is published without a checksum; its length, 1,115,394 characters, is checked instead.)"""
+    found = find_data_dir(data_dir)
+    if found is not None:
+        path = found / "tinyshakespeare" / "input.txt"
+        if not path.is_file():
+            raise FileNotFoundError(f"no {path}")
+        return path
+    path = download(url, Path(cache_dir or Path.home() / ".cache" / "flax_transformer") / "tinyshakespeare")
+    if len(read_text(path)) != 1_115_394:
+        path.unlink()
+        raise ValueError(f"{url} did not give Tiny Shakespeare (wrong length); the download was discarded")
+    return path

@@ -62,9 +62,12 @@ def test_notebook_000_and_characters():
     # torchtext's order: specials, then by frequency, ties alphabetical
     assert [vocab[w] for w in ("<unk>", "<pad>", "cat", "the", "ran", "sat")] == [0, 1, 2, 3, 4, 5]
     assert "The" not in vocab and tokenizer.encode("THE dog").ids == [3, 0]
-    chars = tokenizers.characters("hello world")
-    ids = chars.encode("hold").ids
-    assert len(ids) == 4 and chars.decode(ids).replace(" ", "") == "hold"
+    text = "First Citizen:\nBefore we proceed,  hear me.\n\n\nAll:\tSpeak!"
+    chars = tokenizers.characters(text)
+    ids = chars.encode(text).ids
+    assert len(ids) == len(text) and chars.decode(ids) == text  # newlines, runs of them, tabs: one id each
+    newline = chars.get_vocab()["\n"]
+    assert newline == 1 and chars.encode("\n\n").ids == [newline, newline]  # sorted: "\t" 0, "\n" 1
 
 
 def test_wordpiece_matches_transformers():

@@ -1,10 +1,16 @@
-"""The training library (issue 5, in progress): the optax chain, the jitted train/eval steps, the
-dataset readers and the tokenizers so far; bucketing, checkpointing and the run loop come next.
-``train/`` holds the thin entry points."""
+"""The training library: the optax chain, the jitted steps, the data readers and tokenizers,
+length-bucketed batches, and the run loop (orbax checkpoints, exact resume, logs, curves).
 
+The tasks (``classify``, ``lm``, ``seq2seq``) are library modules with frozen configs and
+presets and a ``train_and_evaluate(config, run_dir)``; ``train/`` holds their thin
+command-line entry points.
+"""
+
+from .batching import Bucketed, Windows, default_buckets
+from .loop import Checkpoints, FitResult, NonFiniteLoss, RunError, batch_evaluator, fit, plot_curves, prepare_run_dir
 from .optim import OptimConfig, decay_mask, make_optimizer, schedule
+from .step import cross_entropy, make_steps
 
-__all__ = ["OptimConfig", "decay_mask", "make_optimizer", "schedule"]
-from .step import cross_entropy, make_steps  # noqa: E402
-
-__all__ += ["cross_entropy", "make_steps"]
+__all__ = ["Bucketed", "Windows", "default_buckets", "Checkpoints", "FitResult", "NonFiniteLoss", "RunError",
+           "batch_evaluator", "fit", "plot_curves", "prepare_run_dir", "OptimConfig", "decay_mask", "make_optimizer",
+           "schedule", "cross_entropy", "make_steps"]

@@ -79,7 +79,7 @@ class ClassifyConfig:
     def tiny(cls, **changes):
         """Seconds on 2 CPU cores, for tests: 2,000 reviews, one small block."""
         return dataclasses.replace(cls(vocab_size=5000, max_length=128, emb=32, heads=2, depth=1, dropout=0.0,
-                                       batch_size=32, steps=60, lr=3e-3, warmup_steps=10, train_limit=2000,
+                                       batch_size=32, steps=60, lr=1e-2, warmup_steps=10, train_limit=2000,
                                        test_limit=500, val_size=256, eval_every=30, checkpoint_every=20), **changes)
 
     @classmethod

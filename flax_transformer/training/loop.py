@@ -296,7 +296,7 @@ def _compiled_steps(loss_fn, train_def, opt_def):
         optimizer = nnx.merge(opt_def, opt_state)
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         optimizer.update(model, grads)
-        return nnx.state(model), nnx.state(optimizer), dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return nnx.state(model), nnx.state(optimizer), dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
 
     return train_step
 
@@ -335,7 +335,10 @@ class FitResult:
     metrics: dict = field(default_factory=dict)  # the last evaluation
 
 
-def _tokens(batch) -> int:
+def _tokens(batches, batch) -> int:
+    """Real (unpadded) tokens in a batch, for tokens/s: the batcher's count, else the mask's or the ids'."""
+    if hasattr(batches, "count_tokens"):
+        return batches.count_tokens(batch)
     if "mask" in batch:
         return int(batch["mask"].sum())
     return int(np.asarray(batch["ids"]).size)
@@ -384,6 +387,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         nnx.replace_by_pure_dict(model_state, restored["model"])
         nnx.replace_by_pure_dict(opt_state, restored["optimizer"])
         print(f"Resuming {run_dir} from step {start} ({meta.get('data_position')})", file=sys.stderr)
+    window = meta.get("log_window", []) if resume else []  # so the next log line averages the same steps
 
     def current_model():
         m = nnx.merge(train_def, model_state)
@@ -392,7 +396,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
 
     def save(step, last_metrics):
         meta = {"step": step, "data_position": batches.position(step), "run_config": run_config,
-                "model": describe(model), "metrics": last_metrics}
+                "model": describe(model), "metrics": last_metrics,
+                "log_window": window}  # the steps not logged yet
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)
 
@@ -400,7 +405,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     log = MetricsLog(run_dir, start, tensorboard=tensorboard)
     bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not progress,
                dynamic_ncols=True, mininterval=0.5)
-    window, window_tokens, window_start = [], 0, time.perf_counter()
+    window_tokens, window_start = 0, time.perf_counter()
     last_eval, interrupted, step = {}, False, start
     try:
         with _StopRequest() as stop:
@@ -416,8 +421,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                                         else f"the loss is {loss} at step {step + 1}: stopping before any "
                                         "checkpoint (lower --lr?)")
                 step += 1
-                window.append(metrics)
-                window_tokens += _tokens(batch)
+                window.append({k: float(v) for k, v in metrics.items()})
+                window_tokens += _tokens(batches, batch)
                 bar.update(1)
                 if step % log_every == 0 or step == steps:
                     seconds = time.perf_counter() - window_start
@@ -430,7 +435,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                     last_eval = evaluate(current_model())
                     log.write(step, "eval", last_eval)
                     bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                           if k != "count"))
+                                                           if k != "count"), file=sys.stderr)
                 if stop.requested:
                     interrupted = True
                     break
@@ -438,7 +443,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                     save(step, last_eval)
             if interrupted:
                 save(step, last_eval)
-                bar.write(f"Saved a checkpoint at step {step} in {run_dir}; continue with --resume")
+                bar.write(f"Saved a checkpoint at step {step} in {run_dir}; continue with --resume", file=sys.stderr)
             elif evaluate is not None:
                 last_eval = evaluate(current_model())
                 log.write(step, "eval", last_eval)

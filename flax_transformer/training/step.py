@@ -47,7 +47,7 @@ def make_steps(loss_fn: Callable):
     def train_step(model, optimizer, batch):
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         optimizer.update(model, grads)
-        return dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
 
     @nnx.jit
     def eval_step(model, batch):

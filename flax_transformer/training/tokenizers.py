@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 
 def notebook_000(texts, vocab_size: int = 50_000) -> Tokenizer:
@@ -67,7 +67,9 @@ def characters(text: str) -> Tokenizer:
     """One id per distinct character of ``text`` (sorted), for character-level language models."""
     vocab = {c: i for i, c in enumerate(sorted(set(text)))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # [\s\S], not ".": "." skips newlines, and a run of them would become one unknown piece
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # decode back to the exact text, not space-separated
     return tokenizer
 
 

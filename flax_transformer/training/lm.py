@@ -1,0 +1,216 @@
+"""Language modelling (notebooks 002 and 004) as a library: ``train_and_evaluate(config, run_dir)``.
+
+A text file (Tiny Shakespeare by default) is tokenised at the character level, or at
+the word level with notebook 002's preprocessing and vocabulary, into one token stream.
+The first ``1 - val_fraction`` of it is trained on with random windows of ``context``
+tokens, the rest is the validation stream. The model is ``gpt.GPTTransformer``
+(notebook 002, default) or ``former.GTransformer`` (notebook 004). At the end the run
+prints its validation loss and a sample continued from ``prompt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import checkpoints as ckpt
+from . import data, tokenizers
+from .batching import Windows
+from .loop import Checkpoints, RunError, batch_evaluator, fit, prepare_run_dir
+from .optim import OptimConfig
+from .step import cross_entropy
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """One language-modelling run."""
+
+    model: str = "gpt"  # "gpt" (gpt.GPTTransformer) or "former" (former.GTransformer)
+    level: str = "char"  # "char" or "word" (notebook 002's tokenizer)
+    text: str | None = None  # a text file; default tinyshakespeare/input.txt in the data folder
+    vocab_size: int = 10_000  # word level only
+    n_layers: int = 4
+    d_embed: int = 128
+    d_ff: int = 512
+    heads: int = 4
+    context: int = 128
+    dropout: float = 0.1
+    batch_size: int = 32
+    steps: int = 2000
+    optimizer: str = "adamw"
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    decay: str = "cosine"
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    val_fraction: float = 0.1
+    eval_batches: int = 20  # validation windows read per evaluation: eval_batches * batch_size
+    eval_every: int | None = 500
+    checkpoint_every: int | None = None
+    keep: int = 3
+    prompt: str = "ROMEO:"
+    sample_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.model not in ("gpt", "former"):
+            raise ValueError(f"model must be 'gpt' or 'former', got {self.model!r}")
+        if self.level not in ("char", "word"):
+            raise ValueError(f"level must be 'char' or 'word', got {self.level!r}")
+        if self.d_embed % self.heads:
+            raise ValueError(f"d_embed ({self.d_embed}) must be divisible by heads ({self.heads})")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
+
+    @classmethod
+    def tiny(cls, **changes):
+        """Seconds on 2 CPU cores, for tests."""
+        return dataclasses.replace(cls(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
+                                       batch_size=16, steps=80, lr=3e-3, warmup_steps=10, eval_batches=4,
+                                       eval_every=40, checkpoint_every=40, sample_tokens=60), **changes)
+
+    @classmethod
+    def small(cls, **changes):
+        """The 2-core CPU benchmark: character-level Tiny Shakespeare, 4 layers of width 128."""
+        return dataclasses.replace(cls(), **changes)
+
+    @classmethod
+    def base(cls, **changes):
+        """nanoGPT's Shakespeare-char size (6 layers of 384, context 256), for a GPU."""
+        return dataclasses.replace(cls(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256, dropout=0.2,
+                                       batch_size=64, steps=5000, lr=1e-3, warmup_steps=200, eval_batches=50,
+                                       sample_tokens=500), **changes)
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(optimizer=self.optimizer, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps - 1),
+                           decay=self.decay, total_steps=self.steps, weight_decay=self.weight_decay,
+                           clip_norm=self.clip_norm)
+
+
+PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}
+
+
+def read_corpus(config: LMConfig, data_dir=None) -> str:
+    path = Path(config.text) if config.text else data.tinyshakespeare(data_dir)
+    text = data.read_text(path)
+    if not text.strip():
+        raise RunError(f"{path} is empty: nothing to train on")
+    return text
+
+
+def build_tokenizer(config: LMConfig, text: str):
+    if config.level == "char":
+        return tokenizers.characters(text)
+    tokenizer = tokenizers.notebook_002(text.splitlines(), max_voc=config.vocab_size)
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def encode(config: LMConfig, tokenizer, text: str) -> np.ndarray:
+    if config.level == "char":
+        return np.asarray(tokenizer.encode(text).ids, dtype=np.int32)
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def decode(config: LMConfig, tokenizer, ids) -> str:
+    if config.level == "char":
+        return tokenizer.decode([int(i) for i in ids])
+    return " ".join(tokenizer.id_to_token(int(i)) for i in ids)
+
+
+def build_model(config: LMConfig, vocab_size: int):
+    from ..former import GTransformer
+    from ..gpt import GPTTransformer
+
+    rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
+    if config.model == "gpt":
+        return GPTTransformer(config.n_layers, config.d_embed, config.d_ff, config.heads, vocab_size, config.context,
+                              config.dropout, rngs=rngs)
+    return GTransformer(config.d_embed, config.heads, config.n_layers, config.context, vocab_size,
+                        dropout=config.dropout, rngs=rngs)
+
+
+def loss_fn(model, batch):
+    """Mean next-token cross-entropy over the (b, t) window. Returns (loss, metrics)."""
+    loss = cross_entropy(model(batch["ids"]), batch["labels"])
+    return loss, {"count": jnp.asarray(batch["ids"].size, jnp.float32)}
+
+
+def sample(config: LMConfig, model, tokenizer, *, seed: int | None = None) -> str:
+    """``prompt`` continued by up to ``sample_tokens`` tokens (within the model's context)."""
+    from ..generate import generate
+
+    prompt = encode(config, tokenizer, config.prompt)
+    if len(prompt) == 0 or len(prompt) >= config.context:
+        raise RunError(f"the prompt {config.prompt!r} encodes to {len(prompt)} tokens; it needs 1..{config.context - 1}")
+    new = min(config.sample_tokens, config.context - len(prompt))
+    tokens = generate(model, prompt[None], new, temperature=config.temperature, top_k=config.top_k,
+                      seed=config.seed if seed is None else seed)
+    return decode(config, tokenizer, np.concatenate([prompt, np.asarray(tokens)[0]]))
+
+
+def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
+                       export_torch=None) -> dict:
+    """Train, then report validation loss (nats per token) and a sample; returns the metrics."""
+    run_dir = Path(run_dir)
+    run_config = {"task": "lm", **dataclasses.asdict(config)}
+    prepare_run_dir(run_dir, run_config, resume=resume)
+    text = read_corpus(config, data_dir)
+    tok_path = run_dir / "tokenizer.json"
+    if resume and tok_path.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    else:
+        tokenizer = build_tokenizer(config, text)
+        ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
+    stream = encode(config, tokenizer, text)
+    cut = int(len(stream) * (1 - config.val_fraction))
+    train = Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed)
+    val = Windows(stream[cut:], batch_size=config.batch_size, length=config.context, seed=config.seed)
+    model = build_model(config, tokenizer.get_vocab_size())
+    print(f"lm: {config.model} at {config.level} level: {len(stream):,} tokens ({cut:,} train), vocabulary "
+          f"{tokenizer.get_vocab_size()}, {config.steps} steps of {config.batch_size} x {config.context} tokens "
+          f"({config.steps * config.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
+    evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
+    result = fit(model, config.optim(), loss_fn, train, run_dir=run_dir, steps=config.steps, run_config=run_config,
+                 evaluate=evaluate, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+                 keep=config.keep, resume=resume, progress=progress, description=f"lm-{config.model}-{config.level}")
+    metrics = {"step": result.step, "interrupted": result.interrupted,
+               **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
+    if not result.interrupted:
+        metrics["val_bits_per_token"] = metrics["val_loss"] / math.log(2)
+        metrics["sample"] = sample(config, result.model, tokenizer)
+        (run_dir / "sample.txt").write_text(metrics["sample"] + "\n")
+    if export_torch is not None:
+        ckpt.save_safetensors(result.model, export_torch)
+    return metrics
+
+
+def load_run(run_dir):
+    """(model, tokenizer, config) of an lm run directory's latest checkpoint."""
+    from tokenizers import Tokenizer
+
+    run_dir = Path(run_dir)
+    saved = json.loads((run_dir / "run.json").read_text())
+    if saved.pop("task", None) != "lm":
+        raise RunError(f"{run_dir} holds a run of another task, not lm")
+    config = LMConfig(**saved)
+    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    checkpoints = Checkpoints(run_dir, keep=config.keep)
+    try:
+        model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()))
+    finally:
+        checkpoints.close()
+    model.eval()
+    return model, tokenizer, config

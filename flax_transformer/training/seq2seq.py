@@ -1,0 +1,178 @@
+"""Sequence to sequence (notebook 003's encoder-decoder) on a generated task: reverse a digit string.
+
+Source: 1..``max_digits`` random digits, padded. Target: ``<bos>`` reversed digits
+``<eos>``. Training is teacher-forced (the decoder reads the target shifted right);
+evaluation decodes greedily with the key/value cache and counts a sequence as right only
+if every digit and the ``<eos>`` are (exact match). Training examples are drawn fresh
+from ``default_rng([seed, step])``; the evaluation set from a different stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import checkpoints as ckpt
+from .loop import fit, prepare_run_dir
+from .optim import OptimConfig
+from .step import cross_entropy
+
+PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
+VOCAB = DIGIT0 + 10
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    """One digit-reversal run."""
+
+    min_digits: int = 1
+    max_digits: int = 12
+    d_model: int = 128
+    heads: int = 4
+    n_blocks: int = 2
+    d_ff: int = 512
+    dropout: float = 0.0
+    batch_size: int = 64
+    steps: int = 1500
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    decay: str = "cosine"
+    weight_decay: float = 0.01
+    clip_norm: float | None = 1.0
+    eval_size: int = 1000
+    eval_every: int | None = 500
+    checkpoint_every: int | None = None
+    keep: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
+
+    @classmethod
+    def tiny(cls, **changes):
+        """Seconds on 2 CPU cores, for tests."""
+        return dataclasses.replace(cls(max_digits=5, d_model=32, heads=2, n_blocks=1, d_ff=64, batch_size=32,
+                                       steps=80, lr=3e-3, warmup_steps=10, eval_size=128, eval_every=40,
+                                       checkpoint_every=40), **changes)
+
+    @classmethod
+    def small(cls, **changes):
+        return dataclasses.replace(cls(), **changes)
+
+    @classmethod
+    def base(cls, **changes):
+        return dataclasses.replace(cls(max_digits=32, d_model=256, heads=8, n_blocks=4, d_ff=1024, batch_size=128,
+                                       steps=5000), **changes)
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(optimizer=self.optimizer, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps - 1),
+                           decay=self.decay, total_steps=self.steps, weight_decay=self.weight_decay,
+                           clip_norm=self.clip_norm)
+
+
+PRESETS = {"tiny": Seq2SeqConfig.tiny, "small": Seq2SeqConfig.small, "base": Seq2SeqConfig.base}
+
+
+def make_batch(config: Seq2SeqConfig, rng: np.random.Generator, size: int) -> dict[str, np.ndarray]:
+    """``size`` examples: src (b, L), src_mask, tgt_in / tgt_out (b, L + 1), L = max_digits."""
+    length = config.max_digits
+    lengths = rng.integers(config.min_digits, config.max_digits + 1, size=size)
+    digits = rng.integers(0, 10, size=(size, length)) + DIGIT0
+    keep = np.arange(length)[None] < lengths[:, None]  # (b, L) True = digit
+    src = np.where(keep, digits, PAD).astype(np.int32)
+    reversed_ = np.full((size, length), PAD, dtype=np.int32)
+    for row, n in enumerate(lengths):
+        reversed_[row, :n] = src[row, :n][::-1]
+    tgt_out = np.concatenate([reversed_, np.full((size, 1), PAD, np.int32)], axis=1)  # (b, L + 1)
+    tgt_out[np.arange(size), lengths] = EOS
+    tgt_in = np.concatenate([np.full((size, 1), BOS, np.int32), tgt_out[:, :-1]], axis=1)
+    tgt_in[tgt_in == EOS] = PAD  # the decoder never reads <eos>
+    return {"src": src, "src_mask": keep, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+class Examples:
+    """Fresh examples for every step, a pure function of (seed, step)."""
+
+    def __init__(self, config: Seq2SeqConfig):
+        self.config = config
+
+    def batch(self, step: int):
+        return make_batch(self.config, np.random.default_rng([self.config.seed, step]), self.config.batch_size)
+
+    def count_tokens(self, batch) -> int:
+        return int(batch["src_mask"].sum() + (batch["tgt_in"] != PAD).sum())
+
+    def position(self, step: int) -> dict:
+        return {"step": step, "examples_seen": step * self.config.batch_size}
+
+
+def build_model(config: Seq2SeqConfig):
+    from ..classic import Transformer
+
+    return Transformer(VOCAB, VOCAB, config.d_model, config.heads, config.n_blocks, config.d_ff, config.dropout,
+                       max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch["tgt_in"] != PAD)
+    real = batch["tgt_out"] != PAD
+    loss = cross_entropy(logits, batch["tgt_out"], real)
+    accuracy = ((logits.argmax(-1) == batch["tgt_out"]) * real).sum() / jnp.maximum(real.sum(), 1)
+    return loss, {"token_accuracy": accuracy, "count": real.sum().astype(jnp.float32)}
+
+
+def exact_match(config: Seq2SeqConfig, model, examples: dict) -> float:
+    """Fraction of sources whose greedy decoding is exactly the reversed digits then ``<eos>``."""
+    from ..generate import generate
+
+    size = len(examples["src"])
+    prompt = np.full((size, 1), BOS, np.int32)
+    out = generate(model, prompt, config.max_digits + 1, greedy=True, eos_id=EOS, src_ids=examples["src"],
+                   src_attention_mask=examples["src_mask"])
+    return exact_match_of(np.asarray(out), examples["tgt_out"])
+
+
+def exact_match_of(generated, target) -> float:
+    """Fraction of rows where ``generated`` (b, L + 1) equals ``target`` on its digits and ``<eos>``
+    (after ``<eos>``, where the target is padding, generate repeats ``<eos>``: not compared)."""
+    real = target != PAD
+    return float(np.all((generated == target) | ~real, axis=1).mean())
+
+
+def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
+                       export_torch=None) -> dict:
+    """Train on fresh examples, report exact match on ``eval_size`` held-out ones."""
+    run_dir = Path(run_dir)
+    run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
+    prepare_run_dir(run_dir, run_config, resume=resume)
+    held_out = make_batch(config, np.random.default_rng([config.seed, 10**9]), config.eval_size)
+    model = build_model(config)
+    print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.steps} steps of "
+          f"{config.batch_size}", file=sys.stderr)
+    # held-out loss/token accuracy during training, exact match (a decode) at the end
+    eval_batches = [{k: v[i:i + config.batch_size] for k, v in held_out.items()}
+                    for i in range(0, config.eval_size, config.batch_size)]
+    from .loop import batch_evaluator
+
+    evaluate = batch_evaluator(loss_fn, lambda: eval_batches)
+    result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
+                 run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
+                 checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                 description="seq2seq-reverse")
+    metrics = {"step": result.step, "interrupted": result.interrupted,
+               **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
+    if not result.interrupted:
+        metrics["exact_match"] = exact_match(config, result.model, held_out)
+    if export_torch is not None:
+        ckpt.save_safetensors(result.model, export_torch)
+    return metrics

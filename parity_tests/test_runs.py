@@ -1,0 +1,424 @@
+"""The training runs end to end: entry points, bucketing, exact resume, Ctrl-C, NaN, bad input, export.
+
+Runs use ``--preset tiny`` on a small synthetic IMDB (written in the packed format of
+../shared/data/imdb) so they run anywhere; one test uses the real data when present.
+"""
+
+import gzip
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_transformer.training import classify, lm, loop, seq2seq
+from flax_transformer.training.batching import Bucketed, Windows, default_buckets
+from flax_transformer.training.loop import NonFiniteLoss, RunError, fit, prepare_run_dir
+from flax_transformer.training.optim import OptimConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+
+POSITIVE = "great wonderful loved excellent superb moving".split()
+NEGATIVE = "awful boring hated terrible dull waste".split()
+NEUTRAL = ("the a movie film plot actor scene story was is and of it this that with director music "
+           "camera ending character time").split()
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    """optax's bias correction mixes a Python float with its int32 step count, which the suite's
+    strict dtype promotion refuses; optax is not ours to change."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def write_fake_imdb(root: Path, n_train=1000, n_test=300, seed=0, label_of=None) -> Path:
+    """A small IMDB in the packed layout (imdb/{split}-{neg,pos}-00-of-01.jsonl.gz); sentiment words decide the label."""
+    rng = np.random.default_rng(seed)
+    (root / "imdb").mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        for label, name in ((0, "neg"), (1, "pos")):
+            with gzip.open(root / "imdb" / f"{split}-{name}-00-of-01.jsonl.gz", "wt") as f:
+                for i in range(n // 2):
+                    words = list(rng.choice(NEUTRAL, size=rng.integers(5, 120)))
+                    for _ in range(rng.integers(1, 4)):
+                        words.insert(rng.integers(0, len(words)), rng.choice(POSITIVE if label else NEGATIVE))
+                    record = {"id": i, "label": label if label_of is None else label_of(label), "text": " ".join(words)}
+                    f.write(json.dumps(record) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def fake_data(tmp_path_factory):
+    return write_fake_imdb(tmp_path_factory.mktemp("data"))
+
+
+def records(run_dir, split):
+    return [r for r in loop.read_metrics(run_dir) if r["split"] == split]
+
+
+def tree_of(run_dir, step=None):
+    """The saved model state of a run's checkpoint (default latest) as {path: numpy array}."""
+    checkpoints = loop.Checkpoints(run_dir)
+    try:
+        step = checkpoints.latest() if step is None else step
+        import orbax.checkpoint as ocp
+
+        restored = checkpoints.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    finally:
+        checkpoints.close()
+    leaves = jax.tree_util.tree_flatten_with_path(restored["state"])[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------- batching
+
+
+def test_buckets_bound_shapes_and_cover_every_example_once():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, size=333)
+    seqs = [np.full(n, i, dtype=np.int32) for i, n in enumerate(lengths)]  # every token = its example's index
+    buckets = default_buckets(200, 4)
+    assert buckets == (25, 50, 100, 200)
+    batches = Bucketed(seqs, np.arange(333) % 2, batch_size=16, buckets=buckets, pad_id=-1, seed=3)
+    seen, shapes = [], set()
+    for batch in batches.epoch(0):
+        shapes.add(batch["ids"].shape)
+        for row in range(16):
+            n = batch["mask"][row].sum()
+            if batch["weight"][row] == 0:  # filler row: nothing in it
+                assert n == 0 and (batch["ids"][row] == -1).all()
+                continue
+            i = batch["ids"][row, 0]
+            seen.append(i)
+            assert n == lengths[i] and (batch["ids"][row, :n] == i).all() and (batch["ids"][row, n:] == -1).all()
+            assert batch["labels"][row] == i % 2
+            # the shortest bucket that holds it
+            assert batch["ids"].shape[1] == min(b for b in buckets if b >= lengths[i])
+    assert sorted(seen) == list(range(333))
+    assert {s[1] for s in shapes} <= set(buckets) and all(s[0] == 16 for s in shapes)
+    # seeded: the same seed and epoch give the same batches, another epoch another order
+    again = Bucketed(seqs, None, batch_size=16, buckets=buckets, pad_id=-1, seed=3)
+    assert all((a["ids"] == b["ids"]).all() for a, b in zip(batches.epoch(0), again.epoch(0)))
+    assert any(a["ids"].shape != b["ids"].shape or (a["ids"] != b["ids"]).any()
+               for a, b in zip(batches.epoch(0), batches.epoch(1)))
+    with pytest.raises(ValueError, match="empty"):
+        Bucketed([], batch_size=4, buckets=(8,))
+    with pytest.raises(ValueError, match="largest bucket"):
+        Bucketed([np.zeros(9)], batch_size=4, buckets=(8,))
+
+
+def test_bucket_padding_does_not_change_the_classifier_output():
+    """Padding is masked in attention and in pooling: a review gives the same log-probs in every bucket."""
+    from flax_transformer.former import CTransformer
+
+    model = CTransformer(16, 2, 2, 64, 50, 2, max_pool=False, rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(1).integers(0, 50, size=11).astype(np.int32)
+    outs = []
+    for length in (16, 32, 64):
+        padded = np.zeros((1, length), np.int32)
+        padded[0, :11] = ids
+        outs.append(np.asarray(model(padded, np.arange(length)[None] < 11)))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+    np.testing.assert_allclose(outs[0], outs[2], atol=1e-6)
+
+
+def test_windows_are_shifted_pairs():
+    w = Windows(np.arange(1000), batch_size=4, length=8, seed=0)
+    b = w.batch(5)
+    assert b["ids"].shape == (4, 8) and (b["labels"] == b["ids"] + 1).all()
+    assert (w.batch(5)["ids"] == b["ids"]).all() and (w.batch(6)["ids"] != b["ids"]).any()
+    fixed = list(w.fixed())
+    assert fixed[0]["ids"][0, 0] == 0 and fixed[0]["ids"][1, 0] == 8
+    with pytest.raises(ValueError, match="at least"):
+        Windows(np.arange(5), batch_size=1, length=8)
+
+
+# ------------------------------------------------------------------------- entry points end to end
+
+
+def _main(module, argv):
+    from importlib import import_module
+
+    return import_module(f"train.{module}").main([str(a) for a in argv])
+
+
+def _assert_run_files(run_dir):
+    for name in ("run.json", "metrics.jsonl", "curves.png"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert loop.Checkpoints(run_dir).steps()
+
+
+def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, capsys):
+    run, export = tmp_path / "run", tmp_path / "model.safetensors"
+    assert _main("classify", ["--preset", "tiny", "--out", run, "--data-dir", fake_data, "--no-progress",
+                              "--export-torch", export]) == 0
+    out = capsys.readouterr().out
+    assert "test accuracy" in out
+    _assert_run_files(run)
+    assert (run / "tokenizer.json").is_file()
+    train = records(run, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 0.1, [r["loss"] for r in train]
+    assert records(run, "test")[0]["accuracy"] > 0.7  # the synthetic task is easy
+    assert {"lr", "tokens_per_s", "grad_norm", "accuracy"} <= set(train[0])
+
+    # --predict reads the run's tokenizer and latest checkpoint
+    assert _main("classify", ["--predict", "a wonderful superb loved film", "--predict", "awful dull boring waste",
+                              "--checkpoint", run]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("positive\t") and lines[1].startswith("negative\t")
+    assert 0.5 < float(lines[0].split("\t")[1]) <= 1.0
+
+    # the export is a torch_reference state_dict giving the same predictions
+    import torch
+    from safetensors.torch import load_file
+
+    from flax_transformer import checkpoints
+
+    model, tokenizer, config = classify.load_run(run)
+    _, description = checkpoints.read_safetensors(export)
+    torch_model = checkpoints.build(description, framework="torch")
+    torch_model.load_state_dict(load_file(export))
+    torch_model.eval()
+    texts = ["the plot was dull and the acting awful", "loved it, superb music", "it"]
+    enc = [tokenizer.encode(t).ids for t in texts]
+    length = max(map(len, enc))
+    ids = np.array([e + [1] * (length - len(e)) for e in enc], np.int32)
+    mask = np.array([[1] * len(e) + [0] * (length - len(e)) for e in enc], bool)
+    want = np.asarray(model(ids, mask))
+    with torch.no_grad():
+        got = torch_model(torch.from_numpy(ids).long(), torch.from_numpy(mask)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_classify_encoder_model(fake_data, tmp_path):
+    config = classify.ClassifyConfig.tiny(model="encoder", lr=3e-3, eval_every=None)
+    metrics = classify.train_and_evaluate(config, tmp_path / "run", data_dir=fake_data, progress=False)
+    train = records(tmp_path / "run", "train")
+    assert train[-1]["loss"] < train[0]["loss"] and metrics["test_accuracy"] > 0.55  # [CLS] alone learns slower
+    tokenizer, _ = classify.load_run(tmp_path / "run")[1:]
+    assert tokenizer.encode("great film").ids[0] == tokenizer.token_to_id("<cls>")  # read by the classifier
+
+
+@pytest.mark.skipif(not (SHARED / "imdb").is_dir(), reason="needs ../shared/data/imdb")
+def test_classify_tiny_on_the_real_imdb(tmp_path):
+    metrics = classify.train_and_evaluate(classify.ClassifyConfig.tiny(), tmp_path / "run", progress=False)
+    train = records(tmp_path / "run", "train")
+    assert train[-1]["loss"] < train[0]["loss"] and metrics["test_accuracy"] > 0.5
+
+
+def test_lm_tiny_end_to_end(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO: but soft, what light through yonder window breaks?\n" * 300)
+    run = tmp_path / "run"
+    assert _main("lm", ["--preset", "tiny", "--out", run, "--text", text, "--no-progress", "--steps", 60]) == 0
+    out = capsys.readouterr().out
+    assert "validation loss" in out and "--- sample ---\nROMEO:" in out
+    _assert_run_files(run)
+    train = records(run, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert (run / "sample.txt").read_text().startswith("ROMEO:")
+
+
+def test_lm_former_at_word_level(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat . the dog sat on the log .\n" * 200)
+    config = lm.LMConfig.tiny(model="former", level="word", text=str(text), prompt="the cat", steps=40,
+                              context=16, eval_every=None)
+    metrics = lm.train_and_evaluate(config, tmp_path / "run", progress=False)
+    assert metrics["val_loss"] < 1.0 and metrics["sample"].startswith("the cat")
+
+
+def test_seq2seq_tiny_end_to_end(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress"]) == 0
+    assert "exact match" in capsys.readouterr().out
+    _assert_run_files(run)
+    train = records(run, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
+
+
+def test_seq2seq_examples_and_exact_match():
+    config = seq2seq.Seq2SeqConfig.tiny()
+    b = seq2seq.make_batch(config, np.random.default_rng(0), 64)
+    for src, keep, tin, tout in zip(b["src"], b["src_mask"], b["tgt_in"], b["tgt_out"]):
+        digits = src[keep]
+        n = len(digits)
+        assert (tout[:n] == digits[::-1]).all() and tout[n] == seq2seq.EOS and (tout[n + 1:] == seq2seq.PAD).all()
+        assert tin[0] == seq2seq.BOS and (tin[1:n + 1] == digits[::-1]).all() and (tin[n + 1:] == seq2seq.PAD).all()
+
+    # a row counts only if every digit and the <eos> are right; what follows <eos> is not compared
+    target = b["tgt_out"][:3]
+    perfect = np.where(target == seq2seq.PAD, seq2seq.EOS, target)
+    wrong_digit = perfect.copy()
+    wrong_digit[1, 0] = seq2seq.DIGIT0 + (wrong_digit[1, 0] - seq2seq.DIGIT0 + 1) % 10
+    no_eos = perfect.copy()
+    n = int((target[2] != seq2seq.PAD).sum()) - 1  # position of row 2's <eos>
+    no_eos[2, n] = seq2seq.DIGIT0
+    assert seq2seq.exact_match_of(perfect, target) == 1.0
+    assert seq2seq.exact_match_of(wrong_digit, target) == pytest.approx(2 / 3)
+    assert seq2seq.exact_match_of(no_eos, target) == pytest.approx(2 / 3)
+    assert 0.0 <= seq2seq.exact_match(config, seq2seq.build_model(config), b) < 0.2  # untrained: almost never right
+
+
+# ------------------------------------------------------------------------- resume, Ctrl-C, NaN
+
+
+def _interrupt_at(batches, step):
+    """Wrap a batcher so that fetching batch ``step`` delivers a real SIGINT to this process."""
+
+    class Interrupting:
+        def __getattr__(self, name):
+            return getattr(batches, name)
+
+        def batch(self, s):
+            if s == step:
+                signal.raise_signal(signal.SIGINT)
+            return batches.batch(s)
+
+    return Interrupting()
+
+
+def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    """With dropout on (so the saved RNG streams matter) and a warmup+cosine schedule."""
+    config = seq2seq.Seq2SeqConfig.tiny(dropout=0.2, steps=40, eval_every=15, checkpoint_every=25)
+    whole = seq2seq.train_and_evaluate(config, tmp_path / "whole", progress=False)
+
+    real_examples = seq2seq.Examples
+    monkeypatch.setattr(seq2seq, "Examples", lambda c: _interrupt_at(real_examples(c), 17))
+    first = seq2seq.train_and_evaluate(config, tmp_path / "split", progress=False)
+    assert first["interrupted"] and first["step"] == 18  # stopped after the step in flight, and saved
+    assert loop.Checkpoints(tmp_path / "split").latest() == 18
+    monkeypatch.setattr(seq2seq, "Examples", real_examples)
+    second = seq2seq.train_and_evaluate(config, tmp_path / "split", resume=True, progress=False)
+    assert second["step"] == 40 and not second["interrupted"]
+
+    a, b = tree_of(tmp_path / "whole"), tree_of(tmp_path / "split")
+    assert a.keys() == b.keys() and any("rngs" in k for k in a)  # dropout streams are saved
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert second["exact_match"] == whole["exact_match"]
+    # the logs read like one run: the same steps, the same losses
+    strip = lambda rs: [(r["step"], r["split"], r["loss"]) for r in rs]
+    assert strip(loop.read_metrics(tmp_path / "whole")) == strip(loop.read_metrics(tmp_path / "split"))
+
+
+def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
+    """A real Ctrl-C (SIGINT) to `python -m train.seq2seq`: exit 130, a checkpoint, and --resume finishes it."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "train.seq2seq", "--preset", "tiny", "--out", str(run), "--steps", "100000",
+            "--no-progress"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120  # wait until the loop is running (its first log line), then Ctrl-C
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and records(run, "train"):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Saved a checkpoint at step" in err
+    step = loop.Checkpoints(run).latest()
+    assert step is not None and step >= 10
+    assert json.loads((run / "run.json").read_text())["steps"] == 100000
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    from flax_transformer.former import CTransformer
+
+    model = CTransformer(8, 2, 1, 8, 20, 2, rngs=nnx.Rngs(params=0, dropout=1))
+
+    class Poisoned:
+        def batch(self, step):
+            rng = np.random.default_rng(step)
+            return {"ids": rng.integers(0, 20, (4, 8)).astype(np.int32), "labels": rng.integers(0, 2, 4).astype(np.int32),
+                    "poison": np.float32(np.nan if step >= 13 else 0.0)}
+
+        def position(self, step):
+            return {"step": step}
+
+    def loss_fn(m, batch):
+        logp = m(batch["ids"])
+        loss = -jnp.take_along_axis(logp, batch["labels"][:, None], axis=1).mean() + batch["poison"]
+        return loss, {"count": jnp.float32(4)}
+
+    prepare_run_dir(tmp_path, {"x": 1}, resume=False)
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 14.*checkpoints/10"):
+        fit(model, OptimConfig(lr=1e-3), loss_fn, Poisoned(), run_dir=tmp_path, steps=30, run_config={"x": 1},
+            checkpoint_every=5, progress=False, tensorboard=False)
+    assert loop.Checkpoints(tmp_path).steps() == [5, 10]
+    assert all(np.isfinite(v).all() for k, v in tree_of(tmp_path).items() if v.dtype.kind == "f")
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def test_missing_data_directory_is_a_clear_error(tmp_path, capsys):
+    assert _main("classify", ["--preset", "tiny", "--out", tmp_path / "run", "--data-dir", tmp_path / "nope",
+                              "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--data-dir" in err and "does not exist" in err
+
+
+def test_empty_dataset_and_bad_labels_are_refused(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    (empty / "imdb").mkdir(parents=True)
+    for name in ("train-neg", "train-pos", "test-neg", "test-pos"):
+        with gzip.open(empty / "imdb" / f"{name}-00-of-01.jsonl.gz", "wt"):
+            pass
+    assert _main("classify", ["--preset", "tiny", "--out", tmp_path / "r1", "--data-dir", empty, "--no-progress"]) == 2
+    assert "empty" in capsys.readouterr().err
+
+    bad = write_fake_imdb(tmp_path / "bad", n_train=40, n_test=20, label_of=lambda label: label * 5)
+    assert _main("classify", ["--preset", "tiny", "--out", tmp_path / "r2", "--data-dir", bad, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "labels [5] outside 0..1" in err
+    assert not list((tmp_path / "r2").glob("checkpoints/*"))
+
+
+def test_resume_with_another_configuration_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--steps", 10]) == 0
+    before = digest(run)
+    capsys.readouterr()
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--resume", "--no-progress", "--max-digits", 7]) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err and "max_digits: 5 (checkpoint) vs 7 (now)" in err
+    # without --resume, an existing run is not overwritten
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--steps", 10]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert digest(run) == before
+
+
+def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--steps", 80]) == 0
+    latest = run / "checkpoints" / "80"
+    victims = [p for p in latest.rglob("*") if p.is_file() and "state" in p.parts and p.stat().st_size > 100]
+    assert victims
+    for p in victims:
+        p.write_bytes(b"\0" * 7)
+    before = digest(run)
+    capsys.readouterr()
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--resume", "--no-progress", "--steps", 80]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints/80 is unreadable" in err and "Other checkpoints: [40]" in err
+    assert digest(run) == before
+    with pytest.raises(RunError, match="unreadable"):
+        loop.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))

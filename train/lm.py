@@ -1,0 +1,38 @@
+"""Language modelling in JAX: ``python -m train.lm [--preset tiny|small|base] [--model former] [--level word]``
+
+    python -m train.lm --preset small --out runs/shakespeare     # char-level GPT on Tiny Shakespeare
+    python -m train.lm --text my.txt --level word --out runs/words
+
+Prints the validation loss and a sample at the end. Flag parsing only; the run is
+``flax_transformer.training.lm.train_and_evaluate``.
+"""
+
+import sys
+
+from flax_transformer.training import lm
+from flax_transformer.training.cli import common_parser, make_config, run_main
+
+
+def main(argv=None) -> int:
+    parser = common_parser(__doc__.splitlines()[0], lm.PRESETS)
+    parser.add_argument("--model", choices=["gpt", "former"], default=None,
+                        help="gpt.GPTTransformer (default) or former.GTransformer")
+    parser.add_argument("--level", choices=["char", "word"], default=None)
+    parser.add_argument("--text", default=None, help="a text file (default: tinyshakespeare/input.txt)")
+    parser.add_argument("--prompt", default=None, help="the start of the sample printed at the end")
+    args = parser.parse_args(argv)
+    config = make_config(args, lm.LMConfig, lm.PRESETS, "lm")
+
+    def run():
+        metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
+                                        progress=not args.no_progress, export_torch=args.export_torch)
+        if metrics["interrupted"]:
+            return True
+        print(f"validation loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bits_per_token']:.3f} bits), "
+              f"{metrics['step']} steps  run: {args.out}\n--- sample ---\n{metrics['sample']}")
+        return False
+    return run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ from .. import checkpoints as ckpt
 from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, default_buckets
-from .loop import Checkpoints, RunError, batch_evaluator, fit, prepare_run_dir
+from .loop import Checkpoints, RunError, batch_evaluator, fit, plot_curves, prepare_run_dir
 from .optim import OptimConfig
 
 LABELS = ("negative", "positive")
@@ -236,6 +236,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
         test_metrics = batch_evaluator(loss_fn, lambda: test_batches.epoch())(result.model)
         metrics |= {f"test_{k}": v for k, v in test_metrics.items() if k != "count"}
         _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
+        plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
     if export_torch is not None:
         ckpt.save_safetensors(result.model, export_torch)
     return metrics

@@ -57,12 +57,14 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
     else:
         config = presets[args.preset or "small"]()
     changes = {}
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     for name, value in vars(args).items():
         if name in _RUN_FLAGS or value is None:
             continue
         field = renames.get(name, name)
-        if field in {f.name for f in dataclasses.fields(config_cls)}:
-            changes[field] = value
+        if field not in fields:
+            raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to {task}")
+        changes[field] = value
     if "epochs" in changes and "steps" not in changes and hasattr(config, "steps"):
         changes["steps"] = None  # --epochs alone decides the length (a preset's steps would win otherwise)
     if args.out is None:

@@ -39,7 +39,7 @@ class Seq2SeqConfig:
     d_ff: int = 512
     dropout: float = 0.0
     batch_size: int = 64
-    steps: int = 1500
+    steps: int = 3000
     optimizer: str = "adamw"
     lr: float = 1e-3
     warmup_steps: int = 100

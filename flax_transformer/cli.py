@@ -99,7 +99,10 @@ def _verify(args) -> int:
             tqdm = None
         rows = []
         progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
-        for row in verify.run(seed=args.seed, use_jit=not args.no_jit, families=tuple(args.family or ())):
+        families = tuple(args.family or ())
+        checks = (verify.gradient_rows(seed=args.seed, families=families) if args.grads else
+                  verify.run(seed=args.seed, use_jit=not args.no_jit, families=families))
+        for row in checks:
             rows.append(row)
             if progress is not None:
                 progress.update()
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only this family (repeatable; default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
+    p.add_argument("--grads", action="store_true",
+                   help="compare every parameter's gradient of every full model instead (error relative to the "
+                        "gradient's scale)")
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("port", help="convert a checkpoint: torch/safetensors/HF -> Flax safetensors/orbax/HF/torch")

@@ -197,6 +197,18 @@ class _Former(nnx.Module):
         return x, pad
 
 
+def _max_over_time(x):
+    """(b, t, e) -> (b, e) max over t, with torch's gradient: all of it to the arg-max position.
+
+    Not ``x.max(axis=1)``: JAX differentiates a max by comparing the input with the result
+    for equality, and under jit XLA may compute the two in different fusions with different
+    rounding, so no position compares equal and the gradient comes out wrong or NaN
+    (seen on CTransformer: relative error 0.25, NaN in places). A gather at the arg-max is exact.
+    """
+    where = jnp.argmax(x, axis=1)[:, None, :]  # (b, 1, e)
+    return jnp.take_along_axis(x, where, axis=1)[:, 0, :]
+
+
 class CTransformer(RecordsInit, _Former):
     """Sequence classifier (notebook 000): embeddings, blocks, pooling over time, linear.
 
@@ -222,11 +234,11 @@ class CTransformer(RecordsInit, _Former):
         """
         x, pad = self._embed_and_run(x, mask)  # (b, t, e)
         if pad is None:
-            x = x.max(axis=1) if self.max_pool else x.mean(axis=1)
+            x = _max_over_time(x) if self.max_pool else x.mean(axis=1)
         else:
             tok = pad[:, 0, 0, :, None]  # (b, t, 1)
             if self.max_pool:
-                pooled = jnp.where(tok, x, jnp.finfo(x.dtype).min).max(axis=1)
+                pooled = _max_over_time(jnp.where(tok, x, jnp.finfo(x.dtype).min))
                 x = jnp.where(tok.any(axis=1), pooled, 0.0).astype(x.dtype)
             else:
                 x = jnp.where(tok, x, 0).sum(axis=1) / jnp.maximum(tok.sum(axis=1), 1).astype(x.dtype)

@@ -316,6 +316,91 @@ def perturb_flax(flax_module, seed: int) -> None:
             variable.set_value(variable[...] + NOISE * jax.random.normal(sub, variable.shape, variable.dtype))
 
 
+# ------------------------------------------------------------------- gradients
+
+# Full models, whose parameter gradients ``verify --grads`` compares.
+MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "TransformerEncoder",
+          "TransformerForSequenceClassification", "TransformerForSequenceClassification(post-LN)", "GPTTransformer",
+          "Transformer", "TransformerEncoder(BERT)", "GPT2LMHeadModel")
+
+
+@nnx.jit
+def _flax_grads(module, args, kwargs, weights):
+    def loss(m):
+        return sum((leaf * w).sum() for leaf, w in zip(_leaves(m(*args, **kwargs)), weights, strict=True))
+    return nnx.grad(loss)(module)
+
+
+def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):
+    """Compare d loss / d parameter between a torch module and its Flax twin, parameter by parameter.
+
+    The loss is ``sum_i <output_i, W_i>`` with fixed random ``W_i`` of each output's shape: the
+    gradient of any loss is the backward pass of some such ``W`` (its gradient w.r.t. the
+    outputs), so a random one checks the whole backward pass. Each parameter's error is
+    relative to its gradient's scale, ``max(1, max |g_torch|)``.
+
+    Returns (largest relative error over all parameters, all gradients finite, worst key).
+    """
+    import torch
+
+    from . import porting
+
+    kwargs = kwargs or {}
+    to_torch = lambda a: None if a is None else torch.from_numpy(np.array(a))  # noqa: E731
+    to_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+    torch_module.zero_grad(set_to_none=True)
+    out = list(_leaves(torch_module(*map(to_torch, args), **{k: to_torch(v) for k, v in kwargs.items()})))
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in out]
+    sum((o * torch.from_numpy(w)).sum() for o, w in zip(out, weights)).backward()
+    torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
+                   for k, p in torch_module.named_parameters()}
+    grads = _flax_grads(flax_module, tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()},
+                        [jnp.asarray(w) for w in weights])
+    holder = nnx.clone(flax_module)
+    nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
+    flax_grads = porting.state_dict(holder)
+    if set(flax_grads) != set(torch_grads):
+        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
+    worst, worst_key, finite = 0.0, "", True
+    for key, g in torch_grads.items():
+        f = np.asarray(flax_grads[key])
+        finite &= bool(np.isfinite(g).all() and np.isfinite(f).all())
+        err = float(np.abs(f.astype(np.float64) - g).max(initial=0.0)) / max(1.0, float(np.abs(g).max(initial=0.0)))
+        if err >= worst:
+            worst, worst_key = err, key
+    return worst, finite, worst_key
+
+
+def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
+    """One Row per (full model, mask case, direction): the worst relative parameter-gradient error."""
+    import torch
+
+    from . import porting
+
+    for i, spec in enumerate(specs()):
+        if spec.name not in MODELS or (families and spec.family not in families):
+            continue
+        for case in spec.cases:
+            rng = np.random.default_rng(seed + i)
+            torch.manual_seed(seed + i)
+            mask, causal = _mask_for(case, rng, 3, 7)
+            if spec.causal_via_mask:
+                mask, causal = full_mask(mask, 3, 7, causal), False
+            args, kwargs = spec.inputs(rng, mask)
+            torch_module = spec.build(causal).eval()
+            perturb_torch(torch_module, seed + i)
+            flax_module = porting.torch_to_flax(torch_module, seed=seed + i)
+            err, finite, _ = gradient_errors(torch_module, flax_module, args, kwargs, seed=seed + i)
+            yield Row(spec.family, spec.name, case, "torch->flax grads", err, finite)
+            flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
+            flax_module.eval()
+            perturb_flax(flax_module, seed + i + 1)
+            torch_twin = porting.flax_to_torch(flax_module).eval()
+            err, finite, _ = gradient_errors(torch_twin, flax_module, args, kwargs, seed=seed + i)
+            yield Row(spec.family, spec.name, case, "flax->torch grads", err, finite)
+
+
 def format_table(rows: list[Row]) -> str:
     header = ("family", "module", "case", "direction", "max abs err", "result")
     body = [(r.family, r.module, r.case, r.direction, f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"),

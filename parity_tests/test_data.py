@@ -91,3 +91,26 @@ def test_packed_jsonl_layout(tmp_path):
         with gzip.open(folder / f"train-{name}-00-of-01.jsonl.gz", "wt") as f:
             f.write(json.dumps({"id": 0, "rating": 9 if label else 1, "label": label, "text": name}) + "\n")
     assert data.read_imdb(tmp_path, "train") == [("neg", 0), ("pos", 1)]
+
+
+def test_rt_polarity_and_shakespeare_downloads(tmp_path, monkeypatch):
+    """Without a data folder, the original archives are fetched into the cache (file:// URLs here)."""
+    monkeypatch.setattr(data, "REPO_ROOT", tmp_path / "nowhere" / "repo")  # no ../shared/data beside it
+    assert data.find_data_dir() is None
+    members = {f"rt-polaritydata/rt-polarity.{name}": "".join(f"{name} snippet {i}\n" for i in range(5331))
+               for name in ("neg", "pos")}
+    archive, _ = _archive(tmp_path, members)
+    cache = tmp_path / "cache"
+    rows = data.rt_polarity(cache_dir=cache, url=archive.as_uri())
+    assert len(rows) == 10_662 and rows[0] == ("neg snippet 0", 0) and rows[-1] == ("pos snippet 5330", 1)
+    (tmp_path / "short").mkdir()
+    short, _ = _archive(tmp_path / "short", {"rt-polaritydata/rt-polarity.neg": "a\n",
+                                             "rt-polaritydata/rt-polarity.pos": "b\n"})
+    with pytest.raises(ValueError, match="10,662"):
+        data.rt_polarity(cache_dir=tmp_path / "cache2", url=short.as_uri())
+
+    text = tmp_path / "input.txt"
+    text.write_text("not Shakespeare\n")
+    with pytest.raises(ValueError, match="wrong length"):
+        data.tinyshakespeare(cache_dir=tmp_path / "cache3", url=text.as_uri())
+    assert not (tmp_path / "cache3" / "tinyshakespeare" / "input.txt").exists()  # discarded

@@ -117,10 +117,7 @@ def load_splits(config: ClassifyConfig, data_dir=None):
     if config.dataset == "imdb":
         train, test = data.imdb(data_dir, "train"), data.imdb(data_dir, "test")
     else:
-        found = data.find_data_dir(data_dir)
-        if found is None:
-            raise FileNotFoundError("rt-polarity needs --data-dir (a folder with rt-polarity/rt-polarity.{neg,pos})")
-        rows = data.read_rt_polarity(found)
+        rows = data.rt_polarity(data_dir)
         order = rng.permutation(len(rows))
         cut = len(rows) // 10
         test, train = [rows[i] for i in order[:cut]], [rows[i] for i in order[cut:]]

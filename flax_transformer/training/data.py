@@ -82,8 +82,13 @@ def read_imdb(data_dir, split: str) -> list[tuple[str, int]]:
 
 
 def read_rt_polarity(data_dir) -> list[tuple[str, int]]:
-    """The 10,662 sentence-polarity snippets as (text, label): negatives, then positives."""
+    """The 10,662 sentence-polarity snippets as (text, label): negatives, then positives.
+
+    Reads ``rt-polarity/`` (the shared copy) or ``rt-polaritydata/`` (the Cornell archive's folder).
+    """
     folder = Path(data_dir) / "rt-polarity"
+    if not folder.is_dir() and (Path(data_dir) / "rt-polaritydata").is_dir():
+        folder = Path(data_dir) / "rt-polaritydata"
     rows = []
     for label, name in ((0, "rt-polarity.neg"), (1, "rt-polarity.pos")):
         file = folder / name
@@ -185,6 +190,23 @@ def imdb(data_dir=None, split: str = "train", *, cache_dir=None) -> list[tuple[s
     if found is None:
         found = download_imdb(cache_dir or Path.home() / ".cache" / "flax_transformer")
     return read_imdb(found, split)
+
+
+RT_POLARITY_URL = "https://www.cs.cornell.edu/people/pabo/movie-review-data/rt-polaritydata.tar.gz"
+
+
+def rt_polarity(data_dir=None, *, cache_dir=None, url: str = RT_POLARITY_URL) -> list[tuple[str, int]]:
+    """Sentence polarity from ``data_dir`` (default ../shared/data), else Cornell's archive downloaded
+    once into ``cache_dir`` (published without a checksum; the 5,331 + 5,331 lines are checked)."""
+    found = find_data_dir(data_dir)
+    if found is None:
+        found = Path(cache_dir or Path.home() / ".cache" / "flax_transformer")
+        if not (found / "rt-polaritydata").is_dir():
+            extract_tar(download(url, found), found)
+    rows = read_rt_polarity(found)
+    if found != find_data_dir(data_dir) and len(rows) != 10_662:
+        raise ValueError(f"{url} did not give the 10,662 sentence-polarity snippets ({len(rows)} lines)")
+    return rows
 
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"

@@ -34,29 +34,15 @@ def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, 
 def assert_parameter_gradients_match(torch_model, args, rng):
     """d<model(*args), W>/d(every parameter) agrees between torch and the ported Flax model.
 
-    W is a fixed random tensor of the output's shape. Tolerance: TOL relative to the
-    gradient's scale (max(1, max |g|)).
+    W is a fixed random tensor of the output's shape (``verify.gradient_errors``). Tolerance:
+    TOL relative to the gradient's scale (max(1, max |g|)).
     """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from flax_transformer import porting
+    from flax_transformer import porting, verify
 
     torch_model.eval()
-    flax_model = porting.torch_to_flax(torch_model)
-    out = torch_model(*(torch.from_numpy(a) for a in args))
-    w = rng.standard_normal(tuple(out.shape)).astype(np.float32)
-    (out * torch.from_numpy(w)).sum().backward()
-    grads = nnx.grad(lambda m: (m(*(jnp.asarray(a) for a in args)) * w).sum())(flax_model)
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, grads)  # gradients in the parameters' places, to read them under torch names
-    flax_grads = porting.state_dict(holder)
-    torch_grads = {k: p.grad.numpy() for k, p in torch_model.named_parameters()}
-    assert set(flax_grads) == set(torch_grads)
-    for key, g in torch_grads.items():
-        scale = max(1.0, float(np.abs(g).max()))
-        err = float(np.abs(flax_grads[key] - g).max())
-        assert err <= TOL * scale, f"{key}: grad max abs err {err:.3g} (scale {scale:.3g})"
+    err, finite, key = verify.gradient_errors(torch_model, porting.torch_to_flax(torch_model), tuple(args),
+                                              seed=int(rng.integers(1 << 30)))
+    assert finite and err <= TOL, f"{key}: grad max abs err {err:.3g} relative to its scale"
 
 
 @pytest.fixture

@@ -21,6 +21,37 @@ def test_verify_command_passes_and_covers_every_module_of_a_family():
     assert f"{sum(2 * len(s.cases) for s in classic)} passed, 0 failed" in result.stdout
 
 
+def test_verify_grads_covers_every_full_model(capsys):
+    """``verify --grads``: every full model of a family, every mask case, both directions."""
+    from flax_transformer.cli import main
+
+    assert main(["verify", "--grads", "--family", "gpt"]) == 0
+    out = capsys.readouterr().out
+    models = [s for s in verify.specs() if s.family == "gpt" and s.name in verify.MODELS]
+    assert {s.name for s in models} == {"GPTTransformer", "GPT2LMHeadModel"}
+    for spec in models:
+        rows = [line for line in out.splitlines() if line.startswith("gpt") and f" {spec.name} " in line]
+        assert len(rows) == 2 * len(spec.cases) and all("grads" in r and r.rstrip().endswith("pass") for r in rows)
+    # every model verify knows is a model here, and the gradient check can fail
+    assert set(verify.MODELS) <= {s.name for s in verify.specs()}
+
+
+def test_gradient_check_fails_on_a_wrong_gradient():
+    import numpy as np
+    import torch
+    import torch_reference.former as tf
+
+    from flax_transformer import porting
+
+    model = tf.CTransformer(8, 2, 1, 8, 20, 2).eval()
+    flax_model = porting.torch_to_flax(model)
+    with torch.no_grad():
+        model.toprobs.weight.mul_(1.01)  # 1% off: the gradients into the blocks move with it
+    ids = np.random.default_rng(0).integers(0, 20, (2, 8)).astype(np.int32)
+    err, finite, key = verify.gradient_errors(model, flax_model, (ids,))
+    assert finite and err > verify.TOLERANCE, (err, key)
+
+
 def test_every_module_of_every_family_has_a_verify_spec():
     """verify's table covers each public model class (so the README's main job checks them all)."""
     import flax_transformer.classic as fc

@@ -40,6 +40,7 @@ class ClassifyConfig:
 
     model: str = "former"  # "former" (CTransformer) or "encoder" (TransformerForSequenceClassification)
     dataset: str = "imdb"  # "imdb" or "rt-polarity" (10% held out as its test set)
+    tokenizer: str = "notebook_000"  # notebook 000's lower-cased words, or "notebook_002"'s cleaned-up words
     vocab_size: int = 50_000
     max_length: int = 512
     buckets: int = 4
@@ -74,6 +75,8 @@ class ClassifyConfig:
             raise ValueError(f"dataset must be 'imdb' or 'rt-polarity', got {self.dataset!r}")
         if self.emb % self.heads:
             raise ValueError(f"emb ({self.emb}) must be divisible by heads ({self.heads})")
+        if self.tokenizer not in ("notebook_000", "notebook_002"):
+            raise ValueError(f"tokenizer must be 'notebook_000' or 'notebook_002', got {self.tokenizer!r}")
 
     @classmethod
     def tiny(cls, **changes):
@@ -139,16 +142,29 @@ def load_splits(config: ClassifyConfig, data_dir=None):
 
 
 def build_tokenizer(config: ClassifyConfig, texts):
-    """Notebook 000's tokenizer, truncating to ``max_length``; the encoder gets a leading ``<cls>``."""
+    """Notebook 000's (or 002's) tokenizer, truncating to ``max_length``; the encoder gets a leading ``<cls>``.
+
+    Both have a ``<pad>`` token (notebook 002's ``<PAD>`` is renamed on the way in, so the
+    batcher finds it under one name).
+    """
     from tokenizers import processors
 
-    tokenizer = tokenizers.notebook_000(texts, config.vocab_size)
+    if config.tokenizer == "notebook_002":
+        tokenizer = tokenizers.notebook_002(texts, max_voc=config.vocab_size - 4, max_length=config.max_length)
+        tokenizer.post_processor = None  # no <BOS>/<EOS> for a classifier
+    else:
+        tokenizer = tokenizers.notebook_000(texts, config.vocab_size)
     if config.model == "encoder":
         tokenizer.add_special_tokens(["<cls>"])
         cls_id = tokenizer.token_to_id("<cls>")
         tokenizer.post_processor = processors.TemplateProcessing(single="<cls> $A", special_tokens=[("<cls>", cls_id)])
     tokenizer.enable_truncation(config.max_length)
     return tokenizer
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.token_to_id("<pad>")
+    return tokenizer.token_to_id("<PAD>") if pad is None else pad
 
 
 def encode(tokenizer, rows):
@@ -213,7 +229,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
         tokenizer = build_tokenizer(config, [text for text, _ in train])
         ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
     buckets = default_buckets(config.max_length, config.buckets)
-    pad = tokenizer.token_to_id("<pad>")
+    pad = _pad_id(tokenizer)
     make = lambda rows, shuffle: Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets,
                                           pad_id=pad, seed=config.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
@@ -280,7 +296,7 @@ def predict(run_dir, texts, *, step: int | None = None) -> list[tuple[str, float
         chunk = sequences[i:i + config.batch_size]
         buckets = default_buckets(config.max_length, config.buckets)
         length = buckets[int(np.searchsorted(buckets, max(len(s) for s in chunk)))]
-        ids = np.full((len(chunk), length), tokenizer.token_to_id("<pad>"), dtype=np.int32)
+        ids = np.full((len(chunk), length), _pad_id(tokenizer), dtype=np.int32)
         mask = np.zeros((len(chunk), length), dtype=bool)
         for row, seq in enumerate(chunk):
             ids[row, :len(seq)], mask[row, :len(seq)] = seq, True

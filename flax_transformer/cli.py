@@ -90,6 +90,8 @@ def _verify(args) -> int:
     from . import verify
 
     start = time.perf_counter()
+    if args.train_steps:
+        return _verify_training(args, start)
     if args.checkpoint:
         rows = verify.checkpoint_rows(args.checkpoint, _load_pair, _inputs)
     else:
@@ -112,6 +114,24 @@ def _verify(args) -> int:
     failed = [r for r in rows if not r.passed]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
           f"(tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
+    return 1 if failed else 0
+
+
+def _verify_training(args, start) -> int:
+    """``verify --train-steps K``: K optimizer steps in torch and in JAX, losses side by side."""
+    from . import verify
+    from .training import parity
+
+    failed = 0
+    for family in args.family or parity.MODELS:
+        for optimizer in ("adam", "adamw"):
+            result = parity.trajectory(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed)
+            ok = result.passed
+            failed += not ok
+            print(parity.format_trajectory(result))
+            print(f"  -> {'pass' if ok else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
+    print(f"{failed} failed (tolerance {verify.TOLERANCE:g} on losses and relative on parameters, "
+          f"{time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
 
 
@@ -239,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grads", action="store_true",
                    help="compare every parameter's gradient of every full model instead (error relative to the "
                         "gradient's scale)")
+    p.add_argument("--train-steps", type=int, metavar="K", default=0,
+                   help="instead, train each family's full model K steps with the notebooks' torch setup and with "
+                        "the optax chain, and print both loss curves")
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("port", help="convert a checkpoint: torch/safetensors/HF -> Flax safetensors/orbax/HF/torch")

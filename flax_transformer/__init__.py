@@ -5,3 +5,7 @@ between torch and Flax lives in ``porting`` (which imports torch lazily).
 """
 
 __version__ = "0.1.0"
+
+from ._common import ATTENTION_IMPLEMENTATIONS, set_attention  # noqa: E402
+
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "set_attention"]

@@ -213,7 +213,55 @@ def empty_cache(layers: int, batch: int, heads: int, length: int, head_dim: int,
 # --------------------------------------------------------------------- attention
 
 
-def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropout | None = None):
+ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+
+
+def set_attention(model, implementation: str) -> None:
+    """Make every attention module in ``model`` compute with ``implementation``:
+
+    * ``"reference"`` (default): the notebooks' math written out (scores, fp32 softmax,
+      weights @ v), which the parity tests hold to torch.
+    * ``"xla"`` / ``"cudnn"``: ``jax.nn.dot_product_attention`` (cuDNN's fused flash
+      attention on NVIDIA GPUs; XLA's fused version elsewhere), same masks and results
+      within rounding. Modules fall back to the reference path when they must return the
+      attention weights or apply attention dropout in training.
+
+    The choice is a static attribute of the modules (``attention_impl``), so a jitted
+    function compiled with one implementation is traced again for another.
+    """
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
+    model.set_attributes(attention_impl=implementation, raise_if_not_found=False)
+
+
+def fused_attention(q, k, v, mask=None, *, scale: float | None = None, bias=None, implementation: str = "xla"):
+    """``jax.nn.dot_product_attention`` on (b, h, t, d) or (b, t, d) operands, our mask convention.
+
+    A row whose keys are all masked gives zeros, as in ``attend`` (JAX's gives the mean of v).
+    With an additive ``bias`` instead (notebook 002's -1e20 masks) the notebook's numbers are kept.
+    """
+    squeeze = q.ndim == 3
+    if squeeze:  # one head, no head axis (notebook 001's AttentionHead)
+        q, k, v = q[:, None], k[:, None], v[:, None]
+        mask = None if mask is None else jnp.asarray(mask)[:, None]
+        bias = None if bias is None else jnp.asarray(bias)[:, None]
+    b, h, tq, _ = q.shape
+    tk = k.shape[2]
+    to_bthd = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (b, h, t, d) -> (b, t, h, d)
+    full = None if mask is None else jnp.broadcast_to(mask, (b, h, tq, tk))
+    if bias is not None:
+        bias = jnp.broadcast_to(bias, (b, h, tq, tk)).astype(jnp.float32)
+    out = jax.nn.dot_product_attention(to_bthd(q), to_bthd(k), to_bthd(v), bias=bias, mask=full,
+                                       scale=1.0 if scale is None else scale,
+                                       implementation=None if implementation == "xla" else implementation)
+    out = to_bthd(out)  # (b, h, tq, d_v)
+    if full is not None:
+        out = jnp.where(full.any(axis=-1, keepdims=True), out, 0).astype(out.dtype)
+    return out[:, 0] if squeeze else out
+
+
+def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropout | None = None,
+           implementation: str = "reference", need_weights: bool = True):
     """softmax(scale * q k^T) v with a boolean mask.
 
     Args:
@@ -223,10 +271,16 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
         scale: multiplies the scores; None when q and k already carry it.
         dropout: an ``nnx.Dropout`` applied to the weights.
 
+        implementation: see ``set_attention``; the fused path is taken only when the
+            weights are not needed and dropout is inactive.
+
     Returns:
-        out (b, h, q_len, d_v) and weights (b, h, q_len, k_len). A query row whose keys
-        are all masked gets all-zero weights (so a zero output), never NaN.
+        out (b, h, q_len, d_v) and weights (b, h, q_len, k_len) (None from the fused path).
+        A query row whose keys are all masked gets all-zero weights (so a zero output), never NaN.
     """
+    dropout_active = dropout is not None and not dropout.deterministic and dropout.rate > 0
+    if implementation != "reference" and not need_weights and not dropout_active and q.ndim in (3, 4):
+        return fused_attention(q, k, v, mask, scale=scale, implementation=implementation), None
     scores = q @ jnp.swapaxes(k, -2, -1)  # (b, h, q, k)
     if scale is not None:
         scores = scores * scale

@@ -51,6 +51,7 @@ class ScaledDotProductAttention(RecordsInit, nnx.Module):
 
     def __init__(self, dropout=0.1, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.attention_impl = "reference"  # see set_attention
 
     def __call__(self, q, k, v, mask=None):
         """Args: q (b, q_len, d_k); k (b, k_len, d_k); v (b, k_len, d_v); mask broadcastable
@@ -59,8 +60,10 @@ class ScaledDotProductAttention(RecordsInit, nnx.Module):
         if q.shape[-1] != d_k:
             raise ValueError(f"queries have width {q.shape[-1]} but keys {d_k}")
         keep = keep_mask(mask, (q.shape[0], q.shape[-2], k.shape[-2]))
-        output, weights = attend(q, k, v, keep, scale=1 / math.sqrt(d_k), dropout=self.dropout)
-        log_size(self, weights.shape, "attention weight")
+        output, weights = attend(q, k, v, keep, scale=1 / math.sqrt(d_k), dropout=self.dropout,
+                                 implementation=self.attention_impl, need_weights=False)
+        if weights is not None:
+            log_size(self, weights.shape, "attention weight")
         log_size(self, output.shape, "attention output size")
         return output
 
@@ -96,6 +99,7 @@ class MultiHeadAttention(RecordsInit, nnx.Module):
             raise ValueError(f"d_model ({d_model}) must equal d_feature ({d_feature}) * n_heads ({n_heads})")
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.d_model, self.d_feature, self.n_heads, self.dtype = d_model, d_feature, n_heads, dtype
+        self.attention_impl = "reference"  # see set_attention
         self.attn_heads = nnx.List([AttentionHead(d_model, d_feature, dropout, **kw) for _ in range(n_heads)])
         self.projection = Linear(d_feature * n_heads, d_model, **kw)
 
@@ -115,7 +119,8 @@ class MultiHeadAttention(RecordsInit, nnx.Module):
     def attend_projected(self, q, k, v, keep, b, q_len):
         """Attention on projected (b, h, *, f) q/k/v with a keep-mask, then ``projection``."""
         keep = None if keep is None else keep[:, None] if keep.ndim == 3 else keep  # head axis
-        x, _ = attend(q, k, v, keep, scale=1 / math.sqrt(self.d_feature), dropout=self.attn_heads[0].attn.dropout)
+        x, _ = attend(q, k, v, keep, scale=1 / math.sqrt(self.d_feature), dropout=self.attn_heads[0].attn.dropout,
+                      implementation=self.attention_impl, need_weights=False)
         log_size(self, x[:, 0].shape, "Output of single head")
         x = x.transpose(0, 2, 1, 3).reshape(b, q_len, self.n_heads * self.d_feature)  # (b, q, h*f)
         log_size(self, x.shape, "Concatenated output")

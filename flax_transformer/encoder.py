@@ -38,7 +38,8 @@ def _mask_to_bool(mask, scores_shape):
     return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
-def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights: bool = False):
+def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights: bool = False,
+                                 implementation: str = "reference"):
     """softmax(q k^T / sqrt(d_k)) v, as in the notebook.
 
     Args:
@@ -53,7 +54,8 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, return_weights
     dim_k = query.shape[-1]
     scores_shape = tuple(query.shape[:-1]) + (key.shape[-2],)
     mask = None if mask is None else _mask_to_bool(mask, scores_shape)
-    out, weights = attend(query, key, value, mask, scale=1 / math.sqrt(dim_k))
+    out, weights = attend(query, key, value, mask, scale=1 / math.sqrt(dim_k), implementation=implementation,
+                          need_weights=return_weights)
     return (out, weights) if return_weights else out
 
 
@@ -63,6 +65,7 @@ class AttentionHead(RecordsInit, nnx.Module):
     def __init__(self, embed_dim, head_dim, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embed_dim, self.dtype = embed_dim, dtype
+        self.attention_impl = "reference"  # see set_attention
         self.q = Linear(embed_dim, head_dim, **kw)
         self.k = Linear(embed_dim, head_dim, **kw)
         self.v = Linear(embed_dim, head_dim, **kw)
@@ -78,7 +81,8 @@ class AttentionHead(RecordsInit, nnx.Module):
         if mask is not None:
             mask = mask[:, 0]  # (b, 1|t, t): no head axis here
         x = hidden_state.astype(self.dtype)
-        return scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), mask, return_weights=return_weights)
+        return scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), mask, return_weights=return_weights,
+                                            implementation=self.attention_impl)
 
 
 class MultiHeadAttention(_ConfigModule):
@@ -90,6 +94,7 @@ class MultiHeadAttention(_ConfigModule):
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.attention_impl = "reference"  # see set_attention
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.hidden_size, self.dtype = config.hidden_size, dtype
@@ -119,7 +124,8 @@ class MultiHeadAttention(_ConfigModule):
         mask = normalize_mask(mask, b, t, t, heads=len(self.heads))
         x = hidden_state.astype(self.dtype)
         q, k, v = (self._project(x, n) for n in ("q", "k", "v"))  # (b, h, t, d)
-        out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
+        out, weights = attend(q, k, v, mask, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout,
+                              implementation=self.attention_impl, need_weights=return_weights)
         out = self.output_linear(out.transpose(0, 2, 1, 3).reshape(b, t, e))  # (b, t, e)
         return (out, weights) if return_weights else out
 
@@ -158,6 +164,11 @@ class TransformerEncoderLayer(_ConfigModule):
         self.feed_forward = FeedForward(config, **kw)
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
 
+    def _attend(self, x, mask, return_weights):
+        if return_weights:
+            return self.attention(x, mask, return_weights=True)
+        return self.attention(x, mask), None
+
     def __call__(self, x, mask=None, *, return_weights: bool = False):
         """Args: x (b, t, hidden_size); mask as for ``MultiHeadAttention``.
 
@@ -165,11 +176,11 @@ class TransformerEncoderLayer(_ConfigModule):
         """
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         if self.norm_first:
-            attended, weights = self.attention(self.layer_norm_1(x), mask, return_weights=True)
+            attended, weights = self._attend(self.layer_norm_1(x), mask, return_weights)
             x = x + attended
             x = x + self.feed_forward(self.layer_norm_2(x))
         else:
-            attended, weights = self.attention(x, mask, return_weights=True)
+            attended, weights = self._attend(x, mask, return_weights)
             x = self.layer_norm_1(x + self.dropout(attended))
             x = self.layer_norm_2(x + self.feed_forward(x))
         return (x, weights) if return_weights else x

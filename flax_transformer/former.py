@@ -49,7 +49,7 @@ def _self_attention(module, x, mask, head_width: int, scale_width: int, cache=No
         mask = cache_mask(t, keys.shape[2], index)  # causal over what has been written
     else:
         mask = combine_masks(normalize_mask(mask, b, t, t, heads=h), make_causal_mask(t) if module.causal else None)
-    out, _ = attend(queries, keys, values, mask)  # (b, h, t, s)
+    out, _ = attend(queries, keys, values, mask, implementation=module.attention_impl, need_weights=False)  # (b, h, t, s)
     out = module.unifyheads(out.transpose(0, 2, 1, 3).reshape(b, t, h * head_width))  # (b, t, e)
     return out if cache is None else (out, cache)
 
@@ -71,6 +71,7 @@ class MHSelfAttention(RecordsInit, nnx.Module):
         if scale not in _SCALES:
             raise ValueError(f"scale must be one of {_SCALES}, got {scale!r}")
         self.emb, self.heads, self.causal, self.scale, self.dtype = emb, heads, causal, scale, dtype
+        self.attention_impl = "reference"  # see set_attention
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.tokeys = Linear(emb, emb, **kw)
         self.toqueries = Linear(emb, emb, **kw)
@@ -101,6 +102,7 @@ class SelfAttention(RecordsInit, nnx.Module):
 
     def __init__(self, k, heads=8, *, causal: bool = False, scale: str = "emb", rngs: nnx.Rngs,
                  dtype=jnp.float32, param_dtype=jnp.float32):
+        self.attention_impl = "reference"  # see set_attention
         if heads < 1:
             raise ValueError(f"number of heads must be >= 1, got {heads}")
         if scale not in _SCALES:

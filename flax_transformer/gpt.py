@@ -17,7 +17,7 @@ from flax import nnx
 
 from .configs import GPTConfig
 from ._common import (
-    ACTIVATIONS, Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, check_divisible, check_features,
+    ACTIVATIONS, Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, fused_attention, check_divisible, check_features,
     cache_mask, check_length, check_token_ids, empty_cache, gather_rows, is_concrete, lookup, update_cache,
 )
 
@@ -119,9 +119,11 @@ class FeedForward(RecordsInit, nnx.Module):
         return self.w2(self.drop(self.act_fn(self.w1(x))))
 
 
-def _softmax_attention(q, k, v, scores_mask):
+def _softmax_attention(q, k, v, scores_mask, implementation: str = "reference"):
     """softmax(q k^T / sqrt(d) + additive mask) v; softmax in fp32."""
     d = k.shape[-1]
+    if implementation != "reference":  # the additive mask is the fused kernel's bias: the same numbers
+        return fused_attention(q, k, v, bias=scores_mask, scale=d ** (-0.5), implementation=implementation)
     s_ij = (q @ jnp.swapaxes(k, -1, -2) * d ** (-0.5)).astype(jnp.float32)
     if scores_mask is not None:
         s_ij = s_ij + scores_mask
@@ -134,6 +136,7 @@ class Attention(RecordsInit, nnx.Module):
     def __init__(self, d, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.d = d
+        self.attention_impl = "reference"  # see set_attention
         self.q_proj = Linear(d, d, **kw)
         self.k_proj = Linear(d, d, **kw)
         self.v_proj = Linear(d, d, **kw)
@@ -144,7 +147,7 @@ class Attention(RecordsInit, nnx.Module):
         check_attention_mask(attention_mask, x.shape[0], x.shape[1])
         mask = None if attention_mask is None else additive_mask((x.shape[0], x.shape[1], x.shape[1]),
                                                                  attention_mask, False)
-        return _softmax_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), mask)
+        return _softmax_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), mask, self.attention_impl)
 
 
 class TransformerLayer(RecordsInit, nnx.Module):
@@ -169,6 +172,7 @@ class GPTAttention(RecordsInit, nnx.Module):
     def __init__(self, d_embed, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.d_embed = d_embed
+        self.attention_impl = "reference"  # see set_attention
         self.q = Linear(d_embed, d_embed, bias=False, **kw)
         self.k = Linear(d_embed, d_embed, bias=False, **kw)
         self.v = Linear(d_embed, d_embed, bias=False, **kw)
@@ -178,7 +182,7 @@ class GPTAttention(RecordsInit, nnx.Module):
         check_features(x, self.d_embed)
         check_attention_mask(attention_mask, x.shape[0], x.shape[1])
         mask = additive_mask((x.shape[0], x.shape[1], x.shape[1]), attention_mask, True)
-        return _softmax_attention(self.q(x), self.k(x), self.v(x), mask)
+        return _softmax_attention(self.q(x), self.k(x), self.v(x), mask, self.attention_impl)
 
 
 class GPTTransformerLayer(RecordsInit, nnx.Module):
@@ -210,6 +214,7 @@ class GPTMHAttention(RecordsInit, nnx.Module):
         check_divisible(d_embed, n_heads)
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.d_embed, self.n_heads, self.dtype = d_embed, n_heads, dtype
+        self.attention_impl = "reference"  # see set_attention
         self.q_proj = TorchLinear(d_embed, d_embed, **kw)
         self.k_proj = TorchLinear(d_embed, d_embed, **kw)
         self.v_proj = TorchLinear(d_embed, d_embed, **kw)
@@ -237,7 +242,7 @@ class GPTMHAttention(RecordsInit, nnx.Module):
         else:
             k, v = cache = update_cache(cache, k, v, index)
             mask = jnp.where(cache_mask(l, k.shape[2], index), 0.0, -INF)
-        y = _softmax_attention(q, k, v, mask)  # (b, h, l, d_h)
+        y = _softmax_attention(q, k, v, mask, self.attention_impl)  # (b, h, l, d_h)
         y = y.transpose(0, 2, 1, 3).reshape(b, l, d)
         return y if cache is None else (y, cache)
 
@@ -339,6 +344,7 @@ class GPT2Attention(_GPTConfigModule):
         config = GPTConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.n_head, self.n_embd, self.dtype = config.n_head, config.n_embd, dtype
+        self.attention_impl = "reference"  # see set_attention
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, **kw)
         self.c_proj = Linear(config.n_embd, config.n_embd, **kw)
         self.attn_dropout = nnx.Dropout(config.attn_pdrop, rngs=rngs)
@@ -356,7 +362,8 @@ class GPT2Attention(_GPTConfigModule):
         else:
             k, v = cache = update_cache(cache, k, v, index)
             keep = cache_mask(t, k.shape[2], index)
-        out, _ = attend(q, k, v, keep, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout)
+        out, _ = attend(q, k, v, keep, scale=1 / math.sqrt(q.shape[-1]), dropout=self.attn_dropout,
+                        implementation=self.attention_impl, need_weights=False)
         out = self.resid_dropout(self.c_proj(out.transpose(0, 2, 1, 3).reshape(b, t, e)))
         return out if cache is None else (out, cache)
 

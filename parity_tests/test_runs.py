@@ -422,3 +422,16 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert digest(run) == before
     with pytest.raises(RunError, match="unreadable"):
         loop.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
+
+
+def test_bf16_and_fused_attention_runs(tmp_path, capsys):
+    """``--dtype bf16 --attention xla``: the run trains in mixed precision with JAX's fused attention."""
+    run = tmp_path / "run"
+    assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--dtype", "bf16",
+                             "--attention", "xla"]) == 0
+    saved = json.loads((run / "run.json").read_text())
+    assert saved["dtype"] == "bf16" and saved["attention"] == "xla"
+    train = records(run, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
+    params = tree_of(run)
+    assert all(v.dtype != np.dtype("bfloat16") for v in params.values())  # parameters (and Adam moments) stay fp32

@@ -29,7 +29,7 @@ from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, default_buckets
 from .loop import Checkpoints, RunError, batch_evaluator, fit, plot_curves, prepare_run_dir
-from .optim import OptimConfig
+from .optim import OptimConfig, check_precision, compute_dtype
 
 LABELS = ("negative", "positive")
 
@@ -67,8 +67,11 @@ class ClassifyConfig:
     checkpoint_every: int | None = None  # default: 5 checkpoints per run
     keep: int = 3
     seed: int = 0
+    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
+    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_precision(self.dtype, self.attention)
         if self.model not in ("former", "encoder"):
             raise ValueError(f"model must be 'former' or 'encoder', got {self.model!r}")
         if self.dataset not in ("imdb", "rt-polarity"):
@@ -181,16 +184,22 @@ def build_model(config: ClassifyConfig, vocab_size: int, *, seed: int | None = N
     from ..encoder import TransformerForSequenceClassification
     from ..former import CTransformer
 
+    from .. import set_attention
+
     seed = config.seed if seed is None else seed
-    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    kw = dict(rngs=nnx.Rngs(params=seed, dropout=seed + 1), dtype=compute_dtype(config.dtype))
     if config.model == "former":
-        return CTransformer(config.emb, config.heads, config.depth, config.max_length, vocab_size, config.num_classes,
-                            max_pool=config.max_pool, dropout=config.dropout, rngs=rngs)
+        model = CTransformer(config.emb, config.heads, config.depth, config.max_length, vocab_size,
+                             config.num_classes, max_pool=config.max_pool, dropout=config.dropout, **kw)
+        set_attention(model, config.attention)
+        return model
     encoder = EncoderConfig(vocab_size=vocab_size, hidden_size=config.emb, num_hidden_layers=config.depth,
                             num_attention_heads=config.heads, intermediate_size=config.ff_mult * config.emb,
                             hidden_dropout_prob=config.dropout, max_position_embeddings=config.max_length,
                             num_labels=config.num_classes)
-    return TransformerForSequenceClassification(encoder, rngs=rngs)
+    model = TransformerForSequenceClassification(encoder, **kw)
+    set_attention(model, config.attention)
+    return model
 
 
 def loss_fn(model, batch):

@@ -33,6 +33,10 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
                         help="data folder (default ../shared/data beside the repo when present, else a download)")
     parser.add_argument("--export-torch", type=Path, default=None, metavar="FILE.safetensors",
                         help="also write the trained weights as a torch_reference state_dict")
+    parser.add_argument("--dtype", choices=["float32", "bf16"], default=None,
+                        help="compute dtype (bf16: mixed precision, parameters and softmax/LayerNorm statistics fp32)")
+    parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
+                        help="attention math: the notebooks' (reference) or jax.nn.dot_product_attention")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

@@ -25,7 +25,7 @@ from .. import checkpoints as ckpt
 from . import data, tokenizers
 from .batching import Windows
 from .loop import Checkpoints, RunError, batch_evaluator, fit, prepare_run_dir
-from .optim import OptimConfig
+from .optim import OptimConfig, check_precision, compute_dtype
 from .step import cross_entropy
 
 
@@ -61,8 +61,11 @@ class LMConfig:
     temperature: float = 0.8
     top_k: int | None = None
     seed: int = 0
+    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
+    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_precision(self.dtype, self.attention)
         if self.model not in ("gpt", "former"):
             raise ValueError(f"model must be 'gpt' or 'former', got {self.model!r}")
         if self.level not in ("char", "word"):
@@ -132,12 +135,17 @@ def build_model(config: LMConfig, vocab_size: int):
     from ..former import GTransformer
     from ..gpt import GPTTransformer
 
-    rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
+    from .. import set_attention
+
+    kw = dict(rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1), dtype=compute_dtype(config.dtype))
     if config.model == "gpt":
-        return GPTTransformer(config.n_layers, config.d_embed, config.d_ff, config.heads, vocab_size, config.context,
-                              config.dropout, rngs=rngs)
-    return GTransformer(config.d_embed, config.heads, config.n_layers, config.context, vocab_size,
-                        dropout=config.dropout, rngs=rngs)
+        model = GPTTransformer(config.n_layers, config.d_embed, config.d_ff, config.heads, vocab_size, config.context,
+                               config.dropout, **kw)
+    else:
+        model = GTransformer(config.d_embed, config.heads, config.n_layers, config.context, vocab_size,
+                             dropout=config.dropout, **kw)
+    set_attention(model, config.attention)
+    return model
 
 
 def loss_fn(model, batch):

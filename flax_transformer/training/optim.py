@@ -66,6 +66,26 @@ class OptimConfig:
             raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
 
 
+DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def check_precision(dtype: str, attention: str) -> None:
+    """Validate a task config's ``dtype`` and ``attention`` fields."""
+    from .._common import ATTENTION_IMPLEMENTATIONS
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
+
+
+def compute_dtype(name: str):
+    """``"bf16"`` -> ``jnp.bfloat16`` etc.: the models' ``dtype`` (compute), never their parameters'."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(DTYPES[name])
+
+
 def schedule(config: OptimConfig) -> optax.Schedule:
     """Learning rate per update count: linear warmup from 0, then constant, cosine or linear decay."""
     pieces, boundaries = [], []

@@ -20,7 +20,7 @@ from flax import nnx
 
 from .. import checkpoints as ckpt
 from .loop import fit, prepare_run_dir
-from .optim import OptimConfig
+from .optim import OptimConfig, check_precision, compute_dtype
 from .step import cross_entropy
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
@@ -51,8 +51,11 @@ class Seq2SeqConfig:
     checkpoint_every: int | None = None
     keep: int = 3
     seed: int = 0
+    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
+    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_precision(self.dtype, self.attention)
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         if self.d_model % self.heads:
@@ -117,10 +120,14 @@ class Examples:
 
 
 def build_model(config: Seq2SeqConfig):
+    from .. import set_attention
     from ..classic import Transformer
 
-    return Transformer(VOCAB, VOCAB, config.d_model, config.heads, config.n_blocks, config.d_ff, config.dropout,
-                       max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1))
+    model = Transformer(VOCAB, VOCAB, config.d_model, config.heads, config.n_blocks, config.d_ff, config.dropout,
+                        max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
+                        dtype=compute_dtype(config.dtype))
+    set_attention(model, config.attention)
+    return model
 
 
 def loss_fn(model, batch):

@@ -7,6 +7,7 @@ Runs use ``--preset tiny`` on a small synthetic IMDB (written in the packed form
 import gzip
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,16 +68,20 @@ def records(run_dir, split):
 
 
 def tree_of(run_dir, step=None):
-    """The saved model state of a run's checkpoint (default latest) as {path: numpy array}."""
+    """The saved state of a run's checkpoint (default latest) as {path: numpy array}, whatever its sharding."""
+    import orbax.checkpoint as ocp
+
     checkpoints = loop.Checkpoints(run_dir)
     try:
         step = checkpoints.latest() if step is None else step
-        import orbax.checkpoint as ocp
-
-        restored = checkpoints.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        path = checkpoints.directory / str(step) / "state"
+        with ocp.PyTreeCheckpointer() as reader:
+            metadata = reader.metadata(path).item_metadata.tree
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+            restored = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
     finally:
         checkpoints.close()
-    leaves = jax.tree_util.tree_flatten_with_path(restored["state"])[0]
+    leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
@@ -435,3 +440,36 @@ def test_bf16_and_fused_attention_runs(tmp_path, capsys):
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
     params = tree_of(run)
     assert all(v.dtype != np.dtype("bfloat16") for v in params.values())  # parameters (and Adam moments) stay fp32
+
+
+def test_sharded_run_on_8_host_devices_equals_one_device(tmp_path):
+    """``--mesh data=4,fsdp=2`` on 8 CPU devices (a subprocess: the device count is fixed at JAX start-up)
+    gives the losses and parameters of the one-device run, up to float rounding."""
+    config = seq2seq.Seq2SeqConfig.tiny(steps=30, eval_every=None, checkpoint_every=30)
+    seq2seq.train_and_evaluate(config, tmp_path / "one", progress=False)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run([sys.executable, "-m", "train.seq2seq", "--preset", "tiny", "--steps", "30",
+                             "--out", str(tmp_path / "eight"), "--mesh", "data=4,fsdp=2", "--no-progress"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Sharded over {'data': 4, 'fsdp': 2}" in result.stderr
+    assert "model arrays split over fsdp" in result.stderr and " 0 of " not in result.stderr
+    one, eight = records(tmp_path / "one", "train"), records(tmp_path / "eight", "train")
+    assert [r["step"] for r in one] == [r["step"] for r in eight]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, eight)) <= 1e-5
+    a, b = tree_of(tmp_path / "one"), tree_of(tmp_path / "eight")
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].dtype.kind != "f" or "key_tfm" in key:
+            # key biases have an exactly-zero gradient: Adam turns rounding noise into steps of up to lr
+            # (see training/parity.py); they are not comparable run to run
+            continue
+        scale = max(1.0, float(np.abs(a[key]).max()))
+        assert float(np.abs(a[key] - b[key]).max()) <= 1e-5 * scale, key
+
+
+def test_mesh_errors_are_clear(capsys, tmp_path):
+    assert _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r", "--mesh", "data=64", "--no-progress"]) == 2
+    assert "needs 64 devices" in capsys.readouterr().err
+    assert _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r2", "--mesh", "model=2", "--no-progress"]) == 2
+    assert "expected data=N,fsdp=M" in capsys.readouterr().err

@@ -218,7 +218,7 @@ def loss_fn(model, batch):
 
 
 def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None) -> dict:
+                       export_torch=None, mesh=None) -> dict:
     """Train, evaluate on the test set, write the run directory; returns the final metrics.
 
     ``resume`` continues ``run_dir``'s run (the configuration must be the same) from its
@@ -251,6 +251,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
                  run_config=run_config, evaluate=batch_evaluator(loss_fn, lambda: val_batches.epoch()),
                  eval_every=config.eval_every or train_batches.steps_per_epoch,
                  checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                 mesh=mesh,
                  description=f"classify-{config.model}")
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}

@@ -37,12 +37,14 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
                         help="compute dtype (bf16: mixed precision, parameters and softmax/LayerNorm statistics fp32)")
     parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
                         help="attention math: the notebooks' (reference) or jax.nn.dot_product_attention")
+    parser.add_argument("--mesh", default=None, metavar="data=N,fsdp=M",
+                        help="shard over N*M devices: batches over all, parameters and optimizer state over fsdp")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 # flags that are not config fields
-_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "no_progress"}
+_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "no_progress", "mesh"}  # a resumed run may change mesh
 
 
 def make_config(args, config_cls, presets, task: str, *, renames: dict | None = None):

@@ -168,7 +168,7 @@ def sample(config: LMConfig, model, tokenizer, *, seed: int | None = None) -> st
 
 
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None) -> dict:
+                       export_torch=None, mesh=None) -> dict:
     """Train, then report validation loss (nats per token) and a sample; returns the metrics."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
@@ -193,7 +193,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
     result = fit(model, config.optim(), loss_fn, train, run_dir=run_dir, steps=config.steps, run_config=run_config,
                  evaluate=evaluate, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-                 keep=config.keep, resume=resume, progress=progress, description=f"lm-{config.model}-{config.level}")
+                 keep=config.keep, resume=resume, progress=progress, mesh=mesh,
+                 description=f"lm-{config.model}-{config.level}")
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
     if not result.interrupted:

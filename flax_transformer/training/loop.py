@@ -287,10 +287,77 @@ class _StopRequest:
 # ----------------------------------------------------------------------------- steps
 
 
-def _compiled_steps(loss_fn, train_def, opt_def):
-    """The train step as a pure function of (model state, optimizer state), traced once per batch shape."""
+# ----------------------------------------------------------------------------- devices
 
-    @partial(jax.jit, donate_argnums=(0, 1))
+
+def parse_mesh(spec: str | None):
+    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp")."""
+    if not spec:
+        return None
+    sizes = {"data": 1, "fsdp": 1}
+    try:
+        for part in spec.split(","):
+            name, value = part.split("=")
+            if name.strip() not in sizes:
+                raise ValueError(name)
+            sizes[name.strip()] = int(value)
+    except ValueError:
+        raise RunError(f"--mesh {spec!r}: expected data=N,fsdp=M") from None
+    n = sizes["data"] * sizes["fsdp"]
+    devices = jax.devices()
+    if n < 1 or n > len(devices):
+        raise RunError(f"--mesh {spec} needs {n} devices, {len(devices)} available "
+                       "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    grid = np.array(devices[:n]).reshape(sizes["data"], sizes["fsdp"])
+    return jax.sharding.Mesh(grid, ("data", "fsdp"))
+
+
+def _param_spec(x, fsdp: int):
+    """FSDP: split a parameter (and its Adam moments) along its largest axis that ``fsdp`` divides."""
+    from jax.sharding import PartitionSpec as P
+
+    shape = getattr(x, "shape", ())
+    if fsdp == 1 or not shape or _is_key(x):
+        return P()
+    axes = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for axis in axes:
+        if shape[axis] % fsdp == 0:
+            return P(*[("fsdp" if i == axis else None) for i in range(len(shape))])
+    return P()  # too small to split: replicated
+
+
+def state_shardings(tree, mesh):
+    from jax.sharding import NamedSharding
+
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
+
+
+def batch_sharding(batch, mesh):
+    """Every batch array split along its first (batch) axis over both mesh axes: data parallel over all devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.size
+    for key, value in batch.items():
+        if np.ndim(value) and np.shape(value)[0] % n:
+            raise RunError(f"batch size {np.shape(value)[0]} ({key}) is not divisible by the {n} devices of the mesh")
+    return {k: NamedSharding(mesh, P(("data", "fsdp")) if np.ndim(v) else P()) for k, v in batch.items()}
+
+
+def _compiled_steps(loss_fn, train_def, opt_def, shardings=None):
+    """The train step as a pure function of (model state, optimizer state), traced once per batch shape.
+
+    With ``shardings`` = (model state, optimizer state, replicated) the step keeps the
+    parameters and optimizer state where they are (FSDP) and XLA's SPMD partitioner inserts
+    the collectives: no hand-written all-reduce.
+    """
+    jit = partial(jax.jit, donate_argnums=(0, 1))
+    if shardings is not None:
+        model_sh, opt_sh, replicated = shardings
+        jit = partial(jax.jit, donate_argnums=(0, 1), out_shardings=(model_sh, opt_sh, replicated))
+
+    @jit
     def train_step(model_state, opt_state, batch):
         model = nnx.merge(train_def, model_state)
         optimizer = nnx.merge(opt_def, opt_state)
@@ -347,7 +414,7 @@ def _tokens(batches, batch) -> int:
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
         keep: int = 3, resume: bool = False, log_every: int = 10, progress: bool = True,
-        tensorboard: bool = True, description: str = "train") -> FitResult:
+        tensorboard: bool = True, description: str = "train", mesh=None) -> FitResult:
     """Train ``model`` for ``steps`` optimizer updates, saving, logging and evaluating as it goes.
 
     Args:
@@ -361,6 +428,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
             steps and at the end.
         checkpoint_every: save every so many steps (and always at the end, and on Ctrl-C).
         resume: continue from the latest checkpoint in ``run_dir``.
+        mesh: a ``jax.sharding.Mesh`` with axes ("data", "fsdp") (see ``parse_mesh``): batches
+            split over all its devices, parameters and optimizer state split over "fsdp".
+            The results equal a one-device run's within float rounding (tested on 8 CPU devices).
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
     and ``RunError`` for anything that stops a run before it starts.
@@ -401,7 +471,19 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)
 
-    train_step = _compiled_steps(loss_fn, train_def, opt_def)
+    shardings = None
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        shardings = (state_shardings(model_state, mesh), state_shardings(opt_state, mesh), NamedSharding(mesh, P()))
+        model_state = jax.device_put(model_state, shardings[0])
+        opt_state = jax.device_put(opt_state, shardings[1])
+        specs = [sh.spec for sh in jax.tree.leaves(shardings[0])]
+        print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
+              f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp",
+              file=sys.stderr)
+    train_step = _compiled_steps(loss_fn, train_def, opt_def, shardings)
     log = MetricsLog(run_dir, start, tensorboard=tensorboard)
     bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not progress,
                dynamic_ncols=True, mininterval=0.5)
@@ -411,6 +493,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         with _StopRequest() as stop:
             while step < steps:
                 batch = batches.batch(step)
+                if mesh is not None:
+                    batch = jax.device_put(batch, batch_sharding(batch, mesh))
                 model_state, opt_state, metrics = train_step(model_state, opt_state, batch)
                 metrics = jax.device_get(metrics)
                 loss = float(metrics["loss"])

@@ -157,7 +157,7 @@ def exact_match_of(generated, target) -> float:
 
 
 def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None) -> dict:
+                       export_torch=None, mesh=None) -> dict:
     """Train on fresh examples, report exact match on ``eval_size`` held-out ones."""
     run_dir = Path(run_dir)
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
@@ -175,6 +175,7 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
                  run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
                  checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                 mesh=mesh,
                  description="seq2seq-reverse")
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}

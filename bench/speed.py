@@ -71,11 +71,33 @@ def _configs():
     }
 
 
-def _flops(compiled) -> float:
+def _cost(compiled, key: str = "flops") -> float:
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list):
         analysis = analysis[0]
-    return float(analysis.get("flops", float("nan")))
+    return float(analysis.get(key, float("nan")))
+
+
+def _flops(compiled) -> float:
+    return _cost(compiled, "flops")
+
+
+def machine_peaks(reps: int = 5) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, memory bandwidth in bytes/s) measured here with XLA: the floors' denominators."""
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x).lower(a).compile()
+    flops = 2 * n ** 3 / _median_seconds(lambda: jax.block_until_ready(matmul(a)), reps)
+    # 256 MB, far beyond the caches, updated in place (donated): a fresh 256 MB output each call
+    # would measure the kernel's page faults instead (7 GB/s here, against ~50 in place)
+    holder = {"x": jnp.ones((64 * 1024 * 1024,), jnp.float32)}
+    scale = jax.jit(lambda x: x * 1.5, donate_argnums=0)
+
+    def run():
+        holder["x"] = jax.block_until_ready(scale(holder["x"]))
+
+    bandwidth = 2 * holder["x"].nbytes / _median_seconds(run, reps)  # read + write
+    return flops, bandwidth
 
 
 def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
@@ -99,9 +121,10 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
         return nnx.merge(graphdef, state)(x)
 
     fwd = forward.lower(state, jids).compile()
-    fwd_flops = _flops(fwd)
+    fwd_flops, fwd_bytes = _flops(fwd), _cost(fwd, "bytes accessed")
     seconds = _median_seconds(lambda: jax.block_until_ready(fwd(state, jids)), reps)
-    rows.append(dict(config=key, what="forward", framework="jax (jit)", seconds=seconds, flops=fwd_flops))
+    rows.append(dict(config=key, what="forward", framework="jax (jit)", seconds=seconds, flops=fwd_flops,
+                     bytes=fwd_bytes))
     if spec["train"]:
         optimizer = nnx.Optimizer(flax_model, make_optimizer(OptimConfig(optimizer="adam", lr=1e-4, clip_norm=1.0)),
                                   wrt=nnx.Param)
@@ -119,7 +142,19 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             return nnx.state(model), nnx.state(opt), loss
 
         train = jax.jit(step, donate_argnums=(0, 1)).lower(state, opt_state, jids, jlabels).compile()
-        train_flops = _flops(train)
+        train_flops, train_bytes = _flops(train), _cost(train, "bytes accessed")
+
+        # where the time goes: the optimizer update alone (clip + Adam over every parameter)
+        def update_only(model_state, opt_state):
+            model = nnx.merge(graphdef, model_state)
+            opt = nnx.merge(opt_def, opt_state)
+            opt.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+            return nnx.state(model), nnx.state(opt)
+
+        update = jax.jit(update_only).lower(state, opt_state).compile()
+        seconds = _median_seconds(lambda: jax.block_until_ready(update(state, opt_state)), reps)
+        rows.append(dict(config=key, what="optimizer update only", framework="jax (jit)", seconds=seconds,
+                         flops=_flops(update), bytes=_cost(update, "bytes accessed")))
         holder = {"m": state, "o": opt_state}
 
         def run():
@@ -127,7 +162,8 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             jax.block_until_ready(loss)
 
         seconds = _median_seconds(run, reps)
-        rows.append(dict(config=key, what="train step", framework="jax (jit)", seconds=seconds, flops=train_flops))
+        rows.append(dict(config=key, what="train step", framework="jax (jit)", seconds=seconds, flops=train_flops,
+                         bytes=train_bytes))
 
     # --------------------------------------------------------------- torch
     tids = torch.from_numpy(ids)
@@ -165,18 +201,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32 on both sides, as in the parity tests
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads)\n")
+          f"({torch.get_num_threads()} threads)")
+    peak, bandwidth = machine_peaks()
+    print(f"measured here: fp32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3), memory {bandwidth / 1e9:.1f} GB/s "
+          "(256 MB scale)\n")
     configs = _configs()
-    print("| config | pass | framework | median ms | tokens/s | GFLOP/s | JAX / this |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | pass | framework | median ms | tokens/s | GFLOP/s | torch time / JAX time | floor ms (of JAX) |")
+    print("|---|---|---|---|---|---|---|---|")
     for key in args.config:
         rows = bench(key, configs[key], args.reps, not args.no_compile)
         for row in rows:
             jax_row = next(r for r in rows if r["what"] == row["what"] and r["framework"].startswith("jax"))
             ratio = row["seconds"] / jax_row["seconds"]
+            floor = ""
+            if "bytes" in row:  # JAX rows: the larger of compute time at peak and traffic time at full bandwidth
+                floor_s = max(row["flops"] / peak, row["bytes"] / bandwidth)
+                floor = f"{floor_s * 1e3:.1f} ({floor_s / row['seconds']:.0%})"
             print(f"| {key}: {configs[key]['name']} | {row['what']} | {row['framework']} | "
                   f"{row['seconds'] * 1e3:.1f} | {row['tokens_per_s']:,.0f} | {row['gflops_per_s']:.1f} | "
-                  f"{ratio:.2f}x |", flush=True)
+                  f"{ratio:.2f}x | {floor} |", flush=True)
 
 
 if __name__ == "__main__":

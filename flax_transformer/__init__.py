@@ -6,6 +6,13 @@ between torch and Flax lives in ``porting`` (which imports torch lazily).
 
 __version__ = "0.1.0"
 
-from ._common import ATTENTION_IMPLEMENTATIONS, set_attention  # noqa: E402
-
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "set_attention"]
+
+
+def __getattr__(name):
+    # Lazily: torch_reference imports this package's pure-Python configs, and must not pull in JAX.
+    if name in __all__:
+        from . import _common
+
+        return getattr(_common, name)
+    raise AttributeError(f"module 'flax_transformer' has no attribute {name!r}")

@@ -166,7 +166,7 @@ def trajectory(name: str, *, steps: int = 10, optimizer: str = "adamw", lr: floa
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
             opt.step()
             sched.step()
-            result.torch_losses.append(float(loss))
+            result.torch_losses.append(loss.item())
             result.jax_losses.append(float(train_step(flax_model, tx, {k: jnp.asarray(v) for k, v in x.items()})["loss"]))
     ours = porting.state_dict(flax_model)
     scale = max(largest_grad.values())

@@ -22,7 +22,7 @@ from flax import nnx
 
 from flax_transformer.training import classify, lm, loop, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
-from flax_transformer.training.loop import NonFiniteLoss, RunError, fit, prepare_run_dir
+from flax_transformer.training.loop import NonFiniteLoss, RunError, create_run_dir, fit
 from flax_transformer.training.optim import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -363,7 +363,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         loss = -jnp.take_along_axis(logp, batch["labels"][:, None], axis=1).mean() + batch["poison"]
         return loss, {"count": jnp.float32(4)}
 
-    prepare_run_dir(tmp_path, {"x": 1}, resume=False)
+    create_run_dir(tmp_path, {"x": 1})
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 14.*checkpoints/10"):
         fit(model, OptimConfig(lr=1e-3), loss_fn, Poisoned(), run_dir=tmp_path, steps=30, run_config={"x": 1},
             checkpoint_every=5, progress=False, tensorboard=False)
@@ -379,6 +379,7 @@ def test_missing_data_directory_is_a_clear_error(tmp_path, capsys):
                               "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--data-dir" in err and "does not exist" in err
+    assert not (tmp_path / "run").exists()  # a run that fails on its input leaves no run directory
 
 
 def test_empty_dataset_and_bad_labels_are_refused(tmp_path, capsys):
@@ -394,7 +395,7 @@ def test_empty_dataset_and_bad_labels_are_refused(tmp_path, capsys):
     assert _main("classify", ["--preset", "tiny", "--out", tmp_path / "r2", "--data-dir", bad, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "labels [5] outside 0..1" in err
-    assert not list((tmp_path / "r2").glob("checkpoints/*"))
+    assert not (tmp_path / "r2").exists()
 
 
 def test_resume_with_another_configuration_changes_nothing(tmp_path, capsys):
@@ -473,3 +474,19 @@ def test_mesh_errors_are_clear(capsys, tmp_path):
     assert "needs 64 devices" in capsys.readouterr().err
     assert _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r2", "--mesh", "model=2", "--no-progress"]) == 2
     assert "expected data=N,fsdp=M" in capsys.readouterr().err
+
+
+def test_a_failed_download_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    """No data folder and no network: a one-line error naming --data-dir, and no run directory left."""
+    from flax_transformer.training import data
+
+    monkeypatch.setattr(data, "REPO_ROOT", tmp_path / "nowhere" / "repo")  # no ../shared/data beside it
+    monkeypatch.setattr(data, "IMDB_URL", (tmp_path / "missing.tar.gz").as_uri())
+    monkeypatch.setattr(data.Path, "home", lambda: tmp_path / "home")
+    monkeypatch.setattr(data, "download_imdb", lambda cache, **kw: data.extract_tar(
+        data.download((tmp_path / "missing.tar.gz").as_uri(), cache), cache))
+    assert _main("classify", ["--preset", "tiny", "--out", tmp_path / "run", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not download") and "--data-dir" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    assert not list((tmp_path / "home").rglob("*.tar.gz*"))  # no partial download left in the cache

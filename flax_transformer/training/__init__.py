@@ -7,10 +7,11 @@ command-line entry points.
 """
 
 from .batching import Bucketed, Windows, default_buckets
-from .loop import Checkpoints, FitResult, NonFiniteLoss, RunError, batch_evaluator, fit, plot_curves, prepare_run_dir
+from .loop import (Checkpoints, FitResult, NonFiniteLoss, RunError, batch_evaluator, create_run_dir, fit, plot_curves,
+                   prepare_run_dir)
 from .optim import OptimConfig, decay_mask, make_optimizer, schedule
 from .step import cross_entropy, make_steps
 
 __all__ = ["Bucketed", "Windows", "default_buckets", "Checkpoints", "FitResult", "NonFiniteLoss", "RunError",
-           "batch_evaluator", "fit", "plot_curves", "prepare_run_dir", "OptimConfig", "decay_mask", "make_optimizer",
+           "batch_evaluator", "create_run_dir", "fit", "plot_curves", "prepare_run_dir", "OptimConfig", "decay_mask", "make_optimizer",
            "schedule", "cross_entropy", "make_steps"]

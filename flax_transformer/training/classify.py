@@ -28,7 +28,7 @@ from .. import checkpoints as ckpt
 from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, default_buckets
-from .loop import Checkpoints, RunError, batch_evaluator, fit, plot_curves, prepare_run_dir
+from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, plot_curves, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype
 
 LABELS = ("negative", "positive")
@@ -229,6 +229,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     run_config = {"task": "classify", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)  # before the slow part: a wrong --resume fails now
     train, val, test = load_splits(config, data_dir)
+    if not resume:
+        create_run_dir(run_dir, run_config)
     tok_path = run_dir / "tokenizer.json"
     if resume and tok_path.is_file():
         from tokenizers import Tokenizer

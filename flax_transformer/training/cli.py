@@ -88,7 +88,7 @@ def run_main(function):
     except NonFiniteLoss as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
-    except (RunError, FileNotFoundError, ValueError) as error:
+    except (RunError, OSError, ValueError) as error:  # OSError: missing files, failed downloads
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 130 if interrupted else 0

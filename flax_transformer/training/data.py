@@ -122,6 +122,10 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
+class DownloadError(OSError):
+    """The source could not be fetched (no network, refused, not found)."""
+
+
 def download(url: str, cache_dir, *, sha256: str | None = None, progress: bool = True) -> Path:
     """Fetch ``url`` into ``cache_dir`` once (a progress bar while it runs); returns the file.
 
@@ -136,7 +140,12 @@ def download(url: str, cache_dir, *, sha256: str | None = None, progress: bool =
         return target
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=cache_dir)
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url) as response:
+        try:
+            response = urllib.request.urlopen(url)
+        except OSError as error:  # URLError, no network, refused...
+            raise DownloadError(f"could not download {url} ({getattr(error, 'reason', error)}); without internet "
+                                "access, pass --data-dir with a copy of the data") from None
+        with os.fdopen(fd, "wb") as out, response:
             total = int(response.headers.get("Content-Length") or 0) or None
             from tqdm import tqdm
 

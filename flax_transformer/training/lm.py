@@ -24,7 +24,7 @@ from flax import nnx
 from .. import checkpoints as ckpt
 from . import data, tokenizers
 from .batching import Windows
-from .loop import Checkpoints, RunError, batch_evaluator, fit, prepare_run_dir
+from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype
 from .step import cross_entropy
 
@@ -174,6 +174,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     text = read_corpus(config, data_dir)
+    if not resume:
+        create_run_dir(run_dir, run_config)
     tok_path = run_dir / "tokenizer.json"
     if resume and tok_path.is_file():
         from tokenizers import Tokenizer

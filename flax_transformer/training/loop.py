@@ -77,10 +77,12 @@ def config_differences(saved: dict, given: dict) -> list[str]:
 
 
 def prepare_run_dir(run_dir, run_config: dict, *, resume: bool) -> Path:
-    """Create ``run_dir`` for a new run, or check that ``resume`` continues the same run.
+    """Check that a new run would not overwrite another, or that ``resume`` continues the same run.
 
     Raises ``RunError`` (and changes nothing) when a new run would overwrite an existing
     one, when there is nothing to resume, or when the configuration differs from the saved one.
+    Creates nothing: call ``create_run_dir`` once the data has loaded, so that a run that
+    fails on its input leaves no half-made run directory behind.
     """
     run_dir = Path(run_dir)
     saved_path = run_dir / "run.json"
@@ -99,8 +101,15 @@ def prepare_run_dir(run_dir, run_config: dict, *, resume: bool) -> Path:
         return run_dir
     if saved_path.exists() or any((run_dir / "checkpoints").glob("*")):
         raise RunError(f"{run_dir} already holds a run; continue it with --resume, or choose another --out")
+    return run_dir
+
+
+def create_run_dir(run_dir, run_config: dict) -> Path:
+    """Make a new run's directory and write its ``run.json`` (after ``prepare_run_dir`` checked it)."""
+    run_dir = Path(run_dir)
+    prepare_run_dir(run_dir, run_config, resume=False)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_file(saved_path, lambda tmp: Path(tmp).write_text(json.dumps(run_config, indent=2) + "\n"))
+    _atomic_file(run_dir / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(run_config, indent=2) + "\n"))
     return run_dir
 
 

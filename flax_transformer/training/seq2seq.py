@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
-from .loop import fit, prepare_run_dir
+from .loop import create_run_dir, fit, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype
 from .step import cross_entropy
 
@@ -162,6 +162,8 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     run_dir = Path(run_dir)
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
+    if not resume:
+        create_run_dir(run_dir, run_config)  # no data to load: the task generates its own
     held_out = make_batch(config, np.random.default_rng([config.seed, 10**9]), config.eval_size)
     model = build_model(config)
     print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.steps} steps of "

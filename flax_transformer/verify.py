@@ -251,21 +251,26 @@ def _seq2seq_inputs(rng, padding, vocab, b, t):
     return src, tgt, padding, tgt_mask
 
 
-def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None = None) -> Iterator[Row]:
-    """Yield one Row per (module, mask case, direction), for all families or the ones named."""
+def case_inputs(spec: Spec, case: str, seed: int, b: int = 3, t: int = 7):
+    """(torch module, args, kwargs) for one spec and mask case, seeded (torch and numpy)."""
     import torch
 
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    mask, causal = _mask_for(case, rng, b, t)
+    if spec.causal_via_mask:
+        mask, causal = full_mask(mask, b, t, causal), False
+    args, kwargs = spec.inputs(rng, mask)
+    return spec.build(causal).eval(), args, kwargs
+
+
+def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None = None) -> Iterator[Row]:
+    """Yield one Row per (module, mask case, direction), for all families or the ones named."""
     for i, spec in enumerate(specs()):
         if families and spec.family not in families:
             continue
         for case in spec.cases:
-            rng = np.random.default_rng(seed + i)
-            torch.manual_seed(seed + i)
-            mask, causal = _mask_for(case, rng, 3, 7)
-            if spec.causal_via_mask:
-                mask, causal = full_mask(mask, 3, 7, causal), False
-            args, kwargs = spec.inputs(rng, mask)
-            torch_module = spec.build(causal).eval()
+            torch_module, args, kwargs = case_inputs(spec, case, seed + i)
             for direction, err, finite in both_directions(torch_module, args, kwargs, seed=seed + i, use_jit=use_jit):
                 yield Row(spec.family, spec.name, case, direction, err, finite)
 
@@ -374,21 +379,13 @@ def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
     """One Row per (full model, mask case, direction): the worst relative parameter-gradient error."""
-    import torch
-
     from . import porting
 
     for i, spec in enumerate(specs()):
         if spec.name not in MODELS or (families and spec.family not in families):
             continue
         for case in spec.cases:
-            rng = np.random.default_rng(seed + i)
-            torch.manual_seed(seed + i)
-            mask, causal = _mask_for(case, rng, 3, 7)
-            if spec.causal_via_mask:
-                mask, causal = full_mask(mask, 3, 7, causal), False
-            args, kwargs = spec.inputs(rng, mask)
-            torch_module = spec.build(causal).eval()
+            torch_module, args, kwargs = case_inputs(spec, case, seed + i)
             perturb_torch(torch_module, seed + i)
             flax_module = porting.torch_to_flax(torch_module, seed=seed + i)
             err, finite, _ = gradient_errors(torch_module, flax_module, args, kwargs, seed=seed + i)

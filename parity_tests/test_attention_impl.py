@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from flax_transformer import porting, set_attention, verify
@@ -22,13 +21,7 @@ SPECS = verify.specs()
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.family}-{s.name}")
 def test_fused_attention_matches_torch(spec):
     for case in [c for c in spec.cases if c in ("padding", "causal+padding", "fully-masked-row")] or spec.cases[:1]:
-        rng = np.random.default_rng(0)
-        torch.manual_seed(0)
-        mask, causal = verify._mask_for(case, rng, 3, 7)
-        if spec.causal_via_mask:
-            mask, causal = verify.full_mask(mask, 3, 7, causal), False
-        args, kwargs = spec.inputs(rng, mask)
-        torch_module = spec.build(causal).eval()
+        torch_module, args, kwargs = verify.case_inputs(spec, case, 0)
         verify.perturb_torch(torch_module, 0)
         flax_module = porting.torch_to_flax(torch_module)
         set_attention(flax_module, "xla")

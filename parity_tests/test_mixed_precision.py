@@ -21,13 +21,8 @@ BOUND = 3e-2
 
 @pytest.mark.parametrize("spec", MODEL_SPECS, ids=lambda s: f"{s.family}-{s.name}")
 def test_bf16_compute_stays_within_the_bound(spec):
-    rng = np.random.default_rng(0)
     case = "padding" if "padding" in spec.cases else spec.cases[0]
-    mask, causal = verify._mask_for(case, rng, 3, 7)
-    if spec.causal_via_mask:
-        mask, causal = verify.full_mask(mask, 3, 7, causal), False
-    args, kwargs = spec.inputs(rng, mask)
-    torch_module = spec.build(causal).eval()
+    torch_module, args, kwargs = verify.case_inputs(spec, case, 0)
     verify.perturb_torch(torch_module, 0)
     fp32 = porting.torch_to_flax(torch_module)
     bf16 = type(fp32)(**torch_module.init_kwargs(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -29,7 +29,7 @@ from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, default_buckets
 from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, plot_curves, prepare_run_dir
-from .optim import OptimConfig, check_precision, compute_dtype
+from .optim import OptimConfig, check_precision, compute_dtype, from_task
 
 LABELS = ("negative", "positive")
 
@@ -100,9 +100,7 @@ class ClassifyConfig:
         return dataclasses.replace(cls(depth=6, batch_size=64, epochs=10, lr=5e-4, warmup_steps=1000), **changes)
 
     def optim(self, total_steps: int) -> OptimConfig:
-        return OptimConfig(optimizer=self.optimizer, lr=self.lr, warmup_steps=min(self.warmup_steps, total_steps - 1),
-                           decay=self.decay, total_steps=total_steps, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm)
+        return from_task(self, total_steps)
 
 
 PRESETS = {"tiny": ClassifyConfig.tiny, "small": ClassifyConfig.small, "base": ClassifyConfig.base}

@@ -25,7 +25,7 @@ from .. import checkpoints as ckpt
 from . import data, tokenizers
 from .batching import Windows
 from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, prepare_run_dir
-from .optim import OptimConfig, check_precision, compute_dtype
+from .optim import OptimConfig, check_precision, compute_dtype, from_task
 from .step import cross_entropy
 
 
@@ -95,9 +95,7 @@ class LMConfig:
                                        sample_tokens=500), **changes)
 
     def optim(self) -> OptimConfig:
-        return OptimConfig(optimizer=self.optimizer, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps - 1),
-                           decay=self.decay, total_steps=self.steps, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm)
+        return from_task(self, self.steps)
 
 
 PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}

@@ -27,6 +27,7 @@ one that was not (tested).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -377,12 +378,19 @@ def _compiled_steps(loss_fn, train_def, opt_def, shardings=None):
     return train_step
 
 
+@functools.cache
+def _jitted_loss(loss_fn):
+    return nnx.jit(loss_fn)
+
+
 def batch_evaluator(loss_fn, batches: Callable[[], object]):
     """``evaluate(model)``: the count-weighted mean of ``loss_fn``'s metrics over ``batches()``.
 
     ``loss_fn`` must report ``count`` (examples or tokens in the batch) among its metrics.
+    Evaluators of the same ``loss_fn`` (validation, then test) share one jitted function,
+    so the test pass reuses the validation pass's compilations.
     """
-    step = nnx.jit(loss_fn)
+    step = _jitted_loss(loss_fn)
 
     def evaluate(model):
         totals, count = {}, 0.0

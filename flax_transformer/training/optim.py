@@ -66,6 +66,14 @@ class OptimConfig:
             raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
 
 
+def from_task(config, total_steps: int) -> OptimConfig:
+    """The ``OptimConfig`` of a task config (its optimizer, lr, warmup_steps, decay, weight_decay and
+    clip_norm fields) for a run of ``total_steps``; warmup is cut to fit a very short run."""
+    return OptimConfig(optimizer=config.optimizer, lr=config.lr, warmup_steps=min(config.warmup_steps, total_steps - 1),
+                       decay=config.decay, total_steps=total_steps, weight_decay=config.weight_decay,
+                       clip_norm=config.clip_norm)
+
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 

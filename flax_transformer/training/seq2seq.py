@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
-from .loop import create_run_dir, fit, prepare_run_dir
-from .optim import OptimConfig, check_precision, compute_dtype
+from .loop import batch_evaluator, create_run_dir, fit, prepare_run_dir
+from .optim import OptimConfig, check_precision, compute_dtype, from_task
 from .step import cross_entropy
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
@@ -78,9 +78,7 @@ class Seq2SeqConfig:
                                        steps=5000), **changes)
 
     def optim(self) -> OptimConfig:
-        return OptimConfig(optimizer=self.optimizer, lr=self.lr, warmup_steps=min(self.warmup_steps, self.steps - 1),
-                           decay=self.decay, total_steps=self.steps, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm)
+        return from_task(self, self.steps)
 
 
 PRESETS = {"tiny": Seq2SeqConfig.tiny, "small": Seq2SeqConfig.small, "base": Seq2SeqConfig.base}
@@ -171,8 +169,6 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     # held-out loss/token accuracy during training, exact match (a decode) at the end
     eval_batches = [{k: v[i:i + config.batch_size] for k, v in held_out.items()}
                     for i in range(0, config.eval_size, config.batch_size)]
-    from .loop import batch_evaluator
-
     evaluate = batch_evaluator(loss_fn, lambda: eval_batches)
     result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
                  run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,

@@ -29,6 +29,11 @@ class EncoderConfig:
             ``from_any`` (a notebook model built from a BertConfig has no such table);
             ``EncoderConfig.bert`` sets it.
         pooler: add BERT's pooler (dense + tanh on the [CLS] state); off in the notebook.
+        classifier_pooling: what ``TransformerForSequenceClassification`` classifies:
+            "cls", the first ([CLS]) hidden state, through the pooler when there is one
+            (HF's ``BertForSequenceClassification``); or "mean", the mean hidden state
+            over real tokens (how sentence-transformers models such as all-MiniLM-L6-v2
+            were trained; no pooler).
     """
 
     vocab_size: int = 30522
@@ -46,6 +51,7 @@ class EncoderConfig:
     layer_norm_eps_blocks: float | None = None
     token_types: int = 0
     pooler: bool = False
+    classifier_pooling: str = "cls"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -60,6 +66,8 @@ class EncoderConfig:
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
         supported = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
         if self.hidden_act not in supported:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(supported)})")

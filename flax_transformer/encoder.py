@@ -272,25 +272,54 @@ class TransformerEncoder(_ConfigModule):
 
 
 class TransformerForSequenceClassification(_ConfigModule):
-    """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
+    """Encoder, then a pooled vector through dropout and a linear layer.
+
+    ``config.classifier_pooling`` picks the vector: "cls", the first hidden state (the
+    notebook's), through BERT's pooler when the encoder has one (``EncoderConfig.bert``:
+    exactly HF's ``BertForSequenceClassification``); or "mean", the mean over real tokens.
+    """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.pooling = config.classifier_pooling  # "cls" or "mean"
         self.encoder = TransformerEncoder(config, **kw)
         self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
         self.classifier = Linear(config.hidden_size, config.num_labels, **kw)
+
+    def features(self, x, attention_mask=None):
+        """The pooled vector the classifier reads: (b, t) ids -> (b, hidden_size)."""
+        hidden = self.encoder(x, attention_mask)  # (b, t, hidden)
+        if self.pooling == "mean":
+            return masked_mean(hidden, attention_mask)
+        if self.encoder.pooler is not None:
+            return self.encoder.pool(hidden)  # tanh(dense(hidden[:, 0]))
+        return hidden[:, 0, :]  # [CLS] hidden state
+
+    def classify(self, features):
+        """(b, hidden_size) pooled vectors -> (b, num_labels) float32 logits."""
+        return self.classifier(self.dropout(features)).astype(jnp.float32)
 
     def __call__(self, x, attention_mask=None):
         """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.
 
         Returns: (b, num_labels) logits (float32).
         """
-        x = self.encoder(x, attention_mask)[:, 0, :]  # [CLS] hidden state, (b, hidden)
-        return self.classifier(self.dropout(x)).astype(jnp.float32)
+        return self.classify(self.features(x, attention_mask))
+
+
+def masked_mean(hidden, attention_mask=None):
+    """Mean of (b, t, d) over the tokens whose mask is 1 -> (b, d); a row with no token gives zeros.
+
+    Summed in float32 whatever the compute dtype (a statistic, like LayerNorm's)."""
+    if attention_mask is None:
+        return hidden.astype(jnp.float32).mean(axis=1).astype(hidden.dtype)
+    weight = (jnp.asarray(attention_mask) != 0).astype(jnp.float32)[..., None]  # (b, t, 1)
+    total = (hidden.astype(jnp.float32) * weight).sum(axis=1)
+    return (total / jnp.maximum(weight.sum(axis=1), 1.0)).astype(hidden.dtype)
 
 
 __all__ = [
     "scaled_dot_product_attention", "AttentionHead", "MultiHeadAttention", "FeedForward",
-    "TransformerEncoderLayer", "Embeddings", "TransformerEncoder", "TransformerForSequenceClassification",
+    "TransformerEncoderLayer", "Embeddings", "TransformerEncoder", "TransformerForSequenceClassification", "masked_mean",
 ]

@@ -11,6 +11,9 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
   ``model(input_ids, attention_mask=None, token_type_ids=None)`` -> last hidden state;
   ``model.pool(hidden)`` is BERT's pooler output. HF's fused-per-projection q/k/v
   weights (hidden, hidden) are split into the notebook's per-head layout.
+* ``classifier_from_pretrained`` -> ``encoder.TransformerForSequenceClassification``
+  over that BERT (``BertForSequenceClassification``: [CLS] through the pooler, or mean
+  pooling), with the folder's ``classifier.*`` head when it has one, else a new one.
 * ``gpt2`` -> ``gpt.GPT2LMHeadModel`` with ``GPTConfig``: pre-LN, tanh GELU, final
   LayerNorm, tied embeddings, Conv1D layout. Called as ``model(input_ids,
   attention_mask=None)`` -> logits.
@@ -23,6 +26,7 @@ strict and all or nothing. Torch pickles are read only with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -282,35 +286,131 @@ def torch_from_pretrained(path):
     return model.eval()
 
 
+CLASSIFIER_KEYS = ("classifier.weight", "classifier.bias")
+
+
+def _classifier_weights(path, num_labels, pooling, seed):
+    """(EncoderConfig, torch_reference-named weights) of a BERT classifier from an HF folder.
+
+    The head comes from the folder's ``classifier.*`` when it has one (a
+    ``BertForSequenceClassification`` folder, such as ``save_pretrained`` writes), else it
+    is new: N(0, initializer_range) weights and zero biases, as transformers initialises it.
+    """
+    raw = read_config(path)
+    kind, config = _family(raw)
+    if kind != "bert":
+        raise ValueError(f"{path} holds a {raw.get('model_type')!r} model; a sequence classifier needs a BERT folder "
+                         "(model_type 'bert')")
+    weights = dict(read_weights(path))
+    head = {k: weights.pop(k) for k in CLASSIFIER_KEYS if k in weights}
+    if num_labels is None:
+        num_labels = head["classifier.weight"].shape[0] if "classifier.weight" in head else len(
+            raw.get("id2label") or {0: 0, 1: 1})
+    config = dataclasses.replace(config, num_labels=int(num_labels), classifier_pooling=pooling)
+    if not head:
+        rng = np.random.default_rng(seed)
+        std = float(raw.get("initializer_range", 0.02))
+        head = {"classifier.weight": rng.normal(0.0, std, (config.num_labels, config.hidden_size)).astype(np.float32),
+                "classifier.bias": np.zeros(config.num_labels, np.float32)}
+    ours = {f"encoder.{k}": v for k, v in hf_to_ours("bert", weights, config).items()}
+    return config, {**ours, **head}  # a half head or a wrong shape is named by the strict load
+
+
+def classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: str = "cls",
+                               dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
+    """A Flax ``encoder.TransformerForSequenceClassification`` (eval mode) on an HF BERT folder.
+
+    Args:
+        path: a ``BertModel`` or ``BertForSequenceClassification`` folder.
+        num_labels: classes; default the folder's head's, else its ``id2label``'s, else 2.
+        pooling: "cls" ([CLS] through the pooler: ``BertForSequenceClassification``) or "mean".
+        seed: for a new head's initialisation (and the model's dropout stream).
+    """
+    from . import encoder
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such HuggingFace folder: {path}")
+    config, weights = _classifier_weights(path, num_labels, pooling, seed)
+    model = porting.build_unfilled(encoder.TransformerForSequenceClassification,
+                                   dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
+    porting.load_state_dict(model, weights, strict=True)
+    model.eval()
+    return model
+
+
+def torch_classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: str = "cls", seed: int = 0):
+    """The torch_reference twin of ``classifier_from_pretrained`` (eval mode), with the same new head."""
+    import torch
+
+    from torch_reference import encoder
+
+    config, weights = _classifier_weights(Path(path), num_labels, pooling, seed)
+    model = encoder.TransformerForSequenceClassification(config)
+    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
+    return model.eval()
+
+
 def _kind_of(model) -> tuple[str, object]:
     name = type(model).__name__
     if name == "TransformerEncoder" and type(model).__module__.endswith("encoder"):
         config = model.init_kwargs()["config"]
         return "bert", config
+    if name == "TransformerForSequenceClassification" and type(model).__module__.endswith("encoder"):
+        return "bert-classifier", model.init_kwargs()["config"]
     if name == "GPT2LMHeadModel":
         return "gpt2", model.init_kwargs()["config"]
     raise ValueError(f"save_pretrained writes encoder.TransformerEncoder (BERT) and gpt.GPT2LMHeadModel, not {name}; "
                      "use checkpoints.save_safetensors or save_orbax for the others")
 
 
-def save_pretrained(model, path, *, overwrite: bool = False) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that transformers loads (``BertModel`` /
-    ``GPT2LMHeadModel.from_pretrained``) with no missing or unexpected keys.
+def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tokenizer_from=None,
+                    labels=None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that transformers loads with no missing or
+    unexpected keys: ``BertModel``, ``BertForSequenceClassification`` or ``GPT2LMHeadModel``.
 
-    Works for Flax and torch_reference models. The folder is written under a temporary
-    name next to ``path`` and renamed at the end, so a failure leaves nothing behind.
+    Args:
+        model: a Flax or torch_reference ``TransformerEncoder`` / ``TransformerForSequenceClassification``
+            (BERT-style: ``EncoderConfig.bert``; [CLS] pooling) or ``GPT2LMHeadModel``.
+        tokenizer: a ``tokenizers.Tokenizer`` to write as ``tokenizer.json``, so that
+            ``AutoTokenizer.from_pretrained(path)`` loads it.
+        tokenizer_from: a folder whose ``tokenizer_config.json``, ``special_tokens_map.json``
+            and ``vocab.txt`` are copied alongside (the checkpoint the model came from).
+        labels: class names, written as the config's ``id2label`` / ``label2id``.
+
+    The folder is written under a temporary name next to ``path`` and renamed at the end,
+    so a failure leaves nothing behind.
     """
     from safetensors.numpy import save_file
 
     kind, config = _kind_of(model)
-    hf_config = config.to_bert_dict() if kind == "bert" else config.to_hf_dict()
+    if kind == "bert-classifier":
+        if config.classifier_pooling != "cls" or not config.pooler or config.norm_first:
+            raise ValueError("transformers' BertForSequenceClassification classifies [CLS] through the pooler of a "
+                             "post-LN BERT; this classifier (classifier_pooling="
+                             f"{config.classifier_pooling!r}, pooler={config.pooler}, norm_first={config.norm_first}) "
+                             "has no transformers equivalent")
+        hf_config = {**config.to_bert_dict(), "architectures": ["BertForSequenceClassification"]}
+        names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(config.num_labels)]
+        if len(names) != config.num_labels:
+            raise ValueError(f"{len(names)} labels for a classifier of {config.num_labels} classes")
+        hf_config |= {"id2label": {str(i): n for i, n in enumerate(names)},
+                      "label2id": {n: i for i, n in enumerate(names)}}
+    else:
+        hf_config = config.to_bert_dict() if kind == "bert" else config.to_hf_dict()
     if type(model).__module__.startswith("torch_reference"):
         state = {k: porting._to_numpy(v) for k, v in model.state_dict().items()}
     else:
         state = porting.state_dict(model)
     if kind == "gpt2" and config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    weights = {k: np.ascontiguousarray(v) for k, v in ours_to_hf(kind, state).items()}
+    if kind == "bert-classifier":
+        body = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
+        weights = {f"bert.{k}": v for k, v in ours_to_hf("bert", body).items()}
+        weights |= {k: v for k, v in state.items() if k in CLASSIFIER_KEYS}
+    else:
+        weights = ours_to_hf(kind, state)
+    weights = {k: np.ascontiguousarray(v) for k, v in weights.items()}
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"the parent folder of {path} does not exist")
@@ -320,6 +420,12 @@ def save_pretrained(model, path, *, overwrite: bool = False) -> Path:
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer_from is not None:
+            for name in ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+                if (Path(tokenizer_from) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
         from .checkpoints import usual_permissions
 
         usual_permissions(tmp, directory=True)

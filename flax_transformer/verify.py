@@ -222,6 +222,11 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
         # HuggingFace shapes: BERT (post-LN, token types, pooler) and GPT-2 (pre-LN, tied head)
         Spec("encoder", "TransformerEncoder(BERT)", lambda c: te.TransformerEncoder(bert),
              lambda rng, m: ((_ids(rng, vocab, b, t), m, rng.integers(0, 2, size=(b, t))), {}), model_cases),
+        Spec("encoder", "TransformerForSequenceClassification(BERT)",  # [CLS] through the pooler: HF's
+             lambda c: te.TransformerForSequenceClassification(bert), ids_in, model_cases),
+        Spec("encoder", "TransformerForSequenceClassification(BERT, mean)",
+             lambda c: te.TransformerForSequenceClassification(dataclasses.replace(bert, classifier_pooling="mean")),
+             ids_in, model_cases),
         Spec("gpt", "GPT2LMHeadModel", lambda c: tg.GPT2LMHeadModel(gpt2), ids_in, ("none", "padding")),
     ]
 
@@ -326,7 +331,8 @@ def perturb_flax(flax_module, seed: int) -> None:
 # Full models, whose parameter gradients ``verify --grads`` compares.
 MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "TransformerEncoder",
           "TransformerForSequenceClassification", "TransformerForSequenceClassification(post-LN)", "GPTTransformer",
-          "Transformer", "TransformerEncoder(BERT)", "GPT2LMHeadModel")
+          "Transformer", "TransformerEncoder(BERT)", "TransformerForSequenceClassification(BERT)",
+          "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel")
 
 
 @nnx.jit

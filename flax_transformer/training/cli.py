@@ -44,7 +44,7 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
 
 
 # flags that are not config fields
-_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "no_progress", "mesh"}  # a resumed run may change mesh
+_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "no_progress", "mesh"}  # a resumed run may change mesh
 
 
 def make_config(args, config_cls, presets, task: str, *, renames: dict | None = None):

@@ -481,9 +481,14 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         m.eval()
         return m
 
+    try:
+        description_of_model = describe(model)
+    except TypeError:  # not a library model (a training-only module such as classify.Probe)
+        description_of_model = {"class": f"{type(model).__module__}.{type(model).__name__}"}
+
     def save(step, last_metrics):
         meta = {"step": step, "data_position": batches.position(step), "run_config": run_config,
-                "model": describe(model), "metrics": last_metrics,
+                "model": description_of_model, "metrics": last_metrics,
                 "log_window": window}  # the steps not logged yet
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)

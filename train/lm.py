@@ -10,8 +10,7 @@ Prints the validation loss and a sample at the end. Flag parsing only; the run i
 import sys
 
 from flax_transformer.training import lm
-from flax_transformer.training.cli import common_parser, make_config, run_main
-from flax_transformer.training.loop import parse_mesh
+from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:
@@ -27,7 +26,7 @@ def main(argv=None) -> int:
     def run():
         metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                         progress=not args.no_progress, export_torch=args.export_torch,
-                                        mesh=parse_mesh(args.mesh))
+                                        mesh=mesh_of(args))
         if metrics["interrupted"]:
             return True
         print(f"validation loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bits_per_token']:.3f} bits), "

@@ -8,8 +8,7 @@ accuracy on held-out strings. Flag parsing only; the run is
 import sys
 
 from flax_transformer.training import seq2seq
-from flax_transformer.training.cli import common_parser, make_config, run_main
-from flax_transformer.training.loop import parse_mesh
+from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:
@@ -21,7 +20,7 @@ def main(argv=None) -> int:
     def run():
         metrics = seq2seq.train_and_evaluate(config, args.out, resume=args.resume, progress=not args.no_progress,
                                              export_torch=args.export_torch,
-                                             mesh=parse_mesh(args.mesh))
+                                             mesh=mesh_of(args))
         if metrics["interrupted"]:
             return True
         print(f"exact match {metrics['exact_match']:.4f} on {config.eval_size} held-out strings "

@@ -34,6 +34,7 @@ from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, Rows, default_buckets
 from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, plot_curves, prepare_run_dir
+from .loop import is_main_process
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
 
 LABELS = ("negative", "positive")
@@ -396,7 +397,8 @@ def cached_features(run_dir: Path, split: str, compute) -> np.ndarray:
     def write(tmp):
         with open(tmp, "wb") as f:
             np.save(f, features, allow_pickle=False)
-    ckpt._atomic_file(path, write)
+    if is_main_process():  # with several processes, process 0 alone writes the run's files
+        ckpt._atomic_file(path, write)
     return features
 
 
@@ -419,8 +421,9 @@ def check_export(folder, texts, *, max_length: int) -> dict:
     same_ids = all(batch["input_ids"][i, :len(e.ids)].tolist() == e.ids
                    for i, e in enumerate(ours_tok.encode_batch(list(texts))))
     with jax.default_matmul_precision("highest"):
-        ours = np.asarray(hf.classifier_from_pretrained(folder)(batch["input_ids"].numpy(),
-                                                                batch["attention_mask"].numpy()))
+        forward = nnx.jit(lambda m, ids, mask: m(ids, mask))
+        ours = np.asarray(forward(hf.classifier_from_pretrained(folder), batch["input_ids"].numpy(),
+                                  batch["attention_mask"].numpy()))
     return {"texts": len(texts), "max_abs_diff": float(np.abs(ours - expected).max()), "same_ids": same_ids,
             "loading_info": {k: sorted(v) for k, v in info.items() if k != "error_msgs"}}
 
@@ -458,7 +461,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
         tokenizer = Tokenizer.from_file(str(tok_path))
     elif tokenizer is None:
         tokenizer = build_tokenizer(config, [text for text, _ in train])
-    if not tok_path.is_file():
+    if not tok_path.is_file() and is_main_process():
         ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
     buckets = default_buckets(config.max_length, config.buckets)
     pad = _pad_id(tokenizer)
@@ -498,12 +501,13 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
         test_batches = test_rows()
     test_metrics = batch_evaluator(loss_fn, lambda: test_batches.epoch())(result.model)
     metrics |= {f"test_{k}": v for k, v in test_metrics.items() if k != "count"}
-    _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
+    if is_main_process():
+        _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
     plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
     final = result.model.attach(model) if config.freeze_encoder else result.model
-    if export_torch is not None:
+    if export_torch is not None and is_main_process():
         ckpt.save_safetensors(final, export_torch)
-    if export_hf is not None:
+    if export_hf is not None and is_main_process():
         metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder,
                                                     config=config, texts=[text for text, _ in test[:64]])
     return metrics

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .loop import NonFiniteLoss, RunError
+from .loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
 
 
 def common_parser(description: str, presets) -> argparse.ArgumentParser:
@@ -39,17 +39,52 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
                         help="attention math: the notebooks' (reference) or jax.nn.dot_product_attention")
     parser.add_argument("--mesh", default=None, metavar="data=N,fsdp=M",
                         help="shard over N*M devices: batches over all, parameters and optimizer state over fsdp")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="one process of a multi-process run (with --num-processes, --process-id): start the "
+                             "same command in each, with --mesh covering all their devices; process 0 serves "
+                             "HOST:PORT and alone writes the run's files")
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N")
+    parser.add_argument("--process-id", type=int, default=None, metavar="I", help="0 .. N-1")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
-# flags that are not config fields
-_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "no_progress", "mesh"}  # a resumed run may change mesh
+# flags that are not config fields (a resumed run may change them: the mesh, the processes)
+_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "no_progress", "mesh",
+              "coordinator", "num_processes", "process_id"}
+_PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
+
+
+def _check_process_flags(args) -> None:
+    given = [name for name in _PROCESS_FLAGS if getattr(args, name, None) is not None]
+    if not given:
+        return
+    if len(given) < len(_PROCESS_FLAGS):
+        missing = [f"--{name.replace('_', '-')}" for name in _PROCESS_FLAGS if name not in given]
+        raise SystemExit("error: --coordinator, --num-processes and --process-id go together; "
+                         f"missing {' '.join(missing)}")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"error: --coordinator {args.coordinator!r}: expected HOST:PORT")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise SystemExit(f"error: --process-id {args.process_id} with --num-processes {args.num_processes}: "
+                         "need 0 <= process id < number of processes")
+
+
+def mesh_of(args):
+    """The ``--mesh`` of the run, after joining its other processes when ``--coordinator`` is given.
+
+    Call it before anything else touches JAX's devices (``jax.distributed`` must start first).
+    """
+    if args.coordinator is not None:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return parse_mesh(args.mesh)
 
 
 def make_config(args, config_cls, presets, task: str, *, renames: dict | None = None):
     """The run's config from ``--preset`` (default small) or the resumed run, with the given flags applied."""
     renames = renames or {}
+    _check_process_flags(args)
     if args.resume and args.out is None:
         raise SystemExit("error: --resume needs --out RUN_DIR (the run to continue)")
     if args.resume and args.preset is None:

@@ -24,7 +24,7 @@ from flax import nnx
 from .. import checkpoints as ckpt
 from . import data, tokenizers
 from .batching import Windows
-from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, prepare_run_dir
+from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, is_main_process, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
 from .step import cross_entropy
 
@@ -180,8 +180,9 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
 
         tokenizer = Tokenizer.from_file(str(tok_path))
     else:
-        tokenizer = build_tokenizer(config, text)
-        ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
+        tokenizer = build_tokenizer(config, text)  # every process builds the same one; process 0 writes it
+        if is_main_process():
+            ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
     stream = encode(config, tokenizer, text)
     cut = int(len(stream) * (1 - config.val_fraction))
     train = Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed)
@@ -200,8 +201,9 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     if not result.interrupted:
         metrics["val_bits_per_token"] = metrics["val_loss"] / math.log(2)
         metrics["sample"] = sample(config, result.model, tokenizer)
-        (run_dir / "sample.txt").write_text(metrics["sample"] + "\n")
-    if export_torch is not None:
+        if is_main_process():
+            (run_dir / "sample.txt").write_text(metrics["sample"] + "\n")
+    if export_torch is not None and is_main_process():
         ckpt.save_safetensors(result.model, export_torch)
     return metrics
 

@@ -106,11 +106,17 @@ def prepare_run_dir(run_dir, run_config: dict, *, resume: bool) -> Path:
 
 
 def create_run_dir(run_dir, run_config: dict) -> Path:
-    """Make a new run's directory and write its ``run.json`` (after ``prepare_run_dir`` checked it)."""
+    """Make a new run's directory and write its ``run.json`` (after ``prepare_run_dir`` checked it).
+
+    With several processes every one checks the folder first, then process 0 alone writes.
+    """
     run_dir = Path(run_dir)
     prepare_run_dir(run_dir, run_config, resume=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_file(run_dir / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(run_config, indent=2) + "\n"))
+    barrier("create_run_dir: checked")  # no process may see process 0's run.json as "another run"
+    if is_main_process():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_file(run_dir / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(run_config, indent=2) + "\n"))
+    barrier("create_run_dir: written")
     return run_dir
 
 
@@ -194,6 +200,16 @@ class Checkpoints:
 # ----------------------------------------------------------------------------- logs and curves
 
 
+class _NoLog:
+    """What processes other than the first log: nothing (process 0 writes the run's files)."""
+
+    def write(self, step: int, split: str, metrics: dict) -> None:
+        pass
+
+    def close(self):
+        pass
+
+
 class MetricsLog:
     """``metrics.jsonl`` and TensorBoard scalars; ``start`` > 0 cuts both back to that step (resume)."""
 
@@ -231,7 +247,12 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def plot_curves(run_dir, title: str = "") -> Path | None:
-    """``run_dir/curves.png``: train and eval loss against step, then one panel per other eval metric."""
+    """``run_dir/curves.png``: train and eval loss against step, then one panel per other eval metric.
+
+    Only process 0 draws (and returns the path); other processes of a multi-process run return None.
+    """
+    if not is_main_process():
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,12 +318,50 @@ class _StopRequest:
 # ----------------------------------------------------------------------------- steps
 
 
-# ----------------------------------------------------------------------------- devices
+# ----------------------------------------------------------------------------- devices and processes
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 300) -> None:
+    """Join a run of ``num_processes`` processes, this one being ``process_id``, through the
+    coordinator at ``HOST:PORT`` (served by process 0). Call it before anything touches JAX's
+    devices; afterwards ``jax.devices()`` lists every process's devices.
+
+    Every process then runs the same program: it computes the same global batches (a pure
+    function of (seed, step)), takes part in each step's collectives and in orbax's
+    checkpoint saves, and process 0 alone writes the human files (``is_main_process``).
+    CPU devices exchange data through gloo (the setting does not affect GPUs or TPUs).
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=timeout_s)
+    except Exception as error:  # RuntimeError or XlaRuntimeError, with a long C++ message
+        raise RunError(f"could not join the run through the coordinator {coordinator} as process {process_id} of "
+                       f"{num_processes}: {type(error).__name__}: {str(error)[:500]}") from None
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the run's files and prints progress (process 0; the only one, usually)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process run gets here; nothing with one process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def parse_mesh(spec: str | None):
-    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp")."""
+    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp").
+
+    With several processes the mesh must cover all of their devices (``jax.device_count()``).
+    """
     if not spec:
+        if jax.process_count() > 1:
+            raise RunError(f"a run over {jax.process_count()} processes needs --mesh covering all "
+                           f"{jax.device_count()} of their devices (e.g. --mesh data={jax.device_count()})")
         return None
     sizes = {"data": 1, "fsdp": 1}
     try:
@@ -318,6 +377,9 @@ def parse_mesh(spec: str | None):
     if n < 1 or n > len(devices):
         raise RunError(f"--mesh {spec} needs {n} devices, {len(devices)} available "
                        "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    if jax.process_count() > 1 and n != len(devices):
+        raise RunError(f"--mesh {spec} covers {n} devices; a run over {jax.process_count()} processes must cover "
+                       f"all {len(devices)} of their devices")
     grid = np.array(devices[:n]).reshape(sizes["data"], sizes["fsdp"])
     return jax.sharding.Mesh(grid, ("data", "fsdp"))
 
@@ -353,6 +415,31 @@ def batch_sharding(batch, mesh):
         if np.ndim(value) and np.shape(value)[0] % n:
             raise RunError(f"batch size {np.shape(value)[0]} ({key}) is not divisible by the {n} devices of the mesh")
     return {k: NamedSharding(mesh, P(("data", "fsdp")) if np.ndim(v) else P()) for k, v in batch.items()}
+
+
+def _to_mesh(tree, shardings):
+    """Arrays that every process holds whole and alike (a freshly built model) onto their ``shardings``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x, sharding):  # device_put refuses arrays committed to one process's device
+        if _is_key(x):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+        value = np.asarray(x)
+        return jax.make_array_from_process_local_data(sharding, value, value.shape)
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def put_batch(batch, mesh):
+    """A global batch of numpy arrays (the same in every process) onto ``mesh``, split as ``batch_sharding``.
+
+    Each process copies only the slices its own devices hold (``jax.device_put`` would also
+    work but checks with a collective, every step, that the processes' batches are equal).
+    """
+    shardings = batch_sharding(batch, mesh)
+    return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), np.shape(v))
+            for k, v in batch.items()}
 
 
 def _compiled_steps(loss_fn, train_def, opt_def, shardings=None):
@@ -448,12 +535,18 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         mesh: a ``jax.sharding.Mesh`` with axes ("data", "fsdp") (see ``parse_mesh``): batches
             split over all its devices, parameters and optimizer state split over "fsdp".
             The results equal a one-device run's within float rounding (tested on 8 CPU devices).
+            Required, over all devices, in a multi-process run (``initialize_distributed``):
+            every process calls ``fit`` alike, process 0 alone writes the logs and curves, and
+            the returned model is replicated in every process.
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
     and ``RunError`` for anything that stops a run before it starts.
     """
     if steps < 1:
         raise RunError(f"steps must be >= 1, got {steps}")
+    if mesh is None and jax.process_count() > 1:
+        raise RunError(f"a run over {jax.process_count()} processes needs a mesh over all {jax.device_count()} "
+                       f"devices (--mesh data={jax.device_count()})")
     run_dir = Path(run_dir)
     checkpoint_every = checkpoint_every or max(1, steps // 5)
     optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param)
@@ -462,6 +555,18 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     model.train()
     train_def, model_state = nnx.split(model)
     opt_def, opt_state = nnx.split(optimizer)
+    shardings = None
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        shardings = (state_shardings(model_state, mesh), state_shardings(opt_state, mesh), NamedSharding(mesh, P()))
+        model_state = _to_mesh(model_state, shardings[0])
+        opt_state = _to_mesh(opt_state, shardings[1])
+        specs = [sh.spec for sh in jax.tree.leaves(shardings[0])]
+        print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
+              f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp",
+              file=sys.stderr)
     start = 0
     if resume:
         start = checkpoints.latest()
@@ -469,6 +574,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
             checkpoints.close()
             raise RunError(f"--resume: {run_dir} has no checkpoint yet; start it again without --resume "
                            "(delete the folder first)")
+        # restored straight into the mesh's shardings: each process reads the shards it holds
         like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
         restored, meta = checkpoints.restore(start, like)
         nnx.replace_by_pure_dict(model_state, restored["model"])
@@ -493,21 +599,10 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)
 
-    shardings = None
-    if mesh is not None:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        shardings = (state_shardings(model_state, mesh), state_shardings(opt_state, mesh), NamedSharding(mesh, P()))
-        model_state = jax.device_put(model_state, shardings[0])
-        opt_state = jax.device_put(opt_state, shardings[1])
-        specs = [sh.spec for sh in jax.tree.leaves(shardings[0])]
-        print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
-              f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp",
-              file=sys.stderr)
     train_step = _compiled_steps(loss_fn, train_def, opt_def, shardings)
-    log = MetricsLog(run_dir, start, tensorboard=tensorboard)
-    bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not progress,
+    main = is_main_process()  # with several processes, process 0 alone writes the logs and the progress bar
+    log = MetricsLog(run_dir, start, tensorboard=tensorboard) if main else _NoLog()
+    bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not (progress and main),
                dynamic_ncols=True, mininterval=0.5)
     window_tokens, window_start = 0, time.perf_counter()
     last_eval, interrupted, step = {}, False, start
@@ -515,9 +610,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         with _StopRequest() as stop:
             while step < steps:
                 batch = batches.batch(step)
-                if mesh is not None:
-                    batch = jax.device_put(batch, batch_sharding(batch, mesh))
-                model_state, opt_state, metrics = train_step(model_state, opt_state, batch)
+                model_state, opt_state, metrics = train_step(
+                    model_state, opt_state, batch if mesh is None else put_batch(batch, mesh))
                 metrics = jax.device_get(metrics)
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
@@ -540,8 +634,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                 if evaluate is not None and eval_every and step % eval_every == 0 and step != steps:
                     last_eval = evaluate(current_model())
                     log.write(step, "eval", last_eval)
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                           if k != "count"), file=sys.stderr)
+                    if main:
+                        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
+                                                               if k != "count"), file=sys.stderr)
                 if stop.requested:
                     interrupted = True
                     break
@@ -558,4 +653,6 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         log.close()
         checkpoints.close()
     plot_curves(run_dir, title=description)
+    if jax.process_count() > 1:  # the final model whole in every process, so that each can decode or export it
+        model_state = jax.jit(lambda state: state, out_shardings=shardings[2])(model_state)
     return FitResult(current_model(), step, interrupted, last_eval)

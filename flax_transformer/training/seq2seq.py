@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
-from .loop import batch_evaluator, create_run_dir, fit, prepare_run_dir
+from .loop import batch_evaluator, create_run_dir, fit, is_main_process, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
 from .step import cross_entropy
 
@@ -179,6 +179,6 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
     if not result.interrupted:
         metrics["exact_match"] = exact_match(config, result.model, held_out)
-    if export_torch is not None:
+    if export_torch is not None and is_main_process():
         ckpt.save_safetensors(result.model, export_torch)
     return metrics

@@ -23,6 +23,7 @@ import json
 import time
 from pathlib import Path
 
+from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify
 
 RUNS = {"probe": True, "finetune": False}  # name -> freeze_encoder
@@ -37,6 +38,7 @@ def main(argv=None):
     parser.add_argument("--init", default=None, help="the BERT folder (default: all-MiniLM-L6-v2)")
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the train/ entry points do
     rows = []
     for name in args.run:
         config = classify.presets_for("hf", RUNS[name])[args.preset](init=args.init)

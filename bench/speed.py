@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from flax import nnx
 
 from flax_transformer import porting
+from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy
 
@@ -198,10 +199,14 @@ def main(argv=None):
     parser.add_argument("--config", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (by default both frameworks run with "
+                             "flax_transformer.training.malloc.keep_freed_memory, as the train/ entry points do)")
     args = parser.parse_args(argv)
+    kept = False if args.default_malloc else keep_freed_memory()
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32 on both sides, as in the parity tests
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads)")
+          f"({torch.get_num_threads()} threads), malloc keeps freed memory: {kept}")
     peak, bandwidth = machine_peaks()
     print(f"measured here: fp32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3), memory {bandwidth / 1e9:.1f} GB/s "
           "(256 MB scale)\n")

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify, lm, seq2seq
 
 TASKS = {"classify": (classify, "test_accuracy"), "lm": (lm, "val_loss"), "seq2seq": (seq2seq, "exact_match")}
@@ -27,6 +28,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the train/ entry points do
     rows = []
     for task in args.task:
         module, metric = TASKS[task]

@@ -8,7 +8,9 @@ convention converts at its module boundary and says so in its docstring.
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +38,67 @@ def _uniform_fan_in(fan_in: int):
     return init
 
 
+# ------------------------------------------------------------ matmuls XLA CPU differentiates fast
+# XLA's CPU backend runs a dot on its fast (YNNPACK) kernels only when both operands are
+# row-major and the left one contracts its last axis (``IsDotSupportedByYnn`` in
+# xla/backends/cpu/ynn_support.cc). Autodiff of ``x @ w`` and of attention's ``q @ kᵀ``
+# and ``p @ v`` gives weight gradients of the form ``aᵀ @ b``, which XLA folds into a dot
+# contracting the left operand's *first* axis: a generic Eigen call, 3-10x slower (on
+# notebook 000's model the backward took 6x the forward). The custom VJPs below compute
+# ``aᵀ @ b`` as ``(bᵀ @ a)ᵀ`` with the small ``bᵀ`` materialised, and
+# ``optimization_barrier`` keeps XLA from folding the transposes back. Same math, same
+# rounding class (checked against float64 in parity_tests/test_attention_impl.py).
+
+
+def _t(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _tn(a, b):
+    """``aᵀ @ b`` over the last two axes, as ``(bᵀ @ a)ᵀ`` with ``bᵀ`` materialised (see above)."""
+    return _t(jax.lax.optimization_barrier(jax.lax.optimization_barrier(_t(b)) @ a))
+
+
+@jax.custom_vjp
+def _dense(x, w):
+    """``x @ w`` for x (..., i), w (i, o)."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _dense_fwd(x, w):
+    return _dense(x, w), (x, w)
+
+
+def _dense_bwd(residuals, g):
+    x, w = residuals
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))  # g @ wᵀ: w is small, this one is fine
+    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    dw = jax.lax.optimization_barrier(flat_x.T) @ flat_g  # (i, n) @ (n, o), xᵀ materialised
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                       out_sharding=None, **kwargs):
+    """``nnx.Linear``'s ``dot_general``: ``_dense`` for its plain ``x @ kernel``, ``lax.dot_general`` otherwise."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    if (tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb and rhs.ndim == 2
+            and precision is None and preferred_element_type is None and out_sharding is None and not kwargs):
+        return _dense(lhs, rhs)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding, **kwargs)
+
+
 def Linear(d_in: int, d_out: int, *, use_bias: bool = True, rngs: nnx.Rngs, dtype=jnp.float32,
            param_dtype=jnp.float32) -> nnx.Linear:
-    """``nnx.Linear`` initialised like ``torch.nn.Linear``; kernel is (d_in, d_out)."""
+    """``nnx.Linear`` initialised like ``torch.nn.Linear``; kernel is (d_in, d_out).
+
+    Its matmul has the fast weight gradient of ``linear_dot_general``."""
     return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=_uniform_fan_in(d_in),
-                      bias_init=_uniform_fan_in(d_in), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                      bias_init=_uniform_fan_in(d_in), dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                      dot_general=linear_dot_general)
 
 
 def Embed(num_embeddings: int, features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -260,6 +318,87 @@ def fused_attention(q, k, v, mask=None, *, scale: float | None = None, bias=None
     return out[:, 0] if squeeze else out
 
 
+def _attention_weights(q, k, mask, scale):
+    """softmax(scale * q kᵀ) in float32, masked (True = may attend), fully masked rows all zero."""
+    scores = q @ _t(k)  # (b, h, q, k)
+    if scale is not None:
+        scores = scores * scale
+    scores = scores.astype(jnp.float32)  # softmax statistics in fp32 whatever the dtype
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    if mask is not None:
+        # a fully masked row softmaxes to uniform weights over "min" scores: zero it
+        weights = jnp.where(mask, weights, 0.0)
+    return weights
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, mask, scale):
+    """(weights @ v, weights), with a hand-written backward (see the section on matmuls above).
+
+    The backward is the softmax's own, ``dS = W * (dW - sum(W * dW))``, on the saved
+    weights: one pass, where autodiff of where/softmax/where makes about five over the
+    (b, h, q, k) tensor, and masked entries get W = 0, so dS = 0 there.
+    """
+    weights = _attention_weights(q, k, mask, scale).astype(q.dtype)
+    return weights @ v, weights
+
+
+def _attention_fwd(q, k, v, mask, scale):
+    weights32 = _attention_weights(q, k, mask, scale)
+    weights = weights32.astype(q.dtype)
+    return (weights @ v, weights), (q, k, v, mask, weights, None if weights.dtype == jnp.float32 else weights32)
+
+
+def _attention_bwd(scale, residuals, cotangents):
+    q, k, v, mask, weights, weights32 = residuals
+    d_out, d_weights = cotangents
+    weights32 = weights if weights32 is None else weights32
+    dw = ((d_out @ _t(v)).astype(weights.dtype) + d_weights).astype(jnp.float32)
+    ds = (weights32 * (dw - jnp.sum(weights32 * dw, axis=-1, keepdims=True))).astype(q.dtype)
+    if scale is not None:
+        ds = ds * scale
+    d_mask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+    return ((ds @ k).astype(q.dtype), _tn(ds, q).astype(k.dtype), _tn(weights, d_out).astype(v.dtype), d_mask)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_vjp
+def _scores_matmul(a, b):
+    """``a @ bᵀ`` with the fast backward (attention with dropout)."""
+    return a @ _t(b)
+
+
+_scores_matmul.defvjp(lambda a, b: (_scores_matmul(a, b), (a, b)),
+                      lambda r, g: ((g @ r[1]).astype(r[0].dtype), _tn(g, r[0]).astype(r[1].dtype)))
+
+
+@jax.custom_vjp
+def _values_matmul(p, v):
+    """``p @ v`` with the fast backward (attention with dropout)."""
+    return p @ v
+
+
+_values_matmul.defvjp(lambda p, v: (_values_matmul(p, v), (p, v)),
+                      lambda r, g: ((g @ _t(r[1])).astype(r[0].dtype), _tn(r[0], g).astype(r[1].dtype)))
+
+
+def _same_batch_dims(q, k, v, mask) -> bool:
+    """The custom VJPs need q, k, v with equal leading axes and a mask that broadcasts to the scores."""
+    if not (q.ndim == k.ndim == v.ndim >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        return False
+    if mask is None:
+        return True
+    shape = (*q.shape[:-1], k.shape[-2])
+    try:
+        return jnp.broadcast_shapes(mask.shape, shape) == shape
+    except ValueError:
+        return False
+
+
 def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropout | None = None,
            implementation: str = "reference", need_weights: bool = True):
     """softmax(scale * q k^T) v with a boolean mask.
@@ -281,20 +420,27 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
     dropout_active = dropout is not None and not dropout.deterministic and dropout.rate > 0
     if implementation != "reference" and not need_weights and not dropout_active and q.ndim in (3, 4):
         return fused_attention(q, k, v, mask, scale=scale, implementation=implementation), None
-    scores = q @ jnp.swapaxes(k, -2, -1)  # (b, h, q, k)
+    if mask is not None:
+        mask = jnp.asarray(mask).astype(jnp.bool_)
+    same = _same_batch_dims(q, k, v, mask)
+    static_scale = scale is None or isinstance(scale, numbers.Real)  # not a traced array
+    if same and static_scale and not dropout_active:
+        return _attention(q, k, v, mask, None if scale is None else float(scale))
+    # dropout (or broadcast leading axes, or a traced scale): the same math step by step
+    scores_matmul, values_matmul = (_scores_matmul, _values_matmul) if same else (lambda a, b: a @ _t(b), jnp.matmul)
+    scores = scores_matmul(q, k)
     if scale is not None:
         scores = scores * scale
-    scores = scores.astype(jnp.float32)  # softmax statistics in fp32 whatever the dtype
+    scores = scores.astype(jnp.float32)
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)
     if mask is not None:
-        # a fully masked row softmaxes to uniform weights over "min" scores: zero it
         weights = jnp.where(mask, weights, 0.0)
     weights = weights.astype(q.dtype)
     if dropout is not None:
         weights = dropout(weights)
-    return weights @ v, weights
+    return values_matmul(weights, v), weights
 
 
 # ------------------------------------------------------------------ input checks

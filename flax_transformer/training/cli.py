@@ -117,7 +117,13 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
 
 
 def run_main(function):
-    """Run an entry point: clear one-line errors (exit 2), NaN loss (exit 3), Ctrl-C after saving (exit 130)."""
+    """Run an entry point: clear one-line errors (exit 2), NaN loss (exit 3), Ctrl-C after saving (exit 130).
+
+    Before anything computes, malloc is told to keep freed memory (``malloc.keep_freed_memory``:
+    each train step would otherwise fault its temporaries' pages in again)."""
+    from .malloc import keep_freed_memory
+
+    keep_freed_memory()
     try:
         interrupted = function()
     except NonFiniteLoss as error:

@@ -19,9 +19,10 @@ regression 90.7%, binary bag-of-words logistic regression 88.0%, DistilBERT fine
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from benchlib import record
 
 from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify
@@ -52,10 +53,7 @@ def main(argv=None):
                "test_reviews": config.test_limit or 25_000, "max_length": config.max_length,
                "wall_s": round(seconds, 1), "run_dir": str(run_dir)}
         rows.append(row)
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "results.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
+        record(args.out, row)
     print("\n| run | train reviews | test reviews | test accuracy | steps | wall |\n|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['run']} ({row['preset']}) | {row['train_reviews']:,} | {row['test_reviews']:,} | "

@@ -11,28 +11,18 @@ variants run ``--slow-reps`` times). Prints new tokens per second per variant.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
+from benchlib import median_seconds
+
 from flax_transformer import porting
 from flax_transformer.generate import generate as flax_generate
 from torch_reference.generate import generate as torch_generate
 from torch_reference.gpt import GPTTransformer
-
-
-def _time(fn, reps):
-    fn()  # warm-up: compilation for JAX, allocator and kernels for torch
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -61,7 +51,7 @@ def main():
         }
         results = {}
         for name, (fn, reps) in runs.items():
-            seconds = _time(fn, reps)
+            seconds = median_seconds(fn, reps, warmup=1)  # one warm-up: compilation for JAX, allocator and kernels for torch
             results[name] = b * args.new / seconds
             print(f"{b:>5}  {name:<22} {seconds:>9.3f} {results[name]:>13.1f}", flush=True)
         cached = results["jax, kv cache"]

@@ -19,8 +19,6 @@ for both frameworks).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +27,12 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 
+from benchlib import median_seconds
+
 from flax_transformer import porting
 from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy
-
-
-def _median_seconds(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _configs():
@@ -88,7 +77,7 @@ def machine_peaks(reps: int = 5) -> tuple[float, float]:
     n = 2048
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(lambda x: x @ x).lower(a).compile()
-    flops = 2 * n ** 3 / _median_seconds(lambda: jax.block_until_ready(matmul(a)), reps)
+    flops = 2 * n ** 3 / median_seconds(lambda: jax.block_until_ready(matmul(a)), reps)
     # 256 MB, far beyond the caches, updated in place (donated): a fresh 256 MB output each call
     # would measure the kernel's page faults instead (7 GB/s here, against ~50 in place)
     holder = {"x": jnp.ones((64 * 1024 * 1024,), jnp.float32)}
@@ -97,7 +86,7 @@ def machine_peaks(reps: int = 5) -> tuple[float, float]:
     def run():
         holder["x"] = jax.block_until_ready(scale(holder["x"]))
 
-    bandwidth = 2 * holder["x"].nbytes / _median_seconds(run, reps)  # read + write
+    bandwidth = 2 * holder["x"].nbytes / median_seconds(run, reps)  # read + write
     return flops, bandwidth
 
 
@@ -123,7 +112,7 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
 
     fwd = forward.lower(state, jids).compile()
     fwd_flops, fwd_bytes = _flops(fwd), _cost(fwd, "bytes accessed")
-    seconds = _median_seconds(lambda: jax.block_until_ready(fwd(state, jids)), reps)
+    seconds = median_seconds(lambda: jax.block_until_ready(fwd(state, jids)), reps)
     rows.append(dict(config=key, what="forward", framework="jax (jit)", seconds=seconds, flops=fwd_flops,
                      bytes=fwd_bytes))
     if spec["train"]:
@@ -153,7 +142,7 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             return nnx.state(model), nnx.state(opt)
 
         update = jax.jit(update_only).lower(state, opt_state).compile()
-        seconds = _median_seconds(lambda: jax.block_until_ready(update(state, opt_state)), reps)
+        seconds = median_seconds(lambda: jax.block_until_ready(update(state, opt_state)), reps)
         rows.append(dict(config=key, what="optimizer update only", framework="jax (jit)", seconds=seconds,
                          flops=_flops(update), bytes=_cost(update, "bytes accessed")))
         holder = {"m": state, "o": opt_state}
@@ -162,7 +151,7 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             holder["m"], holder["o"], loss = train(holder["m"], holder["o"], jids, jlabels)
             jax.block_until_ready(loss)
 
-        seconds = _median_seconds(run, reps)
+        seconds = median_seconds(run, reps)
         rows.append(dict(config=key, what="train step", framework="jax (jit)", seconds=seconds, flops=train_flops,
                          bytes=train_bytes))
 
@@ -173,7 +162,7 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
         variants.append(("torch.compile", torch.compile(torch_model)))
     for name, model in variants:
         with torch.no_grad():
-            seconds = _median_seconds(lambda: model(tids), reps)
+            seconds = median_seconds(lambda: model(tids), reps)
         rows.append(dict(config=key, what="forward", framework=name, seconds=seconds, flops=fwd_flops))
         if spec["train"]:
             tlabels = torch.from_numpy(labels)
@@ -186,7 +175,7 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
                 torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
                 opt.step()
 
-            seconds = _median_seconds(run, reps)
+            seconds = median_seconds(run, reps)
             rows.append(dict(config=key, what="train step", framework=name, seconds=seconds, flops=train_flops))
     for row in rows:
         row["tokens_per_s"] = tokens / row["seconds"]

@@ -11,9 +11,10 @@ Results are also appended to ``<out>/results.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from benchlib import record
 
 from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify, lm, seq2seq
@@ -39,10 +40,7 @@ def main(argv=None):
         row = {"task": task, "preset": args.preset, metric: metrics[metric], "steps": metrics["step"],
                "wall_s": round(seconds, 1), "run_dir": str(run_dir)}
         rows.append(row)
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "results.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
+        record(args.out, row)
     print(f"\n| task | {'|'.join(['metric', 'value', 'steps', 'wall'])} |\n|---|---|---|---|---|")
     for row in rows:
         metric = TASKS[row["task"]][1]

@@ -43,11 +43,11 @@ def _uniform_fan_in(fan_in: int):
 # row-major and the left one contracts its last axis (``IsDotSupportedByYnn`` in
 # xla/backends/cpu/ynn_support.cc). Autodiff of ``x @ w`` and of attention's ``q @ kᵀ``
 # and ``p @ v`` gives weight gradients of the form ``aᵀ @ b``, which XLA folds into a dot
-# contracting the left operand's *first* axis: a generic Eigen call, 3-10x slower (on
-# notebook 000's model the backward took 6x the forward). The custom VJPs below compute
+# contracting the left operand's *first* axis: a generic Eigen call, several times slower
+# (``python bench/backward.py`` shows q·kᵀ's). The custom VJPs below compute
 # ``aᵀ @ b`` as ``(bᵀ @ a)ᵀ`` with the small ``bᵀ`` materialised, and
-# ``optimization_barrier`` keeps XLA from folding the transposes back. Same math, same
-# rounding class (checked against float64 in parity_tests/test_attention_impl.py).
+# ``optimization_barrier`` keeps XLA from folding the transposes back. Same math: the
+# gradients equal autodiff's (parity_tests/test_attention_impl.py) and torch's (verify --grads).
 
 
 def _t(a):
@@ -318,9 +318,11 @@ def fused_attention(q, k, v, mask=None, *, scale: float | None = None, bias=None
     return out[:, 0] if squeeze else out
 
 
-def _attention_weights(q, k, mask, scale):
-    """softmax(scale * q kᵀ) in float32, masked (True = may attend), fully masked rows all zero."""
-    scores = q @ _t(k)  # (b, h, q, k)
+def _attention_weights(q, k, mask, scale, scores_matmul=None):
+    """softmax(scale * q kᵀ) in float32, masked (True = may attend), fully masked rows all zero.
+
+    ``scores_matmul(q, k)`` computes q kᵀ (default: plain ``q @ kᵀ``)."""
+    scores = q @ _t(k) if scores_matmul is None else scores_matmul(q, k)  # (b, h, q, k)
     if scale is not None:
         scores = scores * scale
     scores = scores.astype(jnp.float32)  # softmax statistics in fp32 whatever the dtype
@@ -426,21 +428,24 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
     static_scale = scale is None or isinstance(scale, numbers.Real)  # not a traced array
     if same and static_scale and not dropout_active:
         return _attention(q, k, v, mask, None if scale is None else float(scale))
-    # dropout (or broadcast leading axes, or a traced scale): the same math step by step
-    scores_matmul, values_matmul = (_scores_matmul, _values_matmul) if same else (lambda a, b: a @ _t(b), jnp.matmul)
-    scores = scores_matmul(q, k)
-    if scale is not None:
-        scores = scores * scale
-    scores = scores.astype(jnp.float32)
-    if mask is not None:
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
-    weights = weights.astype(q.dtype)
+    # dropout (or broadcast leading axes, or a traced scale): the same math, differentiated by
+    # JAX through the softmax, with the fast matmul backward where the shapes allow it
+    scores_matmul, values_matmul = (_scores_matmul, _values_matmul) if same else (None, jnp.matmul)
+    weights = _attention_weights(q, k, mask, scale, scores_matmul).astype(q.dtype)
     if dropout is not None:
         weights = dropout(weights)
     return values_matmul(weights, v), weights
+
+
+def masked_mean(hidden, attention_mask=None):
+    """Mean of (b, t, d) over the tokens whose mask is nonzero -> (b, d); a row with no token gives zeros.
+
+    Summed in float32 whatever the compute dtype (a statistic, like LayerNorm's)."""
+    if attention_mask is None:
+        return hidden.astype(jnp.float32).mean(axis=1).astype(hidden.dtype)
+    weight = jnp.asarray(attention_mask).astype(jnp.bool_).astype(jnp.float32)[..., None]  # (b, t, 1)
+    total = (hidden.astype(jnp.float32) * weight).sum(axis=1)
+    return (total / jnp.maximum(weight.sum(axis=1), 1.0)).astype(hidden.dtype)
 
 
 # ------------------------------------------------------------------ input checks

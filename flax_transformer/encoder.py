@@ -16,7 +16,7 @@ from flax import nnx
 from .configs import EncoderConfig
 from ._common import (
     ACTIVATIONS, Embed, LayerNorm, Linear, RecordsInit, attend, check_features, check_length, check_token_ids,
-    lookup, normalize_mask,
+    lookup, masked_mean, normalize_mask,
 )
 
 
@@ -305,17 +305,6 @@ class TransformerForSequenceClassification(_ConfigModule):
         Returns: (b, num_labels) logits (float32).
         """
         return self.classify(self.features(x, attention_mask))
-
-
-def masked_mean(hidden, attention_mask=None):
-    """Mean of (b, t, d) over the tokens whose mask is 1 -> (b, d); a row with no token gives zeros.
-
-    Summed in float32 whatever the compute dtype (a statistic, like LayerNorm's)."""
-    if attention_mask is None:
-        return hidden.astype(jnp.float32).mean(axis=1).astype(hidden.dtype)
-    weight = (jnp.asarray(attention_mask) != 0).astype(jnp.float32)[..., None]  # (b, t, 1)
-    total = (hidden.astype(jnp.float32) * weight).sum(axis=1)
-    return (total / jnp.maximum(weight.sum(axis=1), 1.0)).astype(hidden.dtype)
 
 
 __all__ = [

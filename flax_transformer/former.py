@@ -20,8 +20,8 @@ from flax import nnx
 
 from ._common import (
     Embed, LayerNorm, Linear, RecordsInit, ReLU, Sequential, attend, check_divisible, check_features,
-    cache_mask, check_length, check_token_ids, combine_masks, empty_cache, lookup, make_causal_mask, normalize_mask,
-    update_cache,
+    cache_mask, check_length, check_token_ids, combine_masks, empty_cache, lookup, make_causal_mask, masked_mean,
+    normalize_mask, update_cache,
 )
 
 _SCALES = ("emb", "head")
@@ -235,15 +235,14 @@ class CTransformer(RecordsInit, _Former):
             (b, num_classes) log-probabilities (float32).
         """
         x, pad = self._embed_and_run(x, mask)  # (b, t, e)
-        if pad is None:
-            x = _max_over_time(x) if self.max_pool else x.mean(axis=1)
+        if not self.max_pool:
+            x = masked_mean(x, None if pad is None else pad[:, 0, 0, :])  # over real tokens
+        elif pad is None:
+            x = _max_over_time(x)
         else:
             tok = pad[:, 0, 0, :, None]  # (b, t, 1)
-            if self.max_pool:
-                pooled = _max_over_time(jnp.where(tok, x, jnp.finfo(x.dtype).min))
-                x = jnp.where(tok.any(axis=1), pooled, 0.0).astype(x.dtype)
-            else:
-                x = jnp.where(tok, x, 0).sum(axis=1) / jnp.maximum(tok.sum(axis=1), 1).astype(x.dtype)
+            pooled = _max_over_time(jnp.where(tok, x, jnp.finfo(x.dtype).min))
+            x = jnp.where(tok.any(axis=1), pooled, 0.0).astype(x.dtype)
         return jax.nn.log_softmax(self.toprobs(x).astype(jnp.float32), axis=1)
 
 

@@ -303,9 +303,9 @@ def _classifier_weights(path, num_labels, pooling, seed):
                          "(model_type 'bert')")
     weights = dict(read_weights(path))
     head = {k: weights.pop(k) for k in CLASSIFIER_KEYS if k in weights}
-    if num_labels is None:
+    if num_labels is None:  # the head's, else the config's labels, else 2
         num_labels = head["classifier.weight"].shape[0] if "classifier.weight" in head else len(
-            raw.get("id2label") or {0: 0, 1: 1})
+            raw.get("id2label") or ()) or 2
     config = dataclasses.replace(config, num_labels=int(num_labels), classifier_pooling=pooling)
     if not head:
         rng = np.random.default_rng(seed)

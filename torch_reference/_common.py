@@ -132,6 +132,14 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None):
     return weights @ v, weights
 
 
+def masked_mean(hidden, attention_mask=None):
+    """Mean of (b, t, d) over the tokens whose mask is nonzero -> (b, d); a row with no token gives zeros."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    weight = (attention_mask != 0).to(hidden.dtype).unsqueeze(-1)  # (b, t, 1)
+    return (hidden * weight).sum(dim=1) / weight.sum(dim=1).clamp(min=1.0)
+
+
 # ---------------------------------------------------------------------- input checks
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from flax_transformer.configs import EncoderConfig
 
-from ._common import Module, attend, check_features, check_length, check_token_ids, normalize_mask
+from ._common import Module, attend, check_features, check_length, check_token_ids, masked_mean, normalize_mask
 
 
 class _ConfigModule(Module):
@@ -300,10 +300,3 @@ class TransformerForSequenceClassification(_ConfigModule):
         """
         return self.classify(self.features(x, attention_mask))
 
-
-def masked_mean(hidden, attention_mask=None):
-    """Mean of (b, t, d) over the tokens whose mask is 1 -> (b, d); a row with no token gives zeros."""
-    if attention_mask is None:
-        return hidden.mean(dim=1)
-    weight = (attention_mask != 0).to(hidden.dtype).unsqueeze(-1)  # (b, t, 1)
-    return (hidden * weight).sum(dim=1) / weight.sum(dim=1).clamp(min=1.0)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, normalize_mask, combine_masks
+from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, masked_mean, normalize_mask, combine_masks
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
@@ -204,15 +204,14 @@ class CTransformer(_Former):
             (b, num_classes) log-probabilities.
         """
         x, pad = self._embed_and_run(x, mask)  # (b, t, e)
-        if pad is None:
-            x = x.max(dim=1)[0] if self.max_pool else x.mean(dim=1)
+        if not self.max_pool:
+            x = masked_mean(x, None if pad is None else pad[:, 0, 0, :])  # over real tokens
+        elif pad is None:
+            x = x.max(dim=1)[0]
         else:
             tok = pad[:, 0, 0, :, None]  # (b, t, 1)
-            if self.max_pool:
-                pooled = x.masked_fill(~tok, torch.finfo(x.dtype).min).max(dim=1)[0]
-                x = torch.where(tok.any(dim=1), pooled, torch.zeros_like(pooled))
-            else:
-                x = (x * tok).sum(dim=1) / tok.sum(dim=1).clamp(min=1)
+            pooled = x.masked_fill(~tok, torch.finfo(x.dtype).min).max(dim=1)[0]
+            x = torch.where(tok.any(dim=1), pooled, torch.zeros_like(pooled))
         return F.log_softmax(self.toprobs(x), dim=1)
 
 

@@ -90,7 +90,16 @@ class Bucketed:
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """The batch at global step ``step`` (epoch ``step // steps_per_epoch``)."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        length, members = self._plan(epoch)[index]
+        return self._fill(*self._plan(epoch)[index])
+
+    def with_members(self, epoch: int = 0):
+        """Each batch of an epoch with the indices of the examples in its first rows: (members, batch).
+
+        For per-example outputs (``classify.pooled_features``): ``out[members] = f(batch)[:len(members)]``."""
+        for length, members in self._plan(epoch):
+            yield members, self._fill(length, members)
+
+    def _fill(self, length: int, members) -> dict[str, np.ndarray]:
         ids = np.full((self.batch_size, length), self.pad_id, dtype=np.int32)
         mask = np.zeros((self.batch_size, length), dtype=bool)
         for row, i in enumerate(members):

@@ -357,31 +357,19 @@ class Probe(nnx.Module):
         return model
 
 
-def pooled_features(model, sequences, *, batch_size: int, buckets, pad_id: int, progress: bool = True,
-                    desc: str = "features") -> np.ndarray:
-    """The classifier's input vectors (``model.features``) of every sequence, in order: (n, hidden) float32.
-
-    Sequences run longest-bucket-last in fixed-size batches (filler rows fully masked),
-    so one program compiles per bucket.
-    """
+def pooled_features(model, batches: Bucketed, *, progress: bool = True, desc: str = "features") -> np.ndarray:
+    """The classifier's input vectors (``model.features``) of every sequence of ``batches``, in the
+    sequences' order: (n, hidden) float32. One program compiles per bucket."""
     from tqdm.auto import tqdm
 
-    lengths = np.array([len(seq) for seq in sequences])
-    order = np.argsort(lengths, kind="stable")
     run = nnx.jit(lambda m, ids, mask: m.features(ids, mask).astype(jnp.float32))
     out = None
     model.eval()
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", disable=not progress,
-                      dynamic_ncols=True, mininterval=0.5):
-        members = order[start:start + batch_size]
-        length = buckets[int(np.searchsorted(buckets, lengths[members].max()))]
-        ids = np.full((batch_size, length), pad_id, dtype=np.int32)
-        mask = np.zeros((batch_size, length), dtype=bool)
-        for row, i in enumerate(members):
-            ids[row, :lengths[i]], mask[row, :lengths[i]] = sequences[i], True
-        values = np.asarray(run(model, ids, mask))
+    for members, batch in tqdm(batches.with_members(), total=batches.steps_per_epoch, desc=desc, unit="batch",
+                               disable=not progress, dynamic_ncols=True, mininterval=0.5):
+        values = np.asarray(run(model, batch["ids"], batch["mask"]))
         if out is None:
-            out = np.zeros((len(order), values.shape[1]), np.float32)
+            out = np.zeros((len(batches.sequences), values.shape[1]), np.float32)
         out[members] = values[:len(members)]
     return out
 
@@ -472,8 +460,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     if config.freeze_encoder:
         def features(split, batches):
             return cached_features(run_dir, split, lambda: pooled_features(
-                model, batches.sequences, batch_size=config.batch_size, buckets=buckets, pad_id=pad,
-                progress=progress, desc=f"encoder features ({split})"))
+                model, batches, progress=progress, desc=f"encoder features ({split})"))
         rows = lambda split, batches, shuffle: Rows({"features": features(split, batches), "labels": batches.labels},
                                                     batch_size=config.batch_size, seed=config.seed, shuffle=shuffle)
         train_batches, val_batches = rows("train", train_batches, True), rows("val", val_batches, False)

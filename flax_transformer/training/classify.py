@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
+from .. import files
 from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, Rows, default_buckets
@@ -386,7 +387,7 @@ def cached_features(run_dir: Path, split: str, compute) -> np.ndarray:
         with open(tmp, "wb") as f:
             np.save(f, features, allow_pickle=False)
     if is_main_process():  # with several processes, process 0 alone writes the run's files
-        ckpt._atomic_file(path, write)
+        files.write_file(path, write, overwrite=True)
     return features
 
 
@@ -450,7 +451,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     elif tokenizer is None:
         tokenizer = build_tokenizer(config, [text for text, _ in train])
     if not tok_path.is_file() and is_main_process():
-        ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
+        files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)))
     buckets = default_buckets(config.max_length, config.buckets)
     pad = _pad_id(tokenizer)
     make = lambda rows, shuffle: Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets,

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
+from .. import files
 from . import data, tokenizers
 from .batching import Windows
 from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, is_main_process, prepare_run_dir
@@ -182,7 +183,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     else:
         tokenizer = build_tokenizer(config, text)  # every process builds the same one; process 0 writes it
         if is_main_process():
-            ckpt._atomic_file(tok_path, lambda tmp: tokenizer.save(tmp))
+            files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
     stream = encode(config, tokenizer, text)
     cut = int(len(stream) * (1 - config.val_fraction))
     train = Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed)

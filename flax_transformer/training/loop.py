@@ -46,7 +46,8 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ..checkpoints import _atomic_file, describe
+from .. import files
+from ..checkpoints import describe
 from .optim import OptimConfig, make_optimizer, schedule
 
 
@@ -115,7 +116,7 @@ def create_run_dir(run_dir, run_config: dict) -> Path:
     barrier("create_run_dir: checked")  # no process may see process 0's run.json as "another run"
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_file(run_dir / "run.json", lambda tmp: Path(tmp).write_text(json.dumps(run_config, indent=2) + "\n"))
+        files.write_text(run_dir / "run.json", json.dumps(run_config, indent=2) + "\n")
     barrier("create_run_dir: written")
     return run_dir
 
@@ -219,7 +220,7 @@ class MetricsLog:
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= start]
-        _atomic_file(self.path, lambda tmp: Path(tmp).write_text("".join(line + "\n" for line in kept)))
+        files.write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)
         self.file = open(self.path, "a")
         self.writer = None
         if tensorboard:
@@ -283,7 +284,7 @@ def plot_curves(run_dir, title: str = "") -> Path | None:
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(run_dir) / "curves.png"
-    _atomic_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    files.write_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite=True)
     plt.close(fig)
     return out
 

@@ -15,9 +15,12 @@ is replaced only with ``overwrite=True``, and a failure leaves the old one as it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
+import logging
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -95,12 +98,10 @@ def save_safetensors(model, path, *, overwrite: bool = False) -> Path:
     """Weights under torch names and layouts, plus the model description in the header.
 
     An existing ``path`` is replaced only with ``overwrite=True`` (``files.OutputError`` otherwise)."""
-    from safetensors.numpy import save_file
-
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: np.ascontiguousarray(v) for k, v in _state(model).items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(describe(model))}
-    return files.write_file(path, lambda tmp: save_file(state, str(tmp), metadata=metadata), overwrite=overwrite)
+    return files.write_file(path, lambda tmp: files.save_safetensors_file(state, tmp, metadata), overwrite=overwrite)
 
 
 def save_torch(model, path, *, overwrite: bool = False) -> Path:
@@ -109,7 +110,48 @@ def save_torch(model, path, *, overwrite: bool = False) -> Path:
 
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in _state(model).items()}
-    return files.write_file(path, lambda tmp: torch.save(state, tmp), overwrite=overwrite)
+    return files.write_file(path, lambda tmp: files.save_torch_file(state, tmp), overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def orbax_errors_raised_not_logged(settle_s: float = 1.0):
+    """Run an orbax save or restore whose failure the caller reports itself, as one clear error.
+
+    When a write fails (a full disk), orbax logs a traceback (absl, level ERROR) and raises; the
+    other writes still in flight in tensorstore's threads then fail into an asyncio loop that is
+    already closed, and each prints "Event loop is closed" with a traceback, straight to file
+    descriptor 2. So: absl quiet, and the process's stderr captured while the block runs. On
+    success the captured text is passed on unchanged; on failure, after ``settle_s`` for the
+    stragglers, it is dropped, and the exception carries the error.
+    """
+    import sys
+    import tempfile
+    import time
+
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            time.sleep(settle_s)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            logger.setLevel(level)
+            if not failed:
+                captured.seek(0)
+                text = captured.read()
+                if text:
+                    os.write(2, text)
 
 
 def save_orbax(model, path, *, overwrite: bool = False) -> Path:
@@ -122,7 +164,7 @@ def save_orbax(model, path, *, overwrite: bool = False) -> Path:
 
     def write(tmp: Path):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        with ocp.StandardCheckpointer() as checkpointer:
+        with orbax_errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
     return files.write_dir(path, write, overwrite=overwrite)

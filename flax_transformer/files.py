@@ -257,6 +257,26 @@ def write_bytes(path, data: bytes, *, overwrite: bool = False) -> Path:
     return write_file(path, lambda tmp: Path(tmp).write_bytes(data), overwrite=overwrite)
 
 
+def save_safetensors_file(tensors: dict, path, metadata: dict | None = None) -> None:
+    """``safetensors.numpy.save_file``, with its I/O failures (a full disk) raised as ``OSError``."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as error:
+        raise OSError(f"cannot write {path}: {error}") from None
+
+
+def save_torch_file(obj, path) -> None:
+    """``torch.save`` through a Python file, so that a failed write (a full disk) raises ``OSError``
+    (given a path, torch's own writer raises ``RuntimeError`` with messages that vary)."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def write_dir(path, write: Callable[[Path], object], *, overwrite: bool = False) -> Path:
     """``write(tmp)`` fills the empty folder ``tmp``; it becomes ``path`` only if that succeeds."""
     with atomic_path(path, kind="dir", overwrite=overwrite) as tmp:

@@ -381,8 +381,6 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     existing empty folder is written into; a non-empty one is replaced only with
     ``overwrite=True``.
     """
-    from safetensors.numpy import save_file
-
     path = files.check_target(path, kind="dir", overwrite=overwrite)
     kind, config = _kind_of(model)
     if kind == "bert-classifier":
@@ -414,7 +412,7 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     weights = {k: np.ascontiguousarray(v) for k, v in weights.items()}
 
     def write(tmp: Path):
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files.save_safetensors_file(weights, tmp / "model.safetensors", {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer_from is not None:
             for name in ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):

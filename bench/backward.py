@@ -7,7 +7,7 @@ Each line: median ms of 10 jitted runs (3 warm-up runs excluded) of the forward 
 forward+backward, for the whole model at depth 0/1/3, one attention module, ``attend`` alone,
 q·kᵀ alone, LayerNorm and the embedding gradient, and with ``set_attention(model, "xla")``.
 "q·kᵀ alone" is plain JAX autodiff (no custom VJP): it shows the cost of the transposed dots
-that ``_common``'s custom backward passes avoid.
+that ``fast_backward``'s custom backward passes avoid.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from flax import nnx
 from benchlib import median_seconds
 
 from flax_transformer import set_attention
-from flax_transformer._common import LayerNorm, attend, gather_rows
+from flax_transformer.attention import attend
+from flax_transformer.layers import LayerNorm, gather_rows
 from flax_transformer.former import CTransformer, MHSelfAttention
 from flax_transformer.training.step import cross_entropy
 

@@ -12,7 +12,7 @@ __all__ = ["ATTENTION_IMPLEMENTATIONS", "set_attention"]
 def __getattr__(name):
     # Lazily: torch_reference imports this package's pure-Python configs, and must not pull in JAX.
     if name in __all__:
-        from . import _common
+        from . import attention
 
-        return getattr(_common, name)
+        return getattr(attention, name)
     raise AttributeError(f"module 'flax_transformer' has no attribute {name!r}")

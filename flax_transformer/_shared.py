@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -53,7 +54,8 @@ class RecordsInit:
     them, so porting needs no per-class knowledge of signatures. The arguments are
     stored hashable (lists become tuples) because NNX keeps them in the static graph.
     A class may declare ``_init_converters = {"config": SomeConfig.from_any}`` to record
-    an argument in a canonical, immutable form.
+    an argument in a canonical, immutable form. Before ``__init__`` runs, the arguments
+    are checked by name (``CONSTRUCTOR_CHECKS``: sizes, layer counts, dropout rates, eps).
     """
 
     _init_converters: dict = {}
@@ -63,12 +65,18 @@ class RecordsInit:
         if "__init__" not in cls.__dict__:
             return
         init = cls.__init__
+        signature = inspect.signature(init)
 
         @functools.wraps(init)
         def recording_init(self, *args, **kw):
+            try:
+                bound = signature.bind(self, *args, **kw)
+            except TypeError:
+                bound = None  # wrong arguments: let __init__ raise its own TypeError
+            if bound is not None:
+                check_constructor_args(cls.__name__, bound.arguments)  # before anything is built
             init(self, *args, **kw)
             if type(self) is cls:
-                bound = inspect.signature(init).bind(self, *args, **kw)
                 del bound.arguments["self"]
                 bound.arguments.pop("rngs", None)
                 convert = type(self)._init_converters
@@ -99,6 +107,16 @@ class StateDictError(ValueError):
         super().__init__("state_dict does not match the model; nothing was loaded.\n  " + "\n  ".join(lines))
 
 
+def check_state_dict_mapping(state) -> None:
+    """A state_dict is a mapping with string keys (parameter names); anything else is a TypeError."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"a state_dict must be a mapping of parameter names to arrays, got {type(state).__name__}")
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"state_dict keys must be strings (parameter names); got {len(bad)} other keys: "
+                        f"{', '.join(repr(k) for k in bad[:5])}")
+
+
 # ------------------------------------------------------------------ input checks
 
 
@@ -107,6 +125,102 @@ def check_length(length: int, max_length: int, *, what: str = "position table") 
         raise ValueError(f"sequence length {length} exceeds the {what} size {max_length}")
     if length == 0:
         raise ValueError("sequence length must be at least 1")
+
+
+# ------------------------------------------------------------ argument checks
+# One place for what a size, a probability or an epsilon may be, used by the config
+# dataclasses and (through ``RecordsInit``) by every constructor of both packages.
+
+MAX_SIZE = 2 ** 24  # any width, vocabulary or length; beyond it a table would not fit in memory
+MAX_LAYERS = 4096  # any count of layers or blocks
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _shown(value) -> str:
+    return f"{value!r} ({type(value).__name__})" if isinstance(value, str) else repr(value)
+
+
+def check_size(name: str, value, *, least: int = 1, most: int = MAX_SIZE) -> int:
+    """An integer (not a bool, not a float) in [least, most]; returns it as an int."""
+    if not _is_integer(value):
+        raise ValueError(f"{name} must be an integer >= {least}, got {_shown(value)}")
+    if value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if value > most:
+        raise ValueError(f"{name} must be at most {most} (the library's limit, far beyond any real model), "
+                         f"got {value!r}")
+    return int(value)
+
+
+def check_probability(name: str, value) -> float:
+    """A real number in [0, 1) (a dropout rate); returns it as a float."""
+    if not _is_real(value) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {_shown(value)}")
+    return float(value)
+
+
+def check_positive_float(name: str, value) -> float:
+    """A finite real number > 0 (an epsilon); returns it as a float."""
+    if not _is_real(value) or not 0.0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {_shown(value)}")
+    return float(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool (``"false"`` or 0.5 is not one)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {_shown(value)}")
+    return bool(value)
+
+
+def _count(name, value):
+    return check_size(name, value, least=0, most=MAX_LAYERS)
+
+
+# Constructor arguments of the model classes, by name: both packages' classes share
+# names and arguments, so one table checks them all before anything is built.
+CONSTRUCTOR_CHECKS = {
+    **dict.fromkeys((
+        "emb", "heads", "k", "seq_length", "num_tokens", "num_classes", "ff_hidden_mult",  # former
+        "embed_dim", "head_dim",  # encoder
+        "vocab_size", "d", "d_in", "d_out", "d_embed", "d_ff", "n_heads", "voc_size", "max_length",  # gpt
+        "d_model", "d_feature", "max_len", "src_vocab_size", "tgt_vocab_size",  # classic
+    ), check_size),
+    **dict.fromkeys(("depth", "n_layers", "n_blocks"), _count),
+    "dropout": check_probability,
+    "eps": check_positive_float,
+    **dict.fromkeys(("causal", "max_pool", "bias"), check_flag),
+}
+
+
+def check_constructor_args(owner: str, arguments: dict) -> None:
+    """Check the bound constructor arguments of class ``owner`` by ``CONSTRUCTOR_CHECKS``."""
+    for name, value in arguments.items():
+        check = CONSTRUCTOR_CHECKS.get(name)
+        if check is not None:
+            check(f"{owner}: {name}", value)
+
+
+def attention_variants(attention, depth: int, variants=("narrow", "wide")) -> list[str]:
+    """former's ``attention`` argument: one variant for every block, or a list of one per block."""
+    if isinstance(attention, str):
+        attention = [attention] * depth
+    elif not isinstance(attention, (list, tuple)):
+        raise ValueError(f"attention must be one of {variants} or a list of them, one per block, "
+                         f"got {_shown(attention)}")
+    if len(attention) != depth:
+        raise ValueError(f"attention lists {len(attention)} variants for depth {depth}")
+    for variant in attention:
+        if variant not in variants:
+            raise ValueError(f"attention must be one of {variants}, got {variant!r}")
+    return list(attention)
 
 
 def check_divisible(width: int, heads: int, *, what: str = "embedding dimension") -> None:
@@ -146,24 +260,49 @@ def log_size(module, shape, name: str) -> None:
 # ------------------------------------------------------------ generation checks
 
 
-def check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab):
+# Below this temperature sampling is greedy decoding (its limit): float32's smallest normal
+# number. Dividing logits by a smaller (subnormal) temperature overflows, or divides by a
+# zero where denormals are flushed, and gave tokens that differ from greedy.
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
+
+
+def is_greedy(greedy: bool, temperature) -> bool:
+    """Whether to decode greedily: asked for, or a temperature too small to divide by in float32."""
+    return bool(greedy) or temperature < GREEDY_BELOW
+
+
+def check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed=0):
     """The sampling arguments, checked before anything runs (shared with the torch twin)."""
-    def integer(value):
-        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    integer = _is_integer
 
     if not integer(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {_shown(max_new_tokens)}")
     for name, value in (("top_k", top_k), ("eos_id", eos_id)):
         if value is not None and not integer(value):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not greedy and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling (or pass greedy=True), got {temperature!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+            raise ValueError(f"{name} must be an integer, got {_shown(value)}")
+    if not integer(seed):
+        raise ValueError(f"seed must be an integer, got {_shown(seed)}")
+    if not isinstance(greedy, (bool, np.bool_)):
+        raise ValueError(f"greedy must be True or False, got {_shown(greedy)}")
+    if not _is_real(temperature) or not 0 < temperature < float("inf"):
+        if not (greedy and _is_real(temperature)):
+            raise ValueError(f"temperature must be > 0 and finite when sampling (or pass greedy=True), "
+                             f"got {_shown(temperature)}")
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1], got {_shown(top_p)}")
     if top_k is not None and not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must lie in [1, {vocab}], got {top_k!r}")
     if eos_id is not None and not 0 <= eos_id < vocab:
         raise ValueError(f"eos_id must lie in [0, {vocab}), got {eos_id!r}")
+
+
+def check_padding_mask(mask, shape, name: str) -> None:
+    """A (batch, length) padding mask of exactly ``shape`` holding only 0 and 1 (or booleans)."""
+    values = np.asarray(mask)
+    if values.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape (batch, length)={tuple(shape)}, got {values.shape}")
+    if not np.all((values == 0) | (values == 1)):
+        raise ValueError(f"{name} must hold only 0 (pad) and 1 (token)")
 
 
 def prompt_lengths(input_ids, attention_mask) -> np.ndarray:

@@ -48,10 +48,43 @@ def _to_json(value):
     raise TypeError(f"cannot describe constructor argument {value!r} in JSON")
 
 
+# What a description may name, and so what reading a file may construct: the model
+# classes of each family (the same names in flax_transformer and torch_reference) and
+# the config types. A name read from a file is only ever looked up in these tables.
+MODEL_CLASSES: dict[str, tuple[str, ...]] = {
+    "former": ("MHSelfAttention", "SelfAttention", "TransformerBlock", "CTransformer", "GTransformer"),
+    "encoder": ("AttentionHead", "MultiHeadAttention", "FeedForward", "TransformerEncoderLayer", "Embeddings",
+                "TransformerEncoder", "TransformerForSequenceClassification"),
+    "gpt": ("Embeddings", "Linear", "LayerNorm", "FeedForward", "Attention", "TransformerLayer", "GPTAttention",
+            "GPTTransformerLayer", "GPTMHAttention", "GPTMHTransformerLayer", "GPTTransformer", "GPT2Attention",
+            "GPT2MLP", "GPT2Block", "GPT2Model", "GPT2LMHeadModel"),
+    "classic": ("ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention", "PositionalEmbedding",
+                "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder", "Transformer"),
+}
+CONFIG_TYPES = {"EncoderConfig": configs.EncoderConfig, "GPTConfig": configs.GPTConfig}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _model_class(family, name, framework: str):
+    """The class ``family.name`` of flax_transformer (``framework="flax"``) or torch_reference, from the table."""
+    if not isinstance(family, str) or family not in MODEL_CLASSES:
+        raise ValueError(f"unknown family {family!r} (families: {', '.join(MODEL_CLASSES)})")
+    if not isinstance(name, str) or name not in MODEL_CLASSES[family]:
+        raise ValueError(f"{name!r} is not a {family} model class (classes: {', '.join(MODEL_CLASSES[family])})")
+    module = importlib.import_module(f"{'flax_transformer' if framework == 'flax' else 'torch_reference'}.{family}")
+    return {allowed: getattr(module, allowed) for allowed in MODEL_CLASSES[family]}[name]
+
+
 def _from_json(value):
     if isinstance(value, dict) and "__config__" in value:
-        cls = getattr(configs, value["__config__"])
-        return cls(**{k: v for k, v in value.items() if k != "__config__"})
+        name = value["__config__"]
+        if not isinstance(name, str) or name not in CONFIG_TYPES:
+            raise ValueError(f"unknown config type {name!r} (config types: {', '.join(CONFIG_TYPES)})")
+        return CONFIG_TYPES[name](**{k: v for k, v in value.items() if k != "__config__"})
     if isinstance(value, list):
         return [_from_json(v) for v in value]
     return value
@@ -66,17 +99,17 @@ def describe(model) -> dict:
 
 def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, param_dtype=jnp.float32, seed=0):
     """An (unfilled, for Flax) model of the described family/class/arguments."""
+    if not isinstance(description, dict) or not isinstance(description.get("init_kwargs"), dict):
+        raise ValueError("not a model description (a JSON object with family, class and an init_kwargs object): "
+                         f"{_short(description)}")
     try:
         family, name = description["family"], description["class"]
         kwargs = {k: _from_json(v) for k, v in description["init_kwargs"].items()}
     except (KeyError, TypeError) as error:
-        raise ValueError(f"not a model description: {description!r} ({error})") from None
-    if family not in porting.KEY_MAPS:
-        raise ValueError(f"unknown family {family!r} (families: {', '.join(porting.KEY_MAPS)})")
-    package = "flax_transformer" if framework == "flax" else "torch_reference"
-    cls = getattr(importlib.import_module(f"{package}.{family}"), name, None)
-    if cls is None:
-        raise ValueError(f"{package}.{family} has no class {name!r}")
+        raise ValueError(f"not a model description: {_short(description)} ({error})") from None
+    if framework not in ("flax", "torch"):
+        raise ValueError(f"framework must be 'flax' or 'torch', got {framework!r}")
+    cls = _model_class(family, name, framework)
     try:
         if framework == "flax":
             return porting.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
@@ -187,7 +220,15 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict | None]:
         tensors = load_file(str(path))
     except SafetensorError as error:
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {error}") from None
-    description = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
+    if METADATA_KEY not in metadata:
+        return tensors, None
+    try:
+        description = json.loads(metadata[METADATA_KEY])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: the {METADATA_KEY!r} header entry is not valid JSON ({error})") from None
+    if not isinstance(description, dict):
+        raise ValueError(f"{path}: the {METADATA_KEY!r} header entry must be a JSON object, "
+                         f"not a {type(description).__name__}")
     return tensors, description
 
 
@@ -199,7 +240,11 @@ def load_orbax(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     meta = path / f"{METADATA_KEY}.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a flax_transformer orbax checkpoint (no {meta.name})")
-    model = build(json.loads(meta.read_text()), dtype=dtype, param_dtype=param_dtype)
+    try:
+        description = json.loads(meta.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{meta} is not valid JSON: {error}") from None
+    model = _build_from(meta, description, dtype=dtype, param_dtype=param_dtype)
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -208,6 +253,14 @@ def load_orbax(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     nnx.update(model, state)
     model.eval()
     return model
+
+
+def _build_from(file, description, **kw):
+    """``build`` for a description read from ``file``: an error names the file."""
+    try:
+        return build(description, **kw)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
 
 
 def jax_tree_cast(tree, like):
@@ -221,6 +274,8 @@ def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     """A Flax model (eval mode) from any checkpoint that describes itself:
     an HF folder, an orbax folder from ``save_orbax``, or a ``save_safetensors`` file."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint file or folder: {path}")
     if path.is_dir():
         if (path / f"{METADATA_KEY}.json").exists():
             return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
@@ -231,7 +286,7 @@ def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     if description is None:
         raise ValueError(f"{path} does not say which model it holds (a bare state_dict): convert it with "
                          "`flax-transformer port SRC DST --family F --class C --config JSON` first")
-    model = build(description, dtype=dtype, param_dtype=param_dtype)
+    model = _build_from(path, description, dtype=dtype, param_dtype=param_dtype)
     porting.load_state_dict(model, tensors, strict=True)
     model.eval()
     return model

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._common import (
-    Embed, LayerNorm, Linear, RecordsInit, ReLU, Sequential, attend, check_features, check_length,
-    cache_mask, check_token_ids, empty_cache, is_concrete, lookup, update_cache,
-)
+from ._shared import RecordsInit
+from .attention import attend, cache_mask, empty_cache, update_cache
+from .checks import check_features, check_length, check_token_ids, is_concrete
+from .layers import Embed, LayerNorm, Linear, lookup, ReLU, Sequential
 from ._shared import TensorLoggingLevels, log_size
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
@@ -367,6 +367,8 @@ class Transformer(RecordsInit, nnx.Module):
     def init_cache(self, batch: int, length: int):
         """An empty self-attention cache for decoding up to ``length`` target positions."""
         check_length(length, self.pos_embedding.max_len)
+        if not self.decoder.decoders:  # no blocks (n_blocks=0): nothing to cache
+            return []
         first = self.decoder.decoders[0].masked_attn_head
         return empty_cache(len(self.decoder.decoders), batch, first.n_heads, length, first.d_feature, self.dtype)
 

@@ -27,9 +27,6 @@ def _highest_precision():
 
 def _load_pair(src: str, family=None, cls=None, config=None):
     """(flax model, torch model) for a checkpoint: both built from SRC, independently where possible."""
-    import numpy as np
-    import torch
-
     from . import checkpoints, hf, porting
 
     path = Path(src)
@@ -46,7 +43,7 @@ def _load_pair(src: str, family=None, cls=None, config=None):
             raise ValueError(f"--config must be a JSON object of constructor arguments, got {config!r}")
         torch_model = checkpoints.build({"family": family, "class": cls, "init_kwargs": kwargs}, framework="torch")
         weights = checkpoints.read_safetensors(path)[0] if path.suffix == ".safetensors" else hf.read_weights(path)
-        torch_model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
+        torch_model.load_state_dict(hf.torch_state(weights))  # checked, not cast: see hf.torch_state
         torch_model.eval()
         return porting.torch_to_flax(torch_model), torch_model
     if path.is_dir() and (path / "config.json").exists():

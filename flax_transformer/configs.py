@@ -7,8 +7,28 @@ and flax_transformer without pulling in torch.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
+
+from ._shared import MAX_LAYERS, check_flag, check_positive_float, check_probability, check_size
+
+
+def _set(config, name, value):
+    object.__setattr__(config, name, value)  # frozen; numpy scalars -> Python (hashable, JSON-able)
+
+
+def _check_fields(config, *, sizes=(), counts=(), probabilities=(), epsilons=(), flags=()):
+    """Check (and normalise) a config's fields by kind, naming the field in any error."""
+    owner = type(config).__name__
+    for name in sizes:
+        _set(config, name, check_size(f"{owner}.{name}", getattr(config, name)))
+    for name in counts:
+        _set(config, name, check_size(f"{owner}.{name}", getattr(config, name), least=0, most=MAX_LAYERS))
+    for name in probabilities:
+        _set(config, name, check_probability(f"{owner}.{name}", getattr(config, name)))
+    for name in epsilons:
+        _set(config, name, check_positive_float(f"{owner}.{name}", getattr(config, name)))
+    for name in flags:
+        _set(config, name, check_flag(f"{owner}.{name}", getattr(config, name)))
 
 
 @dataclass(frozen=True)
@@ -54,13 +74,15 @@ class EncoderConfig:
     classifier_pooling: str = "cls"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "num_labels"):
-            value = getattr(self, name)
-            least = 0 if name == "num_hidden_layers" else 1
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
-                raise ValueError(f"EncoderConfig.{name} must be an integer >= {least}, got {value!r}")
-            object.__setattr__(self, name, int(value))  # numpy integers -> int (hashable, JSON-able)
+        _check_fields(self, sizes=("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+                                   "max_position_embeddings", "num_labels"),
+                      counts=("num_hidden_layers",), probabilities=("hidden_dropout_prob",
+                                                                    "attention_probs_dropout_prob"),
+                      epsilons=("layer_norm_eps",), flags=("norm_first", "pooler"))
+        _set(self, "token_types", check_size("EncoderConfig.token_types", self.token_types, least=0))
+        if self.layer_norm_eps_blocks is not None:
+            _set(self, "layer_norm_eps_blocks",
+                 check_positive_float("EncoderConfig.layer_norm_eps_blocks", self.layer_norm_eps_blocks))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -69,11 +91,8 @@ class EncoderConfig:
         if self.classifier_pooling not in ("cls", "mean"):
             raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
         supported = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
-        if self.hidden_act not in supported:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(supported)})")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"EncoderConfig.{name} must lie in [0, 1), got {getattr(self, name)!r}")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in supported:
+            raise ValueError(f"EncoderConfig.hidden_act {self.hidden_act!r} is not supported ({', '.join(supported)})")
 
     @property
     def head_dim(self) -> int:
@@ -104,11 +123,20 @@ class EncoderConfig:
     def bert(cls, config) -> "EncoderConfig":
         """The encoder with BERT's options, from a BERT config (dict, ``BertConfig``, namespace)."""
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        # BERT options this encoder does not implement: refuse rather than compute something else
+        for name, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
+                            ("add_cross_attention", False)):
+            if get(name, plain) not in (plain, None):
+                raise ValueError(f"BERT option {name}={get(name, plain)!r} is not supported (only {plain!r})")
         base = cls.from_any(config)
-        return dataclasses.replace(
-            base, norm_first=False, layer_norm_eps_blocks=None, pooler=True,
-            token_types=int(get("type_vocab_size", 2)),
-            attention_probs_dropout_prob=float(get("attention_probs_dropout_prob", 0.1) or 0.0))
+        attention_dropout = get("attention_probs_dropout_prob", 0.1)
+        try:
+            return dataclasses.replace(
+                base, norm_first=False, layer_norm_eps_blocks=None, pooler=True,
+                token_types=get("type_vocab_size", 2),
+                attention_probs_dropout_prob=0.0 if attention_dropout is None else attention_dropout)
+        except ValueError as error:  # name the BERT field, not ours
+            raise ValueError(str(error).replace("EncoderConfig.token_types", "type_vocab_size")) from None
 
     def to_bert_dict(self) -> dict:
         """A transformers ``config.json`` for this (BERT-style) encoder."""
@@ -165,15 +193,17 @@ class GPTConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer"):
-            value = getattr(self, name)
-            least = 0 if name == "n_layer" else 1
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= {least}, got {value!r}")
+        _check_fields(self, sizes=("vocab_size", "n_positions", "n_embd", "n_head"), counts=("n_layer",),
+                      probabilities=("resid_pdrop", "embd_pdrop", "attn_pdrop"), epsilons=("layer_norm_epsilon",),
+                      flags=("tie_word_embeddings",))
+        if self.n_inner is not None:
+            _set(self, "n_inner", check_size("GPTConfig.n_inner", self.n_inner))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu"):
-            raise ValueError(f"activation_function {self.activation_function!r} is not supported")
+        supported = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
+        if not isinstance(self.activation_function, str) or self.activation_function not in supported:
+            raise ValueError(f"GPTConfig.activation_function {self.activation_function!r} is not supported "
+                             f"({', '.join(supported)})")
 
     @property
     def inner(self) -> int:

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .configs import EncoderConfig
-from ._common import (
-    ACTIVATIONS, Embed, LayerNorm, Linear, RecordsInit, attend, check_features, check_length, check_token_ids,
-    lookup, masked_mean, normalize_mask,
-)
+from ._shared import RecordsInit
+from .attention import attend, normalize_mask
+from .checks import check_features, check_length, check_token_ids
+from .layers import ACTIVATIONS, Embed, LayerNorm, Linear, lookup, masked_mean
 
 
 class _ConfigModule(RecordsInit, nnx.Module):
@@ -108,7 +108,7 @@ class MultiHeadAttention(_ConfigModule):
         layers = [getattr(head, name) for head in self.heads]
         kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1).astype(self.dtype)  # (e, h*d)
         bias = jnp.concatenate([layer.bias[...] for layer in layers]).astype(self.dtype)  # (h*d,)
-        return (x @ kernel + bias).reshape(b, t, len(layers), -1).transpose(0, 2, 1, 3)
+        return (x @ kernel + bias).reshape(b, t, len(layers), kernel.shape[1] // len(layers)).transpose(0, 2, 1, 3)
 
     def __call__(self, hidden_state, mask=None, *, return_weights: bool = False):
         """Args:

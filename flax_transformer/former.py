@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._common import (
-    Embed, LayerNorm, Linear, RecordsInit, ReLU, Sequential, attend, check_divisible, check_features,
-    cache_mask, check_length, check_token_ids, combine_masks, empty_cache, lookup, make_causal_mask, masked_mean,
-    normalize_mask, update_cache,
-)
+from ._shared import RecordsInit, attention_variants
+from .attention import attend, cache_mask, combine_masks, empty_cache, make_causal_mask, normalize_mask, update_cache
+from .checks import check_divisible, check_features, check_length, check_token_ids
+from .layers import Embed, LayerNorm, Linear, lookup, masked_mean, ReLU, Sequential
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
@@ -161,10 +160,7 @@ class TransformerBlock(RecordsInit, nnx.Module):
 
 
 def _per_block(attention: str | Sequence[str], depth: int) -> list[str]:
-    variants = [attention] * depth if isinstance(attention, str) else list(attention)
-    if len(variants) != depth:
-        raise ValueError(f"attention lists {len(variants)} variants for depth {depth}")
-    return variants
+    return attention_variants(attention, depth, _VARIANTS)
 
 
 class _Former(nnx.Module):

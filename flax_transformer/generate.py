@@ -20,23 +20,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._common import check_token_ids, is_concrete
-from ._shared import check_generate_args, prompt_lengths
+from ._shared import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
+from .checks import check_length, check_token_ids, is_concrete
 
 
 def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: float | None, greedy: bool):
     """Pick one token per row from (b, V) logits.
 
-    ``greedy`` takes the argmax. Otherwise logits are divided by ``temperature``, cut to
-    the ``top_k`` largest and to the smallest set whose probability reaches ``top_p``
-    (nucleus), and sampled.
+    ``greedy`` takes the argmax. Otherwise logits are cut to the ``top_k`` largest,
+    divided by ``temperature`` (in float32, after subtracting each row's maximum, so a
+    small temperature cannot overflow: the largest logit stays 0, the others go to
+    -inf), cut to the smallest set whose probability reaches ``top_p`` (nucleus), and
+    sampled. A temperature below float32's smallest normal number (``GREEDY_BELOW``,
+    about 1.2e-38) is greedy decoding, the limit it tends to.
     """
-    if greedy:
+    if is_greedy(greedy, temperature):
         return jnp.argmax(logits, axis=-1)
-    logits = logits.astype(jnp.float32) / temperature
+    logits = logits.astype(jnp.float32)
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (b, 1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_p is not None and top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -77,7 +81,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
             (for which ``input_ids`` are the decoder's prompt, e.g. a start token, and
             ``src_ids`` the source). Dropout is off during generation whatever the mode.
         input_ids: (b, p) prompt ids, right-padded; ``attention_mask`` (b, p), 1 = token.
-        temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``).
+        temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``; a
+            temperature below ~1.2e-38 is greedy).
         eos_id: a row that produces it keeps producing it (stops early when all rows have).
         rng / seed: a ``jax.random`` key, or an int seed when ``rng`` is None.
         use_cache: decode with a key/value cache (True) or rerun the whole prefix each step.
@@ -85,14 +90,15 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
 
     Returns:
         (b, max_new_tokens) int32 new tokens, and (b, max_new_tokens, vocab) float32 logits
-        if asked (log-probabilities for ``GTransformer``, whose output they are).
+        if asked (log-probabilities for ``GTransformer``, whose output they are). A batch of
+        0 prompts gives these shapes with b = 0, as the models' own calls do.
     """
     family = _family(model)
     vocab = _vocab(model)
     check_token_ids(input_ids, vocab)
     if not is_concrete(input_ids):
         raise TypeError("generate compiles its own loop: call it with concrete arrays, not inside jit")
-    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
+    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
     lengths = prompt_lengths(input_ids, attention_mask)
     total = input_ids.shape[1] + max_new_tokens
     if total > _max_positions(model):
@@ -104,11 +110,16 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         check_token_ids(src_ids, model.src_vocab_size, name="src_ids")
         if src_ids.shape[0] != input_ids.shape[0]:
             raise ValueError(f"src_ids has batch {src_ids.shape[0]} but input_ids {input_ids.shape[0]}")
-    elif src_ids is not None:
-        raise ValueError(f"src_ids is only for classic.Transformer, not {family}")
-    if max_new_tokens == 0:
-        empty = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
-        return (empty, jnp.zeros((input_ids.shape[0], 0, vocab), jnp.float32)) if return_logits else empty
+        check_length(src_ids.shape[1], model.pos_embedding.max_len)
+        if src_attention_mask is not None:
+            check_padding_mask(src_attention_mask, src_ids.shape, "src_attention_mask")
+    elif src_ids is not None or src_attention_mask is not None:
+        raise ValueError(f"src_ids and src_attention_mask are only for classic.Transformer, not {family}")
+    if max_new_tokens == 0 or input_ids.shape[0] == 0:  # nothing to generate: empty, as the models give
+        empty = jnp.zeros((input_ids.shape[0], max_new_tokens), jnp.int32)
+        if return_logits:
+            return empty, jnp.zeros((input_ids.shape[0], max_new_tokens, vocab), jnp.float32)
+        return empty
     key = rng if rng is not None else jax.random.key(seed)
     deterministic = [m.deterministic for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]
     model.eval()
@@ -117,8 +128,10 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
             model, jnp.asarray(input_ids, jnp.int32), jnp.asarray(lengths), key,
             None if src_ids is None else jnp.asarray(src_ids, jnp.int32),
             None if src_attention_mask is None else jnp.asarray(src_attention_mask),
-            max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=top_k,
-            top_p=None if top_p is None else float(top_p), greedy=bool(greedy), eos_id=eos_id, use_cache=use_cache,
+            max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+            top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
+            greedy=is_greedy(greedy, temperature), eos_id=None if eos_id is None else int(eos_id),
+            use_cache=bool(use_cache),
             return_logits=return_logits)
     finally:  # restore each dropout's mode
         dropouts = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]

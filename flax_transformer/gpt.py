@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .configs import GPTConfig
-from ._common import (
-    ACTIVATIONS, Embed, LayerNorm as TorchLayerNorm, Linear as TorchLinear, RecordsInit, attend, fused_attention, check_divisible, check_features,
-    cache_mask, check_length, check_token_ids, empty_cache, gather_rows, is_concrete, lookup, update_cache,
-)
+from ._shared import RecordsInit
+from .attention import attend, cache_mask, empty_cache, fused_attention, update_cache
+from .checks import check_divisible, check_features, check_length, check_token_ids, is_concrete
+from .layers import ACTIVATIONS, Embed, gather_rows, LayerNorm as TorchLayerNorm, Linear as TorchLinear, lookup
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -222,7 +222,8 @@ class GPTMHAttention(RecordsInit, nnx.Module):
     def _heads(self, x):
         """(b, l, d) -> q, k, v each (b, h, l, d_h)."""
         b, l, _ = x.shape
-        split = lambda y: y.reshape(b, l, self.n_heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        d_h = self.d_embed // self.n_heads
+        split = lambda y: y.reshape(b, l, self.n_heads, d_h).transpose(0, 2, 1, 3)  # noqa: E731
         x = x.astype(self.dtype)
         return split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
 
@@ -419,7 +420,7 @@ class GPT2Model(_GPTConfigModule):
     def __call__(self, input_ids, attention_mask=None, *, cache=None, index=0):
         """(b, t) ids -> last hidden state (b, t, n_embd) (and the cache when decoding)."""
         check_token_ids(input_ids, self.vocab_size)
-        check_length(input_ids.shape[1] if cache is None else cache[0][0].shape[2], self.n_positions)
+        check_length(cache[0][0].shape[2] if cache else input_ids.shape[1], self.n_positions)
         if cache is None:
             check_attention_mask(attention_mask, *input_ids.shape)
         positions = index + jnp.arange(input_ids.shape[1])

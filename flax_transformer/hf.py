@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import files, porting
+from ._shared import check_positive_float
 from .configs import EncoderConfig, GPTConfig
 
 # ------------------------------------------------------------------ key tables
@@ -96,6 +97,9 @@ def _convert(table, state: dict, *, forward: bool, heads: int | None = None) -> 
                 continue
             fields = match.groupdict()
             if forward and rule == SPLIT_HEADS:
+                if np.ndim(value) == 0 or np.shape(value)[0] % heads:
+                    raise porting.StateDictError(mismatched=[(key, tuple(np.shape(value)),
+                                                              f"(a multiple of num_attention_heads={heads}, ...)")])
                 for h, part in enumerate(np.split(value, heads, axis=0)):
                     out[our_name.format(**fields, h=h)] = part
             elif not forward and rule == SPLIT_HEADS:
@@ -142,7 +146,8 @@ def _torch_pickle(file: Path) -> dict[str, np.ndarray]:
                          f"{type(error).__name__}: {error}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
         raise ValueError(f"{file} does not hold a state_dict (a mapping of names to tensors)")
     return {k: porting._to_numpy(v) for k, v in state.items()}
 
@@ -161,14 +166,11 @@ def read_weights(path) -> dict[str, np.ndarray]:
     if path.is_dir():
         for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                      "pytorch_model.bin.index.json"):
-            if (path / name).exists():
+            if (path / name).is_file():
                 return read_weights(path / name)
         raise FileNotFoundError(f"{path} holds no weights (model.safetensors, pytorch_model.bin or a sharded index)")
     if path.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise ValueError(f"{path} is not a sharded-checkpoint index: {error}") from None
+        weight_map = _read_index(path)
         out = {}
         for shard in sorted(set(weight_map.values())):
             part = read_weights(path.parent / shard)
@@ -184,13 +186,36 @@ def read_weights(path) -> dict[str, np.ndarray]:
     raise ValueError(f"unknown checkpoint format: {path} (expected .safetensors, .bin/.pt/.pth or *.index.json)")
 
 
+def _read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded-checkpoint index: tensor name -> shard file in the same folder."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a sharded-checkpoint index (not valid JSON: {error})") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise ValueError(f"{path} is not a sharded-checkpoint index (a JSON object with a 'weight_map')")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path}: 'weight_map' must map tensor names to shard file names, "
+                         f"got {type(weight_map).__name__}")
+    for shard in set(weight_map.values()):
+        # a shard lies in the index's folder: no absolute path, no '..'
+        if not shard or "\\" in shard or "\x00" in shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(f"{path}: shard {shard!r} is not a file name in the index's own folder")
+        if Path(shard).suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+            raise ValueError(f"{path}: shard {shard!r} is not a .safetensors or torch (.bin/.pt/.pth) file")
+        if not (path.parent / shard).is_file():
+            raise FileNotFoundError(f"{path}: shard {shard!r} does not exist in {path.parent}")
+    return weight_map
+
+
 def read_config(folder) -> dict:
     file = Path(folder) / "config.json"
-    if not file.exists():
+    if not file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json")
     try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{file} is not valid JSON: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object, not a {type(config).__name__}")
@@ -207,6 +232,16 @@ def _family(config: dict):
     if model_type == "gpt2":
         return "gpt2", GPTConfig.from_any(config)
     raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.hf reads 'bert' and 'gpt2'")
+
+
+def _read_family(folder) -> tuple[dict, str, object]:
+    """(config.json as read, family, config); a field of the wrong type or value is named with the file."""
+    raw = read_config(folder)
+    try:
+        kind, config = _family(raw)
+    except ValueError as error:
+        raise ValueError(f"{Path(folder) / 'config.json'}: {error}") from None
+    return raw, kind, config
 
 
 def _normalise_hf_names(kind: str, weights: dict) -> dict:
@@ -261,7 +296,7 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no such HuggingFace folder: {path}")
-    kind, config = _family(read_config(path))
+    _, kind, config = _read_family(path)
     cls = encoder.TransformerEncoder if kind == "bert" else gpt.GPT2LMHeadModel
     weights = hf_to_ours(kind, read_weights(path), config)
     model = porting.build_unfilled(cls, dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
@@ -270,17 +305,33 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
     return model
 
 
-def torch_from_pretrained(path):
-    """The torch_reference twin (eval mode) with the weights of an HF BERT or GPT-2 folder."""
+def torch_state(weights: dict) -> dict:
+    """numpy arrays -> torch tensors for a torch_reference ``load_state_dict``, values unchanged.
+
+    Not cast to float32 here: the load checks each value against its parameter (a complex
+    value, or one beyond float32's range, is refused there instead of silently changed).
+    bfloat16, which torch cannot take from numpy, is widened to float32 exactly.
+    """
     import torch
 
+    out = {}
+    for key, value in weights.items():
+        value = np.asarray(value)
+        if value.dtype.kind not in "biufc":  # bfloat16 and other ml_dtypes floats
+            value = value.astype(np.float32)
+        out[key] = torch.from_numpy(np.array(value))  # a writable copy
+    return out
+
+
+def torch_from_pretrained(path):
+    """The torch_reference twin (eval mode) with the weights of an HF BERT or GPT-2 folder."""
     from torch_reference import encoder, gpt
 
-    kind, config = _family(read_config(path))
+    _, kind, config = _read_family(path)
     cls = encoder.TransformerEncoder if kind == "bert" else gpt.GPT2LMHeadModel
     model = cls(config)
     weights = hf_to_ours(kind, read_weights(path), config)
-    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
+    model.load_state_dict(torch_state(weights))
     return model.eval()
 
 
@@ -294,20 +345,25 @@ def _classifier_weights(path, num_labels, pooling, seed):
     ``BertForSequenceClassification`` folder, such as ``save_pretrained`` writes), else it
     is new: N(0, initializer_range) weights and zero biases, as transformers initialises it.
     """
-    raw = read_config(path)
-    kind, config = _family(raw)
+    raw, kind, config = _read_family(path)
     if kind != "bert":
         raise ValueError(f"{path} holds a {raw.get('model_type')!r} model; a sequence classifier needs a BERT folder "
                          "(model_type 'bert')")
     weights = dict(read_weights(path))
     head = {k: weights.pop(k) for k in CLASSIFIER_KEYS if k in weights}
+    id2label = raw.get("id2label")
+    if id2label is not None and not isinstance(id2label, dict):
+        raise ValueError(f"{path / 'config.json'}: id2label must be a JSON object, got {type(id2label).__name__}")
     if num_labels is None:  # the head's, else the config's labels, else 2
-        num_labels = head["classifier.weight"].shape[0] if "classifier.weight" in head else len(
-            raw.get("id2label") or ()) or 2
-    config = dataclasses.replace(config, num_labels=int(num_labels), classifier_pooling=pooling)
+        weight = head.get("classifier.weight")
+        num_labels = int(weight.shape[0]) if weight is not None and weight.ndim == 2 else len(id2label or ()) or 2
+    config = dataclasses.replace(config, num_labels=num_labels, classifier_pooling=pooling)
     if not head:
         rng = np.random.default_rng(seed)
-        std = float(raw.get("initializer_range", 0.02))
+        try:
+            std = check_positive_float("initializer_range", raw.get("initializer_range", 0.02))
+        except ValueError as error:
+            raise ValueError(f"{path / 'config.json'}: {error}") from None
         head = {"classifier.weight": rng.normal(0.0, std, (config.num_labels, config.hidden_size)).astype(np.float32),
                 "classifier.bias": np.zeros(config.num_labels, np.float32)}
     ours = {f"encoder.{k}": v for k, v in hf_to_ours("bert", weights, config).items()}
@@ -339,13 +395,11 @@ def classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: 
 
 def torch_classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: str = "cls", seed: int = 0):
     """The torch_reference twin of ``classifier_from_pretrained`` (eval mode), with the same new head."""
-    import torch
-
     from torch_reference import encoder
 
     config, weights = _classifier_weights(Path(path), num_labels, pooling, seed)
     model = encoder.TransformerForSequenceClassification(config)
-    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in weights.items()})
+    model.load_state_dict(torch_state(weights))
     return model.eval()
 
 

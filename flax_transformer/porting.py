@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._shared import StateDictError
+from ._shared import StateDictError, check_state_dict_mapping
 
 # --------------------------------------------------------------------- the tables
 
@@ -171,6 +172,27 @@ def state_dict(model) -> dict[str, np.ndarray]:
     return out
 
 
+def _check_value(key: str, array: np.ndarray, target) -> None:
+    """Refuse a value that would not survive the cast to the parameter's dtype ``target``."""
+    source = array.dtype
+    if np.issubdtype(source, np.complexfloating):
+        raise TypeError(f"state_dict[{key!r}] is complex ({source}); parameters are real, and casting would "
+                        "drop the imaginary part; nothing was loaded")
+    if not (jnp.issubdtype(source, jnp.floating) or jnp.issubdtype(source, jnp.integer)):
+        raise TypeError(f"state_dict[{key!r}] has dtype {source}; parameters take real numbers; nothing was loaded")
+    if not jnp.issubdtype(target, jnp.floating) or array.size == 0:
+        return
+    limit = float(jnp.finfo(target).max)
+    widest = float(jnp.finfo(source).max if jnp.issubdtype(source, jnp.floating) else jnp.iinfo(source).max)
+    if widest <= limit:
+        return  # every value fits
+    finite = np.isfinite(array) if jnp.issubdtype(source, jnp.floating) else True
+    largest = float(np.max(np.abs(array), initial=0, where=finite))
+    if largest > limit:
+        raise ValueError(f"state_dict[{key!r}] holds {largest:.6g}, beyond the range of the parameter's dtype "
+                         f"{jnp.dtype(target).name} (max {limit:.6g}); it would become inf; nothing was loaded")
+
+
 def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> LoadResult:
     """Load torch-named weights (torch tensors or numpy arrays) into a Flax model.
 
@@ -184,6 +206,7 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> Loa
     """
     family = _family(model)
     params = _flax_params(model)
+    check_state_dict_mapping(state)
     updates, seen, unexpected, mismatched = {}, set(), [], []
     for key, value in state.items():
         mapped = torch_key_to_flax(family, key)
@@ -192,13 +215,18 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> Loa
             continue
         path, rule = mapped
         seen.add(path)
-        original = _to_numpy(value)
+        try:
+            original = _to_numpy(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"state_dict[{key!r}] is not an array ({type(value).__name__}: {error}); "
+                            "nothing was loaded") from None
         array = _LAYOUT[rule](original)
         expected = tuple(params[path].shape)
         if tuple(array.shape) != expected:
-            # report both shapes in the checkpoint's (torch) layout
-            mismatched.append((key, tuple(original.shape), tuple(_LAYOUT[rule](np.empty(expected, np.int8)).shape)))
+            # report both shapes in the checkpoint's (torch) layout (a transpose reverses the axes)
+            mismatched.append((key, tuple(original.shape), expected[::-1] if rule == TRANSPOSE else expected))
             continue
+        _check_value(key, array, params[path].dtype)
         updates[path] = array
     missing = [(flax_path_to_torch(family, p) or (p,))[0] for p in params if p not in seen]
     if mismatched or (strict and (missing or unexpected)):

@@ -84,9 +84,9 @@ def _plain_attend(q, k, v, mask, scale):
 
 @pytest.mark.parametrize("case", ["none", "padding+empty-row", "causal", "broadcast-kv", "dropout"])
 def test_attend_custom_backward_equals_autodiff(case):
-    """``_common.attend``'s custom VJPs (fast on XLA CPU) give autodiff's gradients of the same math,
+    """``attention.attend``'s custom VJPs (fast on XLA CPU) give autodiff's gradients of the same math,
     for the output and the weights, with fully masked rows (zero gradient there, no NaN)."""
-    from flax_transformer._common import attend
+    from flax_transformer.attention import attend
 
     rng = np.random.default_rng(0)
     b, h, t, d = 3, 2, 7, 5
@@ -129,7 +129,7 @@ def test_attend_custom_backward_equals_autodiff(case):
 
 
 def test_linear_custom_backward_equals_autodiff():
-    from flax_transformer._common import Linear
+    from flax_transformer.layers import Linear
 
     layer = Linear(6, 4, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 6)), jnp.float32)

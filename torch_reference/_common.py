@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from flax_transformer._shared import RecordsInit, StateDictError, check_divisible, check_length  # noqa: F401
+from flax_transformer._shared import (  # noqa: F401  (re-exported)
+    RecordsInit, StateDictError, check_divisible, check_length, check_state_dict_mapping,
+)
 
 
 class TorchStateDictError(StateDictError, RuntimeError):
@@ -29,6 +31,7 @@ class Module(RecordsInit, nn.Module):
     """
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        check_state_dict_mapping(state_dict)
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -40,9 +43,31 @@ class Module(RecordsInit, nn.Module):
                 raise TypeError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor; nothing was loaded")
             if tuple(value.shape) != tuple(own[key].shape):
                 mismatched.append((key, tuple(value.shape), tuple(own[key].shape)))
+            else:
+                _check_value(key, value, own[key].dtype)
         if mismatched or (strict and (missing or unexpected)):
             raise TorchStateDictError(missing if strict else (), unexpected if strict else (), mismatched)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _check_value(key: str, value: torch.Tensor, target: torch.dtype) -> None:
+    """Refuse a value the copy into a ``target`` parameter would change: complex, or beyond its range."""
+    if value.is_complex() and not target.is_complex:
+        raise TypeError(f"state_dict[{key!r}] is complex ({value.dtype}); parameters are real, and copying would "
+                        "drop the imaginary part; nothing was loaded")
+    if value.dtype == torch.bool or not target.is_floating_point or value.numel() == 0:
+        return
+    limit = torch.finfo(target).max
+    info = torch.finfo(value.dtype) if value.is_floating_point() else torch.iinfo(value.dtype)
+    if info.max <= limit:
+        return
+    magnitude = value.detach().abs()
+    if value.is_floating_point():
+        magnitude = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
+    largest = float(magnitude.max())
+    if largest > limit:
+        raise ValueError(f"state_dict[{key!r}] holds {largest:.6g}, beyond the range of the parameter's dtype "
+                         f"{target} (max {limit:.6g}); it would become inf; nothing was loaded")
 
 
 # ----------------------------------------------------------------------------- masks

@@ -107,7 +107,7 @@ class MultiHeadAttention(_ConfigModule):
         layers = [getattr(head, name) for head in self.heads]
         weight = torch.cat([layer.weight for layer in layers])  # (h*d, e)
         bias = torch.cat([layer.bias for layer in layers])  # (h*d,)
-        return F.linear(x, weight, bias).view(b, t, len(layers), -1).transpose(1, 2)
+        return F.linear(x, weight, bias).view(b, t, len(layers), weight.shape[0] // len(layers)).transpose(1, 2)
 
     def forward(self, hidden_state, mask=None, *, return_weights: bool = False):
         """Args:

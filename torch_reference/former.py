@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flax_transformer._shared import attention_variants
+
 from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, masked_mean, normalize_mask, combine_masks
 
 _SCALES = ("emb", "head")
@@ -147,10 +149,7 @@ class TransformerBlock(Module):
 
 
 def _per_block(attention: str | Sequence[str], depth: int) -> list[str]:
-    variants = [attention] * depth if isinstance(attention, str) else list(attention)
-    if len(variants) != depth:
-        raise ValueError(f"attention lists {len(variants)} variants for depth {depth}")
-    return variants
+    return attention_variants(attention, depth, _VARIANTS)
 
 
 class _Former(Module):

@@ -11,19 +11,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flax_transformer._shared import check_generate_args, prompt_lengths
+from flax_transformer._shared import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
 
-from ._common import check_token_ids
+from ._common import check_length, check_token_ids
 
 
 def sample_logits(logits, generator, *, temperature, top_k, top_p, greedy):
-    """Pick one token per row from (b, V) logits (as the JAX twin, with torch's RNG)."""
-    if greedy:
+    """Pick one token per row from (b, V) logits (as the JAX twin, with torch's RNG).
+
+    As there: top-k cut, then ``(logits - row max) / temperature`` in float32, so a tiny
+    temperature cannot overflow; below ``GREEDY_BELOW`` (~1.2e-38) it is greedy decoding.
+    """
+    if is_greedy(greedy, temperature):
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
     if top_k is not None:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_p is not None and top_p < 1.0:
         sorted_logits = logits.sort(dim=-1, descending=True).values
         probs = sorted_logits.softmax(dim=-1)
@@ -50,7 +55,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     """Continue each right-padded prompt (b, p) by ``max_new_tokens`` tokens.
 
     Returns (b, max_new_tokens) int64 new tokens, and the (b, max_new_tokens, vocab)
-    logits they were chosen from if asked. Runs in eval mode; restores the mode after.
+    logits they were chosen from if asked (b = 0 gives these shapes empty). Runs in eval
+    mode; restores the mode after.
     """
     name = type(model).__name__
     vocab = {"GPTTransformer": lambda m: m.voc_size, "GPT2LMHeadModel": lambda m: m.voc_size,
@@ -59,7 +65,7 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
     vocab = vocab(model)
     check_token_ids(input_ids, vocab)
-    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab)
+    check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     lengths = prompt_lengths(input_ids.cpu().numpy(), None if attention_mask is None else attention_mask.cpu().numpy())
@@ -71,10 +77,23 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     if total > limit:
         raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} = {total} exceeds "
                          f"the model's position table ({limit})")
-    if name == "Transformer" and src_ids is None:
-        raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
-    if name != "Transformer" and src_ids is not None:
-        raise ValueError(f"src_ids is only for classic.Transformer, not {name}")
+    if name == "Transformer":
+        if src_ids is None:
+            raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
+        check_token_ids(src_ids, model.src_vocab_size, name="src_ids")
+        if src_ids.shape[0] != b:
+            raise ValueError(f"src_ids has batch {src_ids.shape[0]} but input_ids {b}")
+        check_length(src_ids.shape[1], model.pos_embedding.max_len)
+        if src_attention_mask is not None:
+            if not isinstance(src_attention_mask, torch.Tensor):
+                raise TypeError(f"src_attention_mask must be a torch.Tensor, got {type(src_attention_mask).__name__}")
+            check_padding_mask(src_attention_mask.cpu().numpy(), src_ids.shape, "src_attention_mask")
+    elif src_ids is not None or src_attention_mask is not None:
+        raise ValueError(f"src_ids and src_attention_mask are only for classic.Transformer, not {name}")
+    if max_new_tokens == 0 or b == 0:  # nothing to generate: empty, as the models give
+        empty = torch.zeros(b, max_new_tokens, dtype=torch.long, device=input_ids.device)
+        return (empty, torch.zeros(b, max_new_tokens, vocab)) if return_logits else empty
+    greedy = is_greedy(greedy, temperature)
     generator = generator or torch.Generator(device=input_ids.device).manual_seed(seed)
     was_training = model.training
     model.eval()

@@ -238,9 +238,9 @@ class GPTMHAttention(Module):
         batch_size, seq_len, d_embed = x.shape
         check_attention_mask(attention_mask, batch_size, seq_len)
         # (b, l, d) -> (b, h, l, d_h)
-        q = self.q_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
-        k = self.k_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
-        v = self.v_proj(x).reshape(batch_size, seq_len, self.n_heads, -1).transpose(1, 2)
+        q = self.q_proj(x).reshape(batch_size, seq_len, self.n_heads, d_embed // self.n_heads).transpose(1, 2)
+        k = self.k_proj(x).reshape(batch_size, seq_len, self.n_heads, d_embed // self.n_heads).transpose(1, 2)
+        v = self.v_proj(x).reshape(batch_size, seq_len, self.n_heads, d_embed // self.n_heads).transpose(1, 2)
         mask = additive_mask(x.new_zeros(batch_size, self.n_heads, seq_len, seq_len), attention_mask, True)
         y = _softmax_attention(q, k, v, mask)  # (b, h, l, d_h)
         return y.transpose(2, 1).reshape(batch_size, seq_len, d_embed)

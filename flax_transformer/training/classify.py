@@ -340,7 +340,7 @@ class Probe(nnx.Module):
     and it starts from the full model's head, so ``attach`` puts the trained head back."""
 
     def __init__(self, model, *, seed: int = 0):
-        from .._common import Linear
+        from ..layers import Linear
 
         hidden, classes = model.classifier.kernel.shape
         self.dropout = nnx.Dropout(model.dropout.rate, rngs=nnx.Rngs(dropout=seed + 1))

@@ -79,7 +79,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16
 
 def check_precision(dtype: str, attention: str) -> None:
     """Validate a task config's ``dtype`` and ``attention`` fields."""
-    from .._common import ATTENTION_IMPLEMENTATIONS
+    from ..attention import ATTENTION_IMPLEMENTATIONS
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

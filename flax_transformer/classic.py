@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._shared import RecordsInit
+from ._shared import InputSpec, RecordsInit, TensorLoggingLevels, log_size
 from .attention import attend, cache_mask, empty_cache, update_cache
 from .checks import check_features, check_length, check_token_ids, is_concrete
-from .layers import Embed, LayerNorm, Linear, lookup, ReLU, Sequential
-from ._shared import TensorLoggingLevels, log_size
+from .layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
@@ -347,6 +346,11 @@ class Transformer(RecordsInit, nnx.Module):
         src_mask, tgt_mask = family_masks(src_attention_mask, tgt_ids.shape[1], tgt_attention_mask)
         x = self.decoder(self._embed(self.tgt_embedding, tgt_ids), enc_out, src_mask=src_mask, tgt_mask=tgt_mask)
         return self.out(x).astype(jnp.float32)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.src_vocab_size, self.pos_embedding.max_len, target_vocab_size=self.tgt_vocab_size,
+                         generates=True)
 
     def __call__(self, src_ids, tgt_ids, src_attention_mask=None, tgt_attention_mask=None):
         """Args:

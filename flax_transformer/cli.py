@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,62 +24,6 @@ def _highest_precision():
 # --------------------------------------------------------------- loading models
 
 
-def _load_pair(src: str, family=None, cls=None, config=None):
-    """(flax model, torch model) for a checkpoint: both built from SRC, independently where possible."""
-    from . import checkpoints, hf, porting
-
-    path = Path(src)
-    if not path.exists():
-        raise FileNotFoundError(f"no such checkpoint: {path}")
-    if family or cls or config:
-        if not (family and cls):
-            raise ValueError("--family and --class go together (with --config for the constructor arguments)")
-        try:
-            kwargs = json.loads(config) if config else {}
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--config is not valid JSON: {error}") from None
-        if not isinstance(kwargs, dict):
-            raise ValueError(f"--config must be a JSON object of constructor arguments, got {config!r}")
-        torch_model = checkpoints.build({"family": family, "class": cls, "init_kwargs": kwargs}, framework="torch")
-        weights = checkpoints.read_safetensors(path)[0] if path.suffix == ".safetensors" else hf.read_weights(path)
-        torch_model.load_state_dict(hf.torch_state(weights))  # checked, not cast: see hf.torch_state
-        torch_model.eval()
-        return porting.torch_to_flax(torch_model), torch_model
-    if path.is_dir() and (path / "config.json").exists():
-        return hf.from_pretrained(path), hf.torch_from_pretrained(path)
-    if path.suffix in (".pt", ".bin", ".pth") or (path.suffix == ".safetensors" and
-                                                   checkpoints.read_safetensors(path)[1] is None):
-        raise ValueError(f"{path} is a bare state_dict: say what it holds (port takes --family, --class and "
-                         "--config; an HF checkpoint goes in a folder with its config.json)")
-    flax_model = checkpoints.load(path)
-    return flax_model, porting.flax_to_torch(flax_model)
-
-
-def _inputs(model, seed: int = 0):
-    """Random model-level inputs (numpy) for the models a checkpoint holds: ids and a padding mask."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    name = type(model).__name__
-    vocab, limit = {
-        "CTransformer": lambda m: (m.num_tokens, m.seq_length), "GTransformer": lambda m: (m.num_tokens, m.seq_length),
-        "GPTTransformer": lambda m: (m.voc_size, m.max_length), "GPT2LMHeadModel": lambda m: (m.voc_size, m.max_length),
-        "TransformerEncoder": lambda m: (m.embeddings.vocab_size, m.embeddings.max_positions),
-        "TransformerForSequenceClassification": lambda m: (m.encoder.embeddings.vocab_size,
-                                                           m.encoder.embeddings.max_positions),
-        "Transformer": lambda m: (m.src_vocab_size, m.pos_embedding.max_len),
-    }.get(name, lambda m: (None, None))(model)
-    if vocab is None:
-        raise ValueError(f"no model-level inputs for {name}: verify and port --verify take whole models")
-    b, t = 2, min(9, limit)
-    ids = rng.integers(0, vocab, size=(b, t))
-    mask = np.ones((b, t), np.int64)
-    mask[1, max(1, t - 3):] = 0  # right padding
-    if name == "Transformer":
-        return ids, rng.integers(0, model.tgt_vocab_size, size=(b, t)), mask, None
-    return ids, mask
-
-
 # ------------------------------------------------------------------ commands
 
 
@@ -92,7 +35,7 @@ def _verify(args) -> int:
     if args.train_steps:
         return _verify_training(args, start)
     if args.checkpoint:
-        rows = verify.checkpoint_rows(args.checkpoint, _load_pair, _inputs)
+        rows = verify.checkpoint_rows(args.checkpoint)
     else:
         try:
             from tqdm import tqdm
@@ -136,7 +79,7 @@ def _verify_training(args, start) -> int:
 
 def _port(args) -> int:
     _highest_precision()
-    from . import checkpoints, files, hf, verify
+    from . import checkpoints, files, hf, pairs, verify
 
     dst = Path(args.dst)
     if args.to is None and dst.suffix not in ("", ".safetensors", ".pt", ".bin", ".pth"):
@@ -145,9 +88,9 @@ def _port(args) -> int:
     # the target is checked before anything is read: a wrong DST fails at once and creates nothing
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
-    flax_model, torch_model = _load_pair(args.src, args.family, args.cls, args.config)
+    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config)
     fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
-                      else "hf" if type(flax_model).__name__ in ("TransformerEncoder", "GPT2LMHeadModel") else "orbax")
+                      else "hf" if hf.can_save(flax_model) else "orbax")
     writers = {"safetensors": checkpoints.save_safetensors, "torch": checkpoints.save_torch,
                "orbax": checkpoints.save_orbax, "hf": hf.save_pretrained}
     writers[fmt](flax_model, dst, overwrite=args.overwrite)
@@ -160,10 +103,10 @@ def _port(args) -> int:
 
         reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
-        err, finite = verify.compare(reloaded.eval(), flax_model, _inputs(flax_model))
+        err, finite = verify.compare(reloaded.eval(), flax_model, pairs.example_inputs(flax_model))
     else:
         reloaded = checkpoints.load(dst)
-        err, finite = verify.compare(torch_model, reloaded, _inputs(reloaded))
+        err, finite = verify.compare(torch_model, reloaded, pairs.example_inputs(reloaded))
     ok = finite and err <= verify.TOLERANCE
     print(f"verify: max abs err {err:.2e} between {args.src} (torch) and {dst} (reloaded) "
           f"-> {'pass' if ok else 'FAIL'} (tolerance {verify.TOLERANCE:g})")

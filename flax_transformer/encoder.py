@@ -13,10 +13,10 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from .configs import EncoderConfig
-from ._shared import RecordsInit
+from ._shared import InputSpec, RecordsInit
 from .attention import attend, normalize_mask
 from .checks import check_features, check_length, check_token_ids
+from .configs import EncoderConfig
 from .layers import ACTIVATIONS, Embed, LayerNorm, Linear, lookup, masked_mean
 
 
@@ -240,6 +240,10 @@ class TransformerEncoder(_ConfigModule):
         self.layers = nnx.List([TransformerEncoderLayer(config, **kw) for _ in range(config.num_hidden_layers)])
         self.pooler = Linear(config.hidden_size, config.hidden_size, **kw) if config.pooler else None
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.embeddings.vocab_size, self.embeddings.max_positions)
+
     def __call__(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
             x: (b, t) integer token ids.
@@ -298,6 +302,10 @@ class TransformerForSequenceClassification(_ConfigModule):
     def classify(self, features):
         """(b, hidden_size) pooled vectors -> (b, num_labels) float32 logits."""
         return self.classifier(self.dropout(features)).astype(jnp.float32)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return self.encoder.input_spec()
 
     def __call__(self, x, attention_mask=None):
         """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.

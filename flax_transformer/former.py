@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._shared import RecordsInit, attention_variants
+from ._shared import InputSpec, RecordsInit, attention_variants
 from .attention import attend, cache_mask, combine_masks, empty_cache, make_causal_mask, normalize_mask, update_cache
 from .checks import check_divisible, check_features, check_length, check_token_ids
-from .layers import Embed, LayerNorm, Linear, lookup, masked_mean, ReLU, Sequential
+from .layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, masked_mean
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
@@ -222,6 +222,10 @@ class CTransformer(RecordsInit, _Former):
         self.max_pool = bool(max_pool)
         self.toprobs = Linear(emb, num_classes, **kw)
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.num_tokens, self.seq_length)
+
     def __call__(self, x, mask=None):
         """Args:
             x: (b, t) integer token ids, t <= seq_length.
@@ -251,6 +255,10 @@ class GTransformer(RecordsInit, _Former):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self._build(emb, heads, depth, seq_length, num_tokens, True, dropout, attention, scale, kw)
         self.toprobs = Linear(emb, num_tokens, **kw)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.num_tokens, self.seq_length, generates=True)
 
     def __call__(self, x, mask=None):
         """Args: x (b, t) token ids; mask optional (b, t) padding mask, True = token.

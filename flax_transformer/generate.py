@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._shared import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
+from ._shared import InputSpec, check_generate_args, check_padding_mask, input_spec, is_greedy, prompt_lengths
 from .checks import check_length, check_token_ids, is_concrete
 
 
@@ -50,24 +50,12 @@ def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: 
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def _family(model) -> str:
-    name = type(model).__name__
-    if name in ("GPTTransformer", "GTransformer", "Transformer", "GPT2LMHeadModel"):
-        return name
-    raise TypeError(f"generate supports gpt.GPTTransformer, gpt.GPT2LMHeadModel, former.GTransformer and "
-                    f"classic.Transformer, not {name}")
-
-
-def _max_positions(model) -> int:
-    return {"GPTTransformer": lambda m: m.max_length, "GPT2LMHeadModel": lambda m: m.max_length,
-            "GTransformer": lambda m: m.seq_length,
-            "Transformer": lambda m: m.pos_embedding.max_len}[_family(model)](model)
-
-
-def _vocab(model) -> int:
-    return {"GPTTransformer": lambda m: m.voc_size, "GPT2LMHeadModel": lambda m: m.voc_size,
-            "GTransformer": lambda m: m.num_tokens,
-            "Transformer": lambda m: m.tgt_vocab_size}[_family(model)](model)
+def _spec(model) -> InputSpec:
+    spec = input_spec(model)
+    if not spec.generates:
+        raise TypeError(f"generate drives models that give next-token logits (gpt.GPTTransformer, gpt.GPT2LMHeadModel, "
+                        f"former.GTransformer, classic.Transformer), not {type(model).__name__}")
+    return spec
 
 
 def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temperature: float = 1.0,
@@ -93,28 +81,28 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         if asked (log-probabilities for ``GTransformer``, whose output they are). A batch of
         0 prompts gives these shapes with b = 0, as the models' own calls do.
     """
-    family = _family(model)
-    vocab = _vocab(model)
+    spec = _spec(model)
+    vocab = spec.output_vocab_size
     check_token_ids(input_ids, vocab)
     if not is_concrete(input_ids):
         raise TypeError("generate compiles its own loop: call it with concrete arrays, not inside jit")
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
     lengths = prompt_lengths(input_ids, attention_mask)
     total = input_ids.shape[1] + max_new_tokens
-    if total > _max_positions(model):
+    if total > spec.max_length:
         raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "
-                         f"the model's position table ({_max_positions(model)})")
-    if family == "Transformer":
+                         f"the model's position table ({spec.max_length})")
+    if spec.encoder_decoder:
         if src_ids is None:
             raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
-        check_token_ids(src_ids, model.src_vocab_size, name="src_ids")
+        check_token_ids(src_ids, spec.vocab_size, name="src_ids")
         if src_ids.shape[0] != input_ids.shape[0]:
             raise ValueError(f"src_ids has batch {src_ids.shape[0]} but input_ids {input_ids.shape[0]}")
-        check_length(src_ids.shape[1], model.pos_embedding.max_len)
+        check_length(src_ids.shape[1], spec.max_length)
         if src_attention_mask is not None:
             check_padding_mask(src_attention_mask, src_ids.shape, "src_attention_mask")
     elif src_ids is not None or src_attention_mask is not None:
-        raise ValueError(f"src_ids and src_attention_mask are only for classic.Transformer, not {family}")
+        raise ValueError(f"src_ids and src_attention_mask are only for classic.Transformer, not {type(model).__name__}")
     if max_new_tokens == 0 or input_ids.shape[0] == 0:  # nothing to generate: empty, as the models give
         empty = jnp.zeros((input_ids.shape[0], max_new_tokens), jnp.int32)
         if return_logits:
@@ -146,10 +134,11 @@ def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, ma
               top_p, greedy, eos_id, use_cache, return_logits):
     b, p = input_ids.shape
     total = p + max_new_tokens
-    family = type(model).__name__
+    spec = _spec(model)
+    seq2seq = spec.encoder_decoder
     buffer = jnp.zeros((b, total), jnp.int32).at[:, :p].set(input_ids)  # (b, total)
 
-    if family == "Transformer":
+    if seq2seq:
         enc_out = model.encode(src_ids, src_attention_mask)
         cross = model.cross_cache(enc_out) if use_cache else None
 
@@ -157,16 +146,16 @@ def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, ma
         """Logits (b, V) for position s + 1, from position s (cached) or the whole buffer."""
         if use_cache:
             token = jax.lax.dynamic_slice_in_dim(buffer, s, 1, axis=1)  # (b, 1)
-            if family == "Transformer":
+            if seq2seq:
                 out, cache = model.decode_step(token, s, cache, cross, src_attention_mask)
             else:
                 out, cache = model.decode_step(token, s, cache)
             return out[:, 0], cache
-        out = model.decode(buffer, enc_out, src_attention_mask) if family == "Transformer" else model(buffer)
+        out = model.decode(buffer, enc_out, src_attention_mask) if seq2seq else model(buffer)
         return jax.lax.dynamic_index_in_dim(out, s, axis=1, keepdims=False), cache
 
     cache = model.init_cache(b, total) if use_cache else None
-    vocab = _vocab(model)
+    vocab = spec.output_vocab_size
     all_logits = jnp.zeros((b, max_new_tokens if return_logits else 0, vocab), jnp.float32)
     done = jnp.zeros((b,), bool)
     last = lengths + max_new_tokens - 1  # the last position each row fills
@@ -197,7 +186,7 @@ def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, ma
     start = jnp.min(lengths) - 1  # the first position whose successor is generated
     if use_cache:
         # prefill: the prompt positions every row shares, in one pass
-        if family == "Transformer":
+        if seq2seq:
             _, cache = model.decode_step(buffer[:, :p], 0, cache, cross, src_attention_mask)
         else:
             _, cache = model.decode_step(buffer[:, :p], 0, cache)

@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .configs import GPTConfig
-from ._shared import RecordsInit
+from ._shared import InputSpec, RecordsInit
 from .attention import attend, cache_mask, empty_cache, fused_attention, update_cache
 from .checks import check_divisible, check_features, check_length, check_token_ids, is_concrete
-from .layers import ACTIVATIONS, Embed, gather_rows, LayerNorm as TorchLayerNorm, Linear as TorchLinear, lookup
+from .configs import GPTConfig
+from .layers import ACTIVATIONS, Embed, gather_rows, lookup
+from .layers import LayerNorm as TorchLayerNorm
+from .layers import Linear as TorchLinear
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -291,6 +293,10 @@ class GPTTransformer(RecordsInit, nnx.Module):
         self.embedding_norm = LayerNorm(d_embed, **kw)
         self.lm_head = TorchLinear(d_embed, voc_size, **kw)
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.voc_size, self.max_length, generates=True)
+
     def __call__(self, input_ids, attention_mask=None):
         """Args:
             input_ids: (b, l) token ids, l <= max_length.
@@ -463,6 +469,10 @@ class GPT2LMHeadModel(_GPTConfigModule):
         if self.lm_head is None:
             return (hidden @ self.transformer.wte.embedding[...].astype(self.dtype).T).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.voc_size, self.max_length, generates=True)
 
     def __call__(self, input_ids, attention_mask=None):
         return self._head(self.transformer(input_ids, attention_mask))

@@ -403,6 +403,14 @@ def torch_classifier_from_pretrained(path, *, num_labels: int | None = None, poo
     return model.eval()
 
 
+def can_save(model) -> bool:
+    """True for the models ``save_pretrained`` writes as a transformers model folder (BERT, GPT-2)."""
+    try:
+        return _kind_of(model)[0] in ("bert", "gpt2")
+    except ValueError:
+        return False
+
+
 def _kind_of(model) -> tuple[str, object]:
     name = type(model).__name__
     if name == "TransformerEncoder" and type(model).__module__.endswith("encoder"):

@@ -413,15 +413,18 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def checkpoint_rows(path, load_pair, make_inputs) -> list[Row]:
+def checkpoint_rows(path) -> list[Row]:
     """Rows for one checkpoint: its torch twin vs its Flax model (no mask, padding), and
     transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
     from pathlib import Path
 
-    flax_model, torch_model = load_pair(path)
+    from . import pairs
+
+    flax_model, torch_model = pairs.load_pair(path)
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
-    args = make_inputs(flax_model)
-    no_mask = tuple(None if i >= len(args) - (2 if name == "Transformer" else 1) else a for i, a in enumerate(args))
+    args = pairs.example_inputs(flax_model)
+    masks = 2 if flax_model.input_spec().encoder_decoder else 1  # the trailing mask arguments
+    no_mask = tuple(None if i >= len(args) - masks else a for i, a in enumerate(args))
     rows = []
     for case, inputs in (("none", no_mask), ("padding", args)):
         err, finite = compare(torch_model, flax_model, inputs)

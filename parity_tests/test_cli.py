@@ -164,3 +164,25 @@ def test_attention_map_png_and_html(tmp_path, capsys):
     assert '"flies"' in page and "<svg" in page
     assert _cli(*args, "--head", 99, "--out", tmp_path / "b.png") == 2
     assert not (tmp_path / "b.png").exists()
+
+
+def test_every_whole_model_says_what_it_reads():
+    """``input_spec()`` replaces the tools' class-name tables: the same in both frameworks, and the
+    example inputs drawn from it run the model and stay in range."""
+    from flax_transformer import pairs, porting
+    from flax_transformer.generate import generate
+
+    whole = [s for s in verify.specs() if s.name in verify.MODELS and (s.family, s.name) != ("classic",
+                                                                                             "TransformerEncoder")]
+    assert len(whole) == len(verify.MODELS)
+    for spec in whole:
+        torch_model = spec.build(False).eval()
+        flax_model = porting.torch_to_flax(torch_model)
+        assert torch_model.input_spec() == flax_model.input_spec(), spec.name
+        args = pairs.example_inputs(flax_model, seed=1)
+        ids = args[0]
+        assert ids.max() < flax_model.input_spec().vocab_size and ids.shape[1] <= flax_model.input_spec().max_length
+        err, finite = verify.compare(torch_model, flax_model, args)
+        assert finite and err <= verify.TOLERANCE, (spec.name, err)
+        if flax_model.input_spec().generates and not flax_model.input_spec().encoder_decoder:
+            assert generate(flax_model, ids[:, :2], 1, greedy=True).shape == (ids.shape[0], 1)

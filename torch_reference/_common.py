@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from flax_transformer._shared import (  # noqa: F401  (re-exported)
-    RecordsInit, StateDictError, check_divisible, check_length, check_state_dict_mapping,
+    InputSpec,
+    RecordsInit,
+    StateDictError,
+    check_divisible,
+    check_length,
+    check_state_dict_mapping,
 )
 
 

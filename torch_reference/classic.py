@@ -28,7 +28,7 @@ from torch import nn
 
 from flax_transformer._shared import TensorLoggingLevels, log_size
 
-from ._common import Module, attend, check_features, check_length, check_token_ids
+from ._common import InputSpec, Module, attend, check_features, check_length, check_token_ids
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
@@ -331,6 +331,11 @@ class Transformer(Module):
         src_mask, tgt_mask = family_masks(src_attention_mask, tgt_ids.shape[1], tgt_attention_mask)
         x = self.decoder(self._embed(self.tgt_embedding, tgt_ids), enc_out, src_mask=src_mask, tgt_mask=tgt_mask)
         return self.out(x)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.src_vocab_size, self.pos_embedding.max_len, target_vocab_size=self.tgt_vocab_size,
+                         generates=True)
 
     def forward(self, src_ids, tgt_ids, src_attention_mask=None, tgt_attention_mask=None):
         """Args:

@@ -23,7 +23,16 @@ from torch import nn
 
 from flax_transformer.configs import EncoderConfig
 
-from ._common import Module, attend, check_features, check_length, check_token_ids, masked_mean, normalize_mask
+from ._common import (
+    InputSpec,
+    Module,
+    attend,
+    check_features,
+    check_length,
+    check_token_ids,
+    masked_mean,
+    normalize_mask,
+)
 
 
 class _ConfigModule(Module):
@@ -234,6 +243,11 @@ class TransformerEncoder(_ConfigModule):
         if config.pooler:
             self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.embeddings.token_embeddings.num_embeddings,
+                         self.embeddings.position_embeddings.num_embeddings)
+
     def forward(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
             x: (b, t) integer token ids.
@@ -292,6 +306,10 @@ class TransformerForSequenceClassification(_ConfigModule):
     def classify(self, features):
         """(b, hidden_size) pooled vectors -> (b, num_labels) logits."""
         return self.classifier(self.dropout(features))
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return self.encoder.input_spec()
 
     def forward(self, x, attention_mask=None):
         """Args: x (b, t) token ids; attention_mask optional (b, t), 1 = token.

@@ -30,7 +30,19 @@ from torch import nn
 
 from flax_transformer._shared import attention_variants
 
-from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids, make_causal_mask, masked_mean, normalize_mask, combine_masks
+from ._common import (
+    InputSpec,
+    Module,
+    attend,
+    check_divisible,
+    check_features,
+    check_length,
+    check_token_ids,
+    combine_masks,
+    make_causal_mask,
+    masked_mean,
+    normalize_mask,
+)
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")
@@ -194,6 +206,10 @@ class CTransformer(_Former):
         self.toprobs = nn.Linear(emb, num_classes)
         self.do = nn.Dropout(dropout)
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.num_tokens, self.pos_embedding.num_embeddings)
+
     def forward(self, x, mask=None):
         """Args:
             x: (b, t) integer token ids, t <= seq_length.
@@ -234,6 +250,10 @@ class GTransformer(_Former):
         ])
         self.toprobs = nn.Linear(emb, num_tokens)
         self.do = nn.Dropout(dropout)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.num_tokens, self.pos_embedding.num_embeddings, generates=True)
 
     def forward(self, x, mask=None):
         """Args: x (b, t) token ids; mask optional (b, t) padding mask, True = token.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flax_transformer._shared import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
+from flax_transformer._shared import check_generate_args, check_padding_mask, input_spec, is_greedy, prompt_lengths
 
 from ._common import check_length, check_token_ids
 
@@ -39,12 +39,9 @@ def sample_logits(logits, generator, *, temperature, top_k, top_p, greedy):
 
 
 def _forward(model, buffer, src_ids, src_attention_mask):
-    name = type(model).__name__
-    if name == "Transformer":
+    if model.input_spec().encoder_decoder:
         return model(src_ids, buffer, src_attention_mask)
-    if name in ("GPTTransformer", "GTransformer", "GPT2LMHeadModel"):
-        return model(buffer)
-    raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
+    return model(buffer)
 
 
 @torch.no_grad()
@@ -59,31 +56,29 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     mode; restores the mode after.
     """
     name = type(model).__name__
-    vocab = {"GPTTransformer": lambda m: m.voc_size, "GPT2LMHeadModel": lambda m: m.voc_size,
-             "GTransformer": lambda m: m.num_tokens, "Transformer": lambda m: m.tgt_vocab_size}.get(name)
-    if vocab is None:
-        raise TypeError(f"generate supports gpt.GPTTransformer, former.GTransformer and classic.Transformer, not {name}")
-    vocab = vocab(model)
+    spec = input_spec(model)
+    if not spec.generates:
+        raise TypeError(f"generate drives models that give next-token logits (gpt.GPTTransformer, gpt.GPT2LMHeadModel, "
+                        f"former.GTransformer, classic.Transformer), not {name}")
+    vocab = spec.output_vocab_size
     check_token_ids(input_ids, vocab)
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     lengths = prompt_lengths(input_ids.cpu().numpy(), None if attention_mask is None else attention_mask.cpu().numpy())
-    limit = {"GPTTransformer": lambda m: m.max_length, "GPT2LMHeadModel": lambda m: m.max_length,
-             "GTransformer": lambda m: m.pos_embedding.num_embeddings,
-             "Transformer": lambda m: m.pos_embedding.max_len}[name](model)
+    limit = spec.max_length
     b, p = input_ids.shape
     total = p + max_new_tokens
     if total > limit:
         raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} = {total} exceeds "
                          f"the model's position table ({limit})")
-    if name == "Transformer":
+    if spec.encoder_decoder:
         if src_ids is None:
             raise ValueError("classic.Transformer generation needs src_ids (the source sequence)")
-        check_token_ids(src_ids, model.src_vocab_size, name="src_ids")
+        check_token_ids(src_ids, spec.vocab_size, name="src_ids")
         if src_ids.shape[0] != b:
             raise ValueError(f"src_ids has batch {src_ids.shape[0]} but input_ids {b}")
-        check_length(src_ids.shape[1], model.pos_embedding.max_len)
+        check_length(src_ids.shape[1], spec.max_length)
         if src_attention_mask is not None:
             if not isinstance(src_attention_mask, torch.Tensor):
                 raise TypeError(f"src_attention_mask must be a torch.Tensor, got {type(src_attention_mask).__name__}")

@@ -26,7 +26,7 @@ from torch import nn
 
 from flax_transformer.configs import GPTConfig
 
-from ._common import Module, attend, check_divisible, check_features, check_length, check_token_ids
+from ._common import InputSpec, Module, attend, check_divisible, check_features, check_length, check_token_ids
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -293,6 +293,10 @@ class GPTTransformer(Module):
         self.embedding_norm = LayerNorm(self.d_embed)
         self.lm_head = nn.Linear(self.d_embed, self.voc_size)
 
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.voc_size, self.max_length, generates=True)
+
     def forward(self, input_ids, attention_mask=None):
         """Args:
             input_ids: (b, l) token ids, l <= max_length.
@@ -429,6 +433,10 @@ class GPT2LMHeadModel(_GPTConfigModule):
     @property
     def max_length(self) -> int:
         return self.config.n_positions
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids range, longest input), so tools need not know its class."""
+        return InputSpec(self.voc_size, self.max_length, generates=True)
 
     def forward(self, input_ids, attention_mask=None):
         hidden = self.transformer(input_ids, attention_mask)

@@ -208,8 +208,11 @@ def error_line(prog: str, error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flax-transformer", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="flax-transformer", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Port checkpoints between PyTorch and Flax, and check that both compute the same thing.",
+        epilog="examples:\n" + __doc__.split("\n\n")[1].rstrip() +
+               "\n\n'flax-transformer COMMAND --help' lists a command's options; docs/ has the details.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")

@@ -12,18 +12,16 @@ that ``fast_backward``'s custom backward passes avoid.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
 from benchlib import median_seconds
+from flax import nnx
 
 from flax_transformer import set_attention
 from flax_transformer.attention import attend
-from flax_transformer.layers import LayerNorm, gather_rows
 from flax_transformer.former import CTransformer, MHSelfAttention
+from flax_transformer.layers import LayerNorm, gather_rows
 from flax_transformer.training.step import cross_entropy
 
 

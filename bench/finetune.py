@@ -24,8 +24,8 @@ from pathlib import Path
 
 from benchlib import record
 
-from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify
+from flax_transformer.training.malloc import keep_freed_memory
 
 RUNS = {"probe": True, "finetune": False}  # name -> freeze_encoder
 REFERENCES = {"TF-IDF uni+bigram LR": 0.907, "binary bag-of-words LR": 0.880, "DistilBERT fine-tuned": 0.914}

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-
 from benchlib import median_seconds
 
 from flax_transformer import porting
@@ -43,11 +42,13 @@ def main():
     for b in args.batch:
         ids = np.random.default_rng(b).integers(0, 10_000, size=(b, args.prompt))
         jids, tids = jnp.asarray(ids), torch.from_numpy(ids)
-        runs = {
-            "jax, kv cache": (lambda: np.asarray(flax_generate(flax_model, jids, args.new, greedy=True)), args.reps),
-            "jax, no cache": (lambda: np.asarray(flax_generate(flax_model, jids, args.new, greedy=True,
-                                                               use_cache=False)), args.slow_reps),
-            "torch loop (no cache)": (lambda: torch_generate(model, tids, args.new, greedy=True), args.slow_reps),
+        runs = {  # the lambdas bind this batch's inputs as defaults (they run within this iteration anyway)
+            "jax, kv cache": (lambda jids=jids: np.asarray(flax_generate(flax_model, jids, args.new, greedy=True)),
+                              args.reps),
+            "jax, no cache": (lambda jids=jids: np.asarray(flax_generate(flax_model, jids, args.new, greedy=True,
+                                                                         use_cache=False)), args.slow_reps),
+            "torch loop (no cache)": (lambda tids=tids: torch_generate(model, tids, args.new, greedy=True),
+                                      args.slow_reps),
         }
         results = {}
         for name, (fn, reps) in runs.items():

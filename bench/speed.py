@@ -1,6 +1,7 @@
-"""JAX against PyTorch, side by side, in one process: training step and forward pass.
+"""JAX against PyTorch, side by side, in one process: training step and forward pass, interleaved rep by rep.
 
-    python bench/speed.py [--config a b c] [--reps 10] [--no-compile]
+    python bench/speed.py [--config a b c] [--reps 10] [--no-compile] [--default-malloc]
+                          [--threads N] [--omp-wait-policy passive|active|default] [--out DIR]
 
 Configurations (issue 6):
   a  notebook 000's CTransformer: emb 128, 8 heads, depth 3, length 256, batch 4, vocab 50k (train step)
@@ -8,39 +9,92 @@ Configurations (issue 6):
      vocab 10k (train step)
   c  BERT-base shape (12 layers, 768 wide, 12 heads), length 128, batch 8, forward only (inference)
 
-For each: JAX's jitted train step (loss, grads, the Adam update of the training library, one
-compiled program, state donated) and jitted forward; torch eager and ``torch.compile``
-(same model, ported weights, Adam). Compilation and warm-up are excluded (3 untimed runs),
-then the median of ``--reps`` timed runs is reported with tokens/s, the JAX/torch ratio
-and the achieved FLOP/s (FLOPs from XLA's cost analysis of the compiled JAX program, used
-for both frameworks).
+Contenders: JAX's jitted train step (loss, grads, the Adam update of the training library, one
+compiled program, state donated) and jitted forward; torch eager and ``torch.compile`` (same
+model, ported weights, Adam; the forward under ``torch.inference_mode()``). fp32 with matmul
+precision "highest" on both sides.
+
+Method (issue 13, item 12). For each configuration and pass, every contender first runs 3
+untimed times (compilation, caches). Then ``--reps`` rounds: round i runs each contender once,
+the order rotated by i (JAX, eager, compile; eager, compile, JAX; ...), each call timed with
+``time.perf_counter`` around a call that returns when the result is ready
+(``jax.block_until_ready``; torch on CPU is synchronous), with Python's garbage collector off.
+Reported per contender: median, interquartile range (p25-p75) and min over the rounds, tokens/s
+and FLOP/s from the median (FLOPs from XLA's cost analysis of the JAX program, used for both);
+per ratio (torch time / JAX time): the median and IQR of the per-round ratios, each the ratio of
+two calls made next to each other. The old script timed all of JAX, then all of torch, so a busy
+minute on the shared machine fell on one framework only: the GPT train step read 0.84x, 1.29x
+and 1.59x torch eager in three runs within ten minutes.
+
+Equal settings for both frameworks, printed at the top of the output with the load average:
+  * threads: ``--threads N`` (default: the cores this process may use) for torch's intra-op
+    pool (``torch.set_num_threads``) and for XLA's CPU pool (``NPROC=N``, read by XLA's CPU
+    client when it starts; the script counts the ``tf_XLAEigen`` threads to check);
+  * torch's OpenMP threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``, the default of
+    ``--omp-wait-policy``), as XLA's pool threads do after a short spin; libgomp reads the
+    variable only when torch loads, so the script restarts itself with it set;
+  * malloc: ``flax_transformer.training.malloc.keep_freed_memory`` for the whole process (both
+    frameworks), unless ``--default-malloc``.
+
+The torch-forward anomaly of the issue (630 ms for a forward in the combined run, 28 ms in a
+process of its own) was libgomp's default wait policy: after each parallel region torch's 2
+OpenMP threads spin, and with any other runnable thread on the 2 cores (another job, or JAX's
+pool in the same process) the spinning thread holds a core the other one needs to reach the next
+barrier, so each of the forward's few hundred small parallel ops can cost a scheduler time slice.
+Config (a)'s torch-eager forward, medians of 8-15 at load 4.2-5.3 on the 2 cores: 132-289 ms
+(single calls 31-844 ms) under the default policy, 21-65 ms under ``OMP_WAIT_POLICY=PASSIVE``,
+43-60 ms with one thread; JAX's forward 21-32 ms throughout. JAX's forward right after a torch
+call took 41 ms, against 31 ms after a 0.1 s pause and 24 ms after another JAX call (torch's
+threads still spinning); under PASSIVE 22, 24 and 21 ms. Not the cause: autograd (the old
+forward already ran under ``no_grad``; no_grad, inference_mode and grad mode measured alike),
+subnormal numbers (none in any module's output), a second OpenMP runtime loaded by
+``torch.compile`` (one libgomp in the process), malloc (the anomaly shows with and without
+``keep_freed_memory``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+from benchlib import (
+    cores,
+    cpu_model,
+    env_settings,
+    exec_with_env,
+    interleaved_seconds,
+    load_average,
+    load_line,
+    median_seconds,
+    paired_ratio,
+    record,
+    spread,
+    threads_named,
+)
 from flax import nnx
-
-from benchlib import median_seconds
 
 from flax_transformer import porting
 from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy
 
+JAX = "jax (jit)"
+WAIT_POLICIES = {"passive": "PASSIVE", "active": "ACTIVE", "default": None}  # None: leave it to libgomp
+
 
 def _configs():
+    from flax_transformer.configs import EncoderConfig
     from torch_reference.encoder import TransformerEncoder
     from torch_reference.former import CTransformer
     from torch_reference.gpt import GPTTransformer
-
-    from flax_transformer.configs import EncoderConfig
 
     def classify_loss_torch(out, labels):
         return F.nll_loss(out, labels)
@@ -90,6 +144,24 @@ def machine_peaks(reps: int = 5) -> tuple[float, float]:
     return flops, bandwidth
 
 
+def _rows(key: str, what: str, contenders: dict, reps: int, **costs) -> list[dict]:
+    """Time ``contenders`` interleaved; one row per contender, with its ratio to JAX over the rounds."""
+    times = interleaved_seconds(contenders, reps)
+    rows = []
+    for name, seconds in times.items():
+        s = spread(seconds)
+        row = dict(config=key, what=what, framework=name, seconds=s["median"], median_s=s["median"],
+                   p25_s=s["p25"], p75_s=s["p75"], min_s=s["min"], max_s=s["max"], times_s=seconds,
+                   flops=costs["flops"])
+        if name == JAX:
+            row.update(bytes=costs["bytes"])
+        if JAX in times:
+            ratio = paired_ratio(seconds, times[JAX])
+            row.update(ratio=ratio["median"], ratio_p25=ratio["p25"], ratio_p75=ratio["p75"])
+        rows.append(row)
+    return rows
+
+
 def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -100,9 +172,33 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
     flax_model = porting.torch_to_flax(torch_model)
     flax_model.eval()  # no dropout in either, so the two compute the same thing
     tokens = b * t
-    rows = []
 
-    # --------------------------------------------------------------- JAX
+    # torch: eager, and torch.compile on a copy of its own (own parameters and Adam state)
+    tids = torch.from_numpy(ids)
+    torch_models = {"torch eager": (torch_model, torch_model)}
+    if compile_torch:
+        twin = copy.deepcopy(torch_model)
+        torch_models["torch.compile"] = (torch.compile(twin), twin)
+
+    def torch_forward(model):
+        def run():
+            with torch.inference_mode():  # no autograd bookkeeping: the forward pass of inference
+                model(tids)
+        return run
+
+    def torch_train(model, module):
+        opt = torch.optim.Adam(module.parameters(), lr=1e-4)
+        tlabels = torch.from_numpy(labels)
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            loss = spec["torch_loss"](model(tids), tlabels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            opt.step()
+        return run
+
+    # JAX
     jids = jnp.asarray(ids, jnp.int32)
     graphdef, state = nnx.split(flax_model)
 
@@ -111,10 +207,10 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
         return nnx.merge(graphdef, state)(x)
 
     fwd = forward.lower(state, jids).compile()
-    fwd_flops, fwd_bytes = _flops(fwd), _cost(fwd, "bytes accessed")
-    seconds = median_seconds(lambda: jax.block_until_ready(fwd(state, jids)), reps)
-    rows.append(dict(config=key, what="forward", framework="jax (jit)", seconds=seconds, flops=fwd_flops,
-                     bytes=fwd_bytes))
+    contenders = {JAX: lambda: jax.block_until_ready(fwd(state, jids))}
+    contenders.update({name: torch_forward(model) for name, (model, _) in torch_models.items()})
+    rows = _rows(key, "forward", contenders, reps, flops=_flops(fwd), bytes=_cost(fwd, "bytes accessed"))
+
     if spec["train"]:
         optimizer = nnx.Optimizer(flax_model, make_optimizer(OptimConfig(optimizer="adam", lr=1e-4, clip_norm=1.0)),
                                   wrt=nnx.Param)
@@ -132,9 +228,8 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             return nnx.state(model), nnx.state(opt), loss
 
         train = jax.jit(step, donate_argnums=(0, 1)).lower(state, opt_state, jids, jlabels).compile()
-        train_flops, train_bytes = _flops(train), _cost(train, "bytes accessed")
 
-        # where the time goes: the optimizer update alone (clip + Adam over every parameter)
+        # where the time goes: the optimizer update alone (clip + Adam over every parameter), JAX only
         def update_only(model_state, opt_state):
             model = nnx.merge(graphdef, model_state)
             opt = nnx.merge(opt_def, opt_state)
@@ -142,78 +237,96 @@ def bench(key: str, spec: dict, reps: int, compile_torch: bool) -> list[dict]:
             return nnx.state(model), nnx.state(opt)
 
         update = jax.jit(update_only).lower(state, opt_state).compile()
-        seconds = median_seconds(lambda: jax.block_until_ready(update(state, opt_state)), reps)
-        rows.append(dict(config=key, what="optimizer update only", framework="jax (jit)", seconds=seconds,
-                         flops=_flops(update), bytes=_cost(update, "bytes accessed")))
-        holder = {"m": state, "o": opt_state}
+        rows += _rows(key, "optimizer update only", {JAX: lambda: jax.block_until_ready(update(state, opt_state))},
+                      reps, flops=_flops(update), bytes=_cost(update, "bytes accessed"))
 
-        def run():
+        holder = {"m": jax.tree.map(jnp.copy, state), "o": jax.tree.map(jnp.copy, opt_state)}  # donated each step
+
+        def jax_train():
             holder["m"], holder["o"], loss = train(holder["m"], holder["o"], jids, jlabels)
-            jax.block_until_ready(loss)
+            jax.block_until_ready(loss)  # one program: its outputs are ready together
 
-        seconds = median_seconds(run, reps)
-        rows.append(dict(config=key, what="train step", framework="jax (jit)", seconds=seconds, flops=train_flops,
-                         bytes=train_bytes))
-
-    # --------------------------------------------------------------- torch
-    tids = torch.from_numpy(ids)
-    variants = [("torch eager", torch_model)]
-    if compile_torch:
-        variants.append(("torch.compile", torch.compile(torch_model)))
-    for name, model in variants:
-        with torch.no_grad():
-            seconds = median_seconds(lambda: model(tids), reps)
-        rows.append(dict(config=key, what="forward", framework=name, seconds=seconds, flops=fwd_flops))
-        if spec["train"]:
-            tlabels = torch.from_numpy(labels)
-            opt = torch.optim.Adam(torch_model.parameters(), lr=1e-4)
-
-            def run():
-                opt.zero_grad(set_to_none=True)
-                loss = spec["torch_loss"](model(tids), tlabels)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
-                opt.step()
-
-            seconds = median_seconds(run, reps)
-            rows.append(dict(config=key, what="train step", framework=name, seconds=seconds, flops=train_flops))
+        contenders = {JAX: jax_train}
+        contenders.update({name: torch_train(model, module) for name, (model, module) in torch_models.items()})
+        rows += _rows(key, "train step", contenders, reps, flops=_flops(train), bytes=_cost(train, "bytes accessed"))
     for row in rows:
         row["tokens_per_s"] = tokens / row["seconds"]
         row["gflops_per_s"] = row["flops"] / row["seconds"] / 1e9
     return rows
 
 
+def settings(kept: bool, threads: int, policy: str, load_start: str) -> str:
+    """The settings both frameworks ran under, for the top of the output."""
+    xla_threads = threads_named("tf_XLAEigen")  # XLA's CPU pool, started by the first computation
+    counted = "" if xla_threads is None else f", {xla_threads} counted"
+    if xla_threads is not None and xla_threads != threads:
+        counted += f" (WARNING: not the {threads} asked for)"
+    malloc = ("flax_transformer.training.malloc.keep_freed_memory (1 arena, mmap and trim thresholds 1 GiB)"
+              if kept else "glibc's default")
+    jax_precision = jax.config.jax_default_matmul_precision
+    return "\n".join([
+        f"machine: {cpu_model()}, {cores()} cores; python {sys.version.split()[0]}",
+        f"jax {jax.__version__} ({jax.default_backend()}): XLA CPU pool NPROC={os.environ.get('NPROC')}{counted}; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"torch {torch.__version__}: intra-op threads {torch.get_num_threads()} (OpenMP), inter-op "
+        f"{torch.get_num_interop_threads()}, OMP_WAIT_POLICY {policy}",
+        f"environment: {env_settings()}",
+        f"malloc (both frameworks, one process): {malloc}",
+        f"matmul precision: jax {jax_precision!r}, torch float32 {torch.get_float32_matmul_precision()!r} "
+        "(fp32 on both sides)",
+        load_start,
+    ])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="interleaved rounds after 3 warm-up calls each")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (by default both frameworks run with "
                              "flax_transformer.training.malloc.keep_freed_memory, as the train/ entry points do)")
+    parser.add_argument("--threads", type=int, default=cores(),
+                        help="intra-op threads for both torch and XLA (default: the cores available)")
+    parser.add_argument("--omp-wait-policy", choices=list(WAIT_POLICIES), default="passive",
+                        help="OMP_WAIT_POLICY for torch's OpenMP threads: passive (sleep when idle, the default), "
+                             "active (spin), default (libgomp's own: spin a while, then sleep)")
+    parser.add_argument("--out", type=Path, help="also append each row to OUT/results.jsonl")
     args = parser.parse_args(argv)
+    load_start = load_line("start")
+    policy = WAIT_POLICIES[args.omp_wait_policy]
+    # both read once, when libgomp loads (import torch) and when XLA's CPU client starts
+    exec_with_env({"OMP_WAIT_POLICY": policy, "NPROC": str(args.threads)}, os.path.abspath(__file__),
+                  sys.argv[1:] if argv is None else list(argv))
+    torch.set_num_threads(args.threads)
     kept = False if args.default_malloc else keep_freed_memory()
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32 on both sides, as in the parity tests
-    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), malloc keeps freed memory: {kept}")
-    peak, bandwidth = machine_peaks()
+    peak, bandwidth = machine_peaks()  # also starts XLA's CPU client and its pool
+    print(settings(kept, args.threads, policy or "unset (libgomp's default)", load_start))
     print(f"measured here: fp32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3), memory {bandwidth / 1e9:.1f} GB/s "
           "(256 MB scale)\n")
+    print(f"{args.reps} interleaved rounds per pass; times in ms; ratio = torch time / JAX time in the same round, "
+          "median [IQR] over rounds\n")
     configs = _configs()
-    print("| config | pass | framework | median ms | tokens/s | GFLOP/s | torch time / JAX time | floor ms (of JAX) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | pass | framework | median ms | IQR ms | min ms | tokens/s | GFLOP/s | time / JAX time "
+          "| floor ms (of JAX) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key in args.config:
-        rows = bench(key, configs[key], args.reps, not args.no_compile)
-        for row in rows:
-            jax_row = next(r for r in rows if r["what"] == row["what"] and r["framework"].startswith("jax"))
-            ratio = row["seconds"] / jax_row["seconds"]
+        for row in bench(key, configs[key], args.reps, not args.no_compile):
             floor = ""
             if "bytes" in row:  # JAX rows: the larger of compute time at peak and traffic time at full bandwidth
                 floor_s = max(row["flops"] / peak, row["bytes"] / bandwidth)
                 floor = f"{floor_s * 1e3:.1f} ({floor_s / row['seconds']:.0%})"
+            ratio = "" if row["framework"] == JAX else \
+                f"{row['ratio']:.2f}x [{row['ratio_p25']:.2f}-{row['ratio_p75']:.2f}]"
             print(f"| {key}: {configs[key]['name']} | {row['what']} | {row['framework']} | "
-                  f"{row['seconds'] * 1e3:.1f} | {row['tokens_per_s']:,.0f} | {row['gflops_per_s']:.1f} | "
-                  f"{ratio:.2f}x | {floor} |", flush=True)
+                  f"{row['median_s'] * 1e3:.1f} | {row['p25_s'] * 1e3:.1f}-{row['p75_s'] * 1e3:.1f} | "
+                  f"{row['min_s'] * 1e3:.1f} | {row['tokens_per_s']:,.0f} | {row['gflops_per_s']:.1f} | "
+                  f"{ratio} | {floor} |", flush=True)
+            if args.out is not None:
+                record(args.out, dict(row, load=load_average(), threads=args.threads, omp_wait_policy=policy,
+                                      malloc_kept=kept), echo=False)
+    print("\n" + load_line("end", warn=False) + " (this run's own threads included)")
 
 
 if __name__ == "__main__":

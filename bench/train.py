@@ -16,8 +16,8 @@ from pathlib import Path
 
 from benchlib import record
 
-from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training import classify, lm, seq2seq
+from flax_transformer.training.malloc import keep_freed_memory
 
 TASKS = {"classify": (classify, "test_accuracy"), "lm": (lm, "val_loss"), "seq2seq": (seq2seq, "exact_match")}
 

@@ -7,8 +7,10 @@ never import JAX, and flax_transformer must not need torch).
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -274,8 +276,6 @@ def check_divisible(width: int, heads: int, *, what: str = "embedding dimension"
 #   logging.basicConfig(); logging.getLogger("tensor_shapes").setLevel(1)
 # In JAX the shapes are logged when a function is traced, not on every jitted call.
 
-import enum
-import logging
 
 shape_logger = logging.getLogger("tensor_shapes")
 

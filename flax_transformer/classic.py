@@ -285,12 +285,13 @@ class TransformerDecoder(RecordsInit, nnx.Module):
 
 def family_masks(src_attention_mask, tgt_len: int | None, tgt_attention_mask=None):
     """Padding masks (b, len), 1 = token -> this family's masks (True = masked out)."""
-    src = None if src_attention_mask is None else (src_attention_mask == 0)[:, None, :]
+    # logical_not of a bool cast, not ``== 0``: a bool mask compared with an int is a dtype promotion
+    src = None if src_attention_mask is None else jnp.logical_not(jnp.asarray(src_attention_mask).astype(bool))[:, None, :]
     tgt = None
     if tgt_len is not None:
         tgt = jnp.triu(jnp.ones((tgt_len, tgt_len), bool), 1)[None]  # future
         if tgt_attention_mask is not None:
-            tgt = tgt | (tgt_attention_mask == 0)[:, None, :]
+            tgt = tgt | jnp.logical_not(jnp.asarray(tgt_attention_mask).astype(bool))[:, None, :]
     return src, tgt
 
 

@@ -106,7 +106,7 @@ class EncoderConfig:
         return 1e-5 if self.norm_first else self.layer_norm_eps
 
     @classmethod
-    def from_any(cls, config) -> "EncoderConfig":
+    def from_any(cls, config) -> EncoderConfig:
         """Convert a duck-typed config (BertConfig, SimpleNamespace, dict) to this class."""
         if isinstance(config, cls):
             return config
@@ -120,7 +120,7 @@ class EncoderConfig:
         return cls(**values)
 
     @classmethod
-    def bert(cls, config) -> "EncoderConfig":
+    def bert(cls, config) -> EncoderConfig:
         """The encoder with BERT's options, from a BERT config (dict, ``BertConfig``, namespace)."""
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         # BERT options this encoder does not implement: refuse rather than compute something else
@@ -154,19 +154,19 @@ class EncoderConfig:
     # -------------------------------------------------------------- presets
 
     @classmethod
-    def tiny(cls, **kw) -> "EncoderConfig":
+    def tiny(cls, **kw) -> EncoderConfig:
         """For tests: 2 layers of width 32."""
         return cls(**{**dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, max_position_embeddings=64), **kw})
 
     @classmethod
-    def small(cls, **kw) -> "EncoderConfig":
+    def small(cls, **kw) -> EncoderConfig:
         """A CPU-sized encoder: 4 layers of width 256."""
         return cls(**{**dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                              intermediate_size=1024), **kw})
 
     @classmethod
-    def base(cls, **kw) -> "EncoderConfig":
+    def base(cls, **kw) -> EncoderConfig:
         """bert-base-uncased's shape (the config notebook 001 loads)."""
         return cls(**kw)
 
@@ -210,7 +210,7 @@ class GPTConfig:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
     @classmethod
-    def from_any(cls, config) -> "GPTConfig":
+    def from_any(cls, config) -> GPTConfig:
         """From a ``GPT2Config``, a dict (config.json) or a namespace; missing names take defaults."""
         if isinstance(config, cls):
             return config
@@ -228,10 +228,10 @@ class GPTConfig:
                     initializer_range=0.02, n_ctx=self.n_positions)
 
     @classmethod
-    def tiny(cls, **kw) -> "GPTConfig":
+    def tiny(cls, **kw) -> GPTConfig:
         return cls(**{**dict(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4), **kw})
 
     @classmethod
-    def small(cls, **kw) -> "GPTConfig":
+    def small(cls, **kw) -> GPTConfig:
         """GPT-2 small (124M)."""
         return cls(**kw)

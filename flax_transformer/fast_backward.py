@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-
 def _t(a):
     return jnp.swapaxes(a, -1, -2)
 

@@ -29,8 +29,8 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 TMP_MARK = ".ft-tmp-"
 OLD_MARK = ".ft-old-"

@@ -12,7 +12,7 @@ LayerNorm statistics run in float32 whatever ``dtype`` is. ``model.eval()`` /
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

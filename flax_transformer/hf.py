@@ -270,7 +270,8 @@ def hf_to_ours(kind: str, weights: dict, config) -> dict[str, np.ndarray]:
     if kind == "bert":
         dropped = sorted(k for k in weights if k.startswith(BERT_HEADS))
         if dropped:
-            warnings.warn(f"ignoring {len(dropped)} task-head tensors a BertModel does not have: {dropped[:4]}")
+            warnings.warn(f"ignoring {len(dropped)} task-head tensors a BertModel does not have: {dropped[:4]}",
+                          stacklevel=2)
         weights = {k: v for k, v in weights.items() if not k.startswith(BERT_HEADS)}
         return _convert(BERT_KEYS, weights, forward=True, heads=config.num_attention_heads)
     if config.tie_word_embeddings and "lm_head.weight" in weights:

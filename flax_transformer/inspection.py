@@ -17,7 +17,6 @@ import numpy as np
 
 from . import files, porting
 
-
 # ------------------------------------------------------------------- summary
 
 

@@ -18,8 +18,6 @@ from flax import nnx
 from .fast_backward import linear_dot_general
 
 
-
-
 def _uniform_fan_in(fan_in: int):
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 

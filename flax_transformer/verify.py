@@ -11,8 +11,8 @@ torch is imported here at call time only (this is a verification module).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp

@@ -83,7 +83,7 @@ class CTransformer(nn.Module):
         self.token_embedding = nn.Embedding(embedding_dim=emb, num_embeddings=num_tokens)
         self.pos_embedding = nn.Embedding(embedding_dim=emb, num_embeddings=seq_length)
         tblocks = []
-        for i in range(depth):
+        for i in range(depth):  # noqa: B007  (the notebook's loop, transcribed as it is)
             tblocks.append(TransformerBlock(emb=emb, heads=heads, seq_length=seq_length, mask=False, dropout=dropout))
         self.tblocks = nn.Sequential(*tblocks)
         self.toprobs = nn.Linear(emb, num_classes)

@@ -30,8 +30,8 @@ def test_fused_attention_matches_torch(spec):
 
 
 def test_the_switch_reaches_every_attention_module_and_retraces():
-    from flax_transformer.gpt import GPT2LMHeadModel
     from flax_transformer.configs import GPTConfig
+    from flax_transformer.gpt import GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPTConfig.tiny(vocab_size=40, n_positions=16, n_embd=16, n_head=2), rngs=nnx.Rngs(0))
     model.eval()
@@ -91,7 +91,7 @@ def test_attend_custom_backward_equals_autodiff(case):
     rng = np.random.default_rng(0)
     b, h, t, d = 3, 2, 7, 5
     q, k, v = (jnp.asarray(rng.standard_normal((b, h, t, d)), jnp.float32) for _ in range(3))
-    mask, scale, dropout = None, 0.4, None
+    mask, scale = None, 0.4
     if case == "padding+empty-row":
         keep = rng.random((b, 1, 1, t)) > 0.3
         keep[1] = False  # every key of row 1 masked

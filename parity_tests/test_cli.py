@@ -39,8 +39,8 @@ def test_verify_grads_covers_every_full_model(capsys):
 def test_gradient_check_fails_on_a_wrong_gradient():
     import numpy as np
     import torch
-    import torch_reference.former as tf
 
+    import torch_reference.former as tf
     from flax_transformer import porting
 
     model = tf.CTransformer(8, 2, 1, 8, 20, 2).eval()
@@ -74,6 +74,7 @@ def test_verify_reports_a_broken_port(monkeypatch):
 
     monkeypatch.setitem(porting.LEAF_RULES, "linear", {"weight": ("kernel", porting.AS_IS), "bias": ("bias", porting.AS_IS)})
     import numpy as np
+
     import torch_reference.former as tf
 
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
@@ -94,6 +95,7 @@ def test_port_a_bare_torch_state_dict_both_ways_with_verify(tmp_path, capsys):
     import json
 
     import torch
+
     import torch_reference.former as tf
 
     torch.manual_seed(0)
@@ -111,6 +113,7 @@ def test_port_a_bare_torch_state_dict_both_ways_with_verify(tmp_path, capsys):
 
 def test_port_errors_are_clear_and_leave_no_output(tmp_path, capsys):
     import torch
+
     import torch_reference.former as tf
 
     torch.save(tf.CTransformer(8, 2, 1, 6, 20, 2).state_dict(), tmp_path / "c.pt")

@@ -222,6 +222,7 @@ def test_exports_that_cannot_be_written_are_refused_before_training(tiny_bert, t
     err = _refused(["--preset", "tiny", "--data-dir", fake_data], tmp_path, capsys)
     assert "needs --model hf" in err
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")  # an empty folder would be accepted (as transformers does)
     run = tmp_path / "run"
     assert _main("classify", ["--model", "hf", "--preset", "tiny", "--init", tiny_bert, "--data-dir", fake_data,
                               "--out", run, "--export-hf", tmp_path / "taken", "--no-progress"]) == 2

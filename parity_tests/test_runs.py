@@ -320,7 +320,8 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     assert second["exact_match"] == whole["exact_match"]
     # the logs read like one run: the same steps, the same losses
-    strip = lambda rs: [(r["step"], r["split"], r["loss"]) for r in rs]
+    def strip(rs):
+        return [(r["step"], r["split"], r["loss"]) for r in rs]
     assert strip(loop.read_metrics(tmp_path / "whole")) == strip(loop.read_metrics(tmp_path / "split"))
 
 
@@ -413,21 +414,26 @@ def test_resume_with_another_configuration_changes_nothing(tmp_path, capsys):
 
 
 def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
+    """A checkpoint that cannot be read is named; when none can, --resume changes nothing. (With an intact
+    earlier one, --resume falls back to it: test_run_faults.py.)"""
     run = tmp_path / "run"
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--steps", 80]) == 0
-    latest = run / "checkpoints" / "80"
-    victims = [p for p in latest.rglob("*") if p.is_file() and "state" in p.parts and p.stat().st_size > 100]
-    assert victims
-    for p in victims:
-        p.write_bytes(b"\0" * 7)
+    for step in (80, 40):
+        victims = [p for p in (run / "checkpoints" / str(step)).rglob("*")
+                   if p.is_file() and "state" in p.parts and p.stat().st_size > 100]
+        assert victims
+        for p in victims:
+            p.write_bytes(b"\0" * 7)
+        if step == 80:
+            with pytest.raises(RunError, match="checkpoints/80 is unreadable"):
+                loop.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
     before = digest(run)
     capsys.readouterr()
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--resume", "--no-progress", "--steps", 80]) == 2
     err = capsys.readouterr().err
-    assert "checkpoints/80 is unreadable" in err and "Other checkpoints: [40]" in err
+    assert "checkpoints/80 is unreadable" in err and "checkpoints/40 is unreadable" in err
+    assert "Nothing was changed" in err and "Traceback" not in err
     assert digest(run) == before
-    with pytest.raises(RunError, match="unreadable"):
-        loop.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
 
 
 def test_bf16_and_fused_attention_runs(tmp_path, capsys):
@@ -516,9 +522,11 @@ def test_two_processes_equal_one_process(tmp_path):
     assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1  # process 0's only
     for name in ("process 0", "process 1"):
         assert "Sharded over {'data': 2, 'fsdp': 1}" in output[name][1]
-        last_line = lambda out: out.strip().splitlines()[-1].split("run:")[0]  # gloo prints to stdout too
+        def last_line(out):  # gloo prints to stdout too
+            return out.strip().splitlines()[-1].split("run:")[0]
         assert last_line(output[name][0]) == last_line(output["one process"][0])  # the same exact match
-    strip = lambda rs: [(r["step"], r["split"], r["loss"]) for r in rs]
+    def strip(rs):
+        return [(r["step"], r["split"], r["loss"]) for r in rs]
     assert strip(loop.read_metrics(two)) == strip(loop.read_metrics(one))
     assert [r["step"] for r in records(two, "train")] == [10, 20]
     # the all-reduce of two partial gradients is exact (a + b), so the runs agree bit for bit

@@ -273,7 +273,6 @@ def test_port_on_a_full_disk_keeps_the_old_output(tmp_path, fmt):
 
 def test_cli_errors_are_one_line(tmp_path):
     """A read-only folder, --config that is not an object, non-UTF-8 text: one line, exit 2, nothing written."""
-    from flax_transformer.cli import main
 
     src = tmp_path / "m.safetensors"
     checkpoints.save_safetensors(_former(), src)

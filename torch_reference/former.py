@@ -22,7 +22,7 @@ reproduce the notebooks:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

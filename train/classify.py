@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     def run():
         metrics = classify.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                               progress=not args.no_progress, export_torch=args.export_torch,
+                                              overwrite=args.overwrite,
                                               export_hf=args.export_hf,
                                               mesh=mesh_of(args))
         if metrics["interrupted"]:

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     def run():
         metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                         progress=not args.no_progress, export_torch=args.export_torch,
+                                        overwrite=args.overwrite,
                                         mesh=mesh_of(args))
         if metrics["interrupted"]:
             return True

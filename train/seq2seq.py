@@ -19,7 +19,7 @@ def main(argv=None) -> int:
 
     def run():
         metrics = seq2seq.train_and_evaluate(config, args.out, resume=args.resume, progress=not args.no_progress,
-                                             export_torch=args.export_torch,
+                                             export_torch=args.export_torch, overwrite=args.overwrite,
                                              mesh=mesh_of(args))
         if metrics["interrupted"]:
             return True

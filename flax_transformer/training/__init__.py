@@ -7,8 +7,17 @@ command-line entry points.
 """
 
 from .batching import Bucketed, Windows, default_buckets
-from .loop import (Checkpoints, FitResult, NonFiniteLoss, RunError, batch_evaluator, create_run_dir, fit, plot_curves,
-                   prepare_run_dir)
+from .loop import (
+                   Checkpoints,
+                   FitResult,
+                   NonFiniteLoss,
+                   RunError,
+                   batch_evaluator,
+                   create_run_dir,
+                   fit,
+                   plot_curves,
+                   prepare_run_dir,
+)
 from .optim import OptimConfig, decay_mask, make_optimizer, schedule
 from .step import cross_entropy, make_steps
 

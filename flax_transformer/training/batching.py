@@ -69,7 +69,7 @@ class Bucketed:
     def __len__(self):
         return self.steps_per_epoch
 
-    @lru_cache(maxsize=2)
+    @lru_cache(maxsize=2)  # noqa: B019  (a batcher lives as long as its run; the cache holds 2 epochs)
     def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """[(padded length, example indices)] for one epoch."""
         rng = np.random.default_rng([self.seed, epoch])
@@ -184,7 +184,7 @@ class Rows:
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.steps_per_epoch = -(-self.size // batch_size)
 
-    @lru_cache(maxsize=2)
+    @lru_cache(maxsize=2)  # noqa: B019  (as above)
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.size)

@@ -18,7 +18,6 @@ during training; the test set is only read at the end.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -34,9 +33,21 @@ from .. import files
 from ..configs import EncoderConfig
 from . import data, tokenizers
 from .batching import Bucketed, Rows, default_buckets
-from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, plot_curves, prepare_run_dir
-from .loop import is_main_process
+from .limits import BIG, check_config, check_memory, step_bytes
+from .loop import (
+    Checkpoints,
+    RunError,
+    batch_evaluator,
+    check_batch_size,
+    check_output,
+    fit,
+    is_main_process,
+    open_run,
+    plot_curves,
+    prepare_run_dir,
+)
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
+from .rundir import append_metrics, config_of_run, read_tokenizer
 
 LABELS = ("negative", "positive")
 
@@ -81,6 +92,7 @@ class ClassifyConfig:
     attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_config(self)  # types and bounds of every field
         check_precision(self.dtype, self.attention)
         if self.model not in ("former", "encoder", "hf"):
             raise ValueError(f"model must be 'former', 'encoder' or 'hf', got {self.model!r}")
@@ -242,10 +254,9 @@ def encode(tokenizer, rows):
 
 
 def build_model(config: ClassifyConfig, vocab_size: int, *, seed: int | None = None):
+    from .. import set_attention
     from ..encoder import TransformerForSequenceClassification
     from ..former import CTransformer
-
-    from .. import set_attention
 
     seed = config.seed if seed is None else seed
     kw = dict(rngs=nnx.Rngs(params=seed, dropout=seed + 1), dtype=compute_dtype(config.dtype))
@@ -274,7 +285,7 @@ def loss_fn(model, batch):
     nll = -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
     count = weight.sum()
     n = jnp.maximum(count, 1.0)
-    accuracy = ((logp.argmax(-1) == labels) * weight).sum() / n
+    accuracy = ((logp.argmax(-1) == labels).astype(weight.dtype) * weight).sum() / n  # no bool*float promotion
     return (nll * weight).sum() / n, {"accuracy": accuracy, "count": count}
 
 
@@ -421,7 +432,7 @@ def check_export(folder, texts, *, max_length: int) -> dict:
 
 
 def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, export_hf=None, mesh=None) -> dict:
+                       export_torch=None, export_hf=None, overwrite: bool = False, mesh=None) -> dict:
     """Train, evaluate on the test set, write the run directory; returns the final metrics.
 
     ``resume`` continues ``run_dir``'s run (the configuration must be the same) from its
@@ -429,7 +440,10 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     state_dict in a safetensors file (with the model's description in its header);
     ``export_hf`` (model "hf", [CLS] pooling) a folder that transformers'
     ``BertForSequenceClassification`` and ``AutoTokenizer`` load, checked against this
-    library's logits on test reviews when transformers is installed.
+    library's logits on test reviews when transformers is installed. An existing export is
+    replaced only with ``overwrite``. Everything that can be checked (the configuration, the
+    init folder, the data, the exports, the batch against the mesh, whether a step fits in
+    memory) is checked before the run directory is made.
     """
     run_dir = Path(run_dir)
     run_config = {"task": "classify", **dataclasses.asdict(config)}
@@ -439,37 +453,70 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
         folder = init_folder(config)
         tokenizer = pretrained_tokenizer(config, folder)
     if export_hf is not None:
-        _check_export_target(config, export_hf)
+        _check_export_target(config, export_hf, overwrite)
+    check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    check_batch_size(config.batch_size, mesh)
+    _check_memory(config, folder, mesh)
     train, val, test = load_splits(config, data_dir)
-    if not resume:
-        create_run_dir(run_dir, run_config)
     tok_path = run_dir / "tokenizer.json"
-    if tokenizer is None and resume and tok_path.is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tok_path))
+    saved_tokenizer = resume and tok_path.is_file()
+    if tokenizer is None and saved_tokenizer:
+        tokenizer = read_tokenizer(tok_path)
     elif tokenizer is None:
         tokenizer = build_tokenizer(config, [text for text, _ in train])
-    if not tok_path.is_file() and is_main_process():
-        files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)))
+    with open_run(run_dir, run_config, resume=resume):
+        if not tok_path.is_file() and is_main_process():
+            files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)))
+        return _train(config, run_dir, run_config, (train, val, test), tokenizer, folder, resume=resume,
+                      progress=progress, export_torch=export_torch, export_hf=export_hf, overwrite=overwrite,
+                      mesh=mesh)
+
+
+def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
+    """Refuse a run whose step cannot fit in memory (the hf model's sizes are its config.json's)."""
+    if config.freeze_encoder:
+        return  # the head trains on cached features; the encoder runs without gradients
+    sizes = dict(width=config.emb, heads=config.heads, layers=config.depth, vocab=config.num_classes)
+    if folder is not None:
+        from .. import hf
+
+        hf_config = hf.read_config(folder)
+        sizes = dict(width=int(hf_config.get("hidden_size", 1)), heads=int(hf_config.get("num_attention_heads", 1)),
+                     layers=int(hf_config.get("num_hidden_layers", 1)), vocab=config.num_classes)
+    check_memory(step_bytes(batch=config.batch_size, length=config.max_length, devices=mesh.size if mesh else 1,
+                            attention=config.attention, **sizes), "--max-length or --batch-size")
+
+
+def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, tokenizer, folder, *, resume, progress,
+           export_torch, export_hf, overwrite, mesh) -> dict:
+    """The run itself, in its open (locked) run directory."""
+    train, val, test = splits
     buckets = default_buckets(config.max_length, config.buckets)
     pad = _pad_id(tokenizer)
-    make = lambda rows, shuffle: Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets,
-                                          pad_id=pad, seed=config.seed, shuffle=shuffle)
+
+    def make(rows, shuffle):
+        return Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets, pad_id=pad,
+                        seed=config.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
     model = build_pretrained(config, folder) if folder is not None else build_model(config, tokenizer.get_vocab_size())
     if config.freeze_encoder:
         def features(split, batches):
             return cached_features(run_dir, split, lambda: pooled_features(
                 model, batches, progress=progress, desc=f"encoder features ({split})"))
-        rows = lambda split, batches, shuffle: Rows({"features": features(split, batches), "labels": batches.labels},
-                                                    batch_size=config.batch_size, seed=config.seed, shuffle=shuffle)
+
+        def rows(split, batches, shuffle):
+            return Rows({"features": features(split, batches), "labels": batches.labels},
+                        batch_size=config.batch_size, seed=config.seed, shuffle=shuffle)
+
+        def test_rows():  # computed after training (Ctrl-C is safe there)
+            return rows("test", test_batches, False)
         train_batches, val_batches = rows("train", train_batches, True), rows("val", val_batches, False)
-        test_rows = lambda: rows("test", test_batches, False)  # computed after training (Ctrl-C is safe there)
         trained = Probe(model, seed=config.seed)
     else:
         trained = model
     steps = config.steps or max(1, math.ceil(config.epochs * train_batches.steps_per_epoch))
+    if steps > BIG:
+        raise RunError(f"--epochs {config.epochs:g} makes {steps:,} steps, more than {BIG:,}")
     what = "head on cached encoder features" if config.freeze_encoder else f"{train_batches.num_tokens:,} train tokens"
     print(f"classify: {config.model} on {config.dataset}: {len(train)} train / {len(val)} val / {len(test)} test "
           f"reviews, {what}, buckets {buckets}, {steps} steps ({train_batches.steps_per_epoch} per epoch)",
@@ -490,38 +537,36 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     test_metrics = batch_evaluator(loss_fn, lambda: test_batches.epoch())(result.model)
     metrics |= {f"test_{k}": v for k, v in test_metrics.items() if k != "count"}
     if is_main_process():
-        _append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
+        append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
     plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
     final = result.model.attach(model) if config.freeze_encoder else result.model
     if export_torch is not None and is_main_process():
-        ckpt.save_safetensors(final, export_torch)
+        ckpt.save_safetensors(final, export_torch, overwrite=overwrite)
     if export_hf is not None and is_main_process():
         metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder,
-                                                    config=config, texts=[text for text, _ in test[:64]])
+                                                    config=config, texts=[text for text, _ in test[:64]],
+                                                    overwrite=overwrite)
     return metrics
 
 
-def _check_export_target(config: ClassifyConfig, path) -> None:
+def _check_export_target(config: ClassifyConfig, path, overwrite: bool = False) -> None:
     """Fail before training if ``--export-hf`` cannot be written at the end."""
-    path = Path(path)
     if config.model != "hf":
         raise RunError(f"--export-hf writes a HuggingFace BERT classifier; it needs --model hf, not {config.model!r} "
                        "(--export-torch writes any model)")
     if config.pooling != "cls":
         raise RunError("--export-hf: transformers' BertForSequenceClassification reads [CLS] through the pooler; a "
                        "--pooling mean head has no equivalent there (train with --pooling cls, or use --export-torch)")
-    if path.exists():
-        raise RunError(f"--export-hf {path} exists; choose a new folder")
-    if not path.parent.is_dir():
-        raise RunError(f"--export-hf {path}: the parent folder does not exist")
+    check_output(path, kind="dir", overwrite=overwrite, flag="--export-hf")
 
 
-def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig, texts) -> dict | None:
+def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig, texts,
+                      overwrite: bool = False) -> dict | None:
     """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
     in transformers on ``texts``: the same logits as this library's model within 1e-4."""
     from .. import hf
 
-    hf.save_pretrained(model, path, tokenizer=tokenizer, tokenizer_from=folder,
+    hf.save_pretrained(model, path, overwrite=overwrite, tokenizer=tokenizer, tokenizer_from=folder,
                        labels=list(LABELS) if config.num_classes == 2 else None)
     try:
         import torch  # noqa: F401
@@ -540,30 +585,22 @@ def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig,
     return report
 
 
-def _append_metrics(run_dir, step, split, values):
-    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "split": split, **values}) + "\n")
-
-
 # ------------------------------------------------------------------------------- inference
 
 
 def load_run(run_dir, *, step: int | None = None):
     """(model in eval mode, tokenizer, config) from a run directory's latest (or given) checkpoint."""
-    from tokenizers import Tokenizer
-
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} is not a run directory (no such folder)")
     try:
-        saved = json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError) as error:
-        raise RunError(f"{run_dir} is not a classify run directory (run.json: {error})") from None
-    if saved.pop("task", None) != "classify":
-        raise RunError(f"{run_dir} holds a run of another task, not classify")
-    config = ClassifyConfig(**saved)
+        config = config_of_run(run_dir, "classify", ClassifyConfig)
+    except RunError as error:
+        raise RunError(f"{run_dir} is not a classify run directory: {error}") from None
     if not (run_dir / "tokenizer.json").is_file():
         raise RunError(f"{run_dir} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    checkpoints = Checkpoints(run_dir, keep=config.keep)
+    tokenizer = read_tokenizer(run_dir / "tokenizer.json")
+    checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
     try:
         if config.model != "hf":
             model, step = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
@@ -581,6 +618,14 @@ def load_run(run_dir, *, step: int | None = None):
 
 def predict(run_dir, texts, *, step: int | None = None) -> list[tuple[str, float]]:
     """[(label, probability of that label)] for each text, with the run's model and tokenizer."""
+    texts = list(texts)
+    for text in texts:
+        if not isinstance(text, str):
+            raise ValueError(f"a text to classify must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeError:
+            raise ValueError(f"the text {ascii(text)[:80]} is not UTF-8") from None
     model, tokenizer, config = load_run(run_dir, step=step)
     sequences, _ = encode(tokenizer, [(t, 0) for t in texts])
     probs = []

@@ -3,18 +3,37 @@
 A config starts from ``--preset`` (or, with ``--resume`` and no preset, from the run's own
 ``run.json``), then every flag given on the command line replaces its field. A resumed
 run whose resulting config differs from the saved one is refused (``prepare_run_dir``).
+
+Every mistake is one line on stderr and exit status 2, with no traceback: a flag out of
+range (``UsageError``, raised as argparse does, before anything runs) and every error the
+run raises for bad input, files or resources (``run_main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
 from .loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
+from .rundir import read_run_config
+
+
+class UsageError(SystemExit):
+    """A wrong flag: exit status 2 (as argparse's), the message printed once, on stderr, when raised
+    through ``usage_error``; ``str(error)`` is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.args = (message,)
+
+
+def usage_error(message: str) -> UsageError:
+    """Print ``error: message`` and return the ``UsageError`` (exit 2) to raise."""
+    print(f"error: {message}", file=sys.stderr)
+    return UsageError(message)
 
 
 def common_parser(description: str, presets) -> argparse.ArgumentParser:
@@ -33,6 +52,9 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
                         help="data folder (default ../shared/data beside the repo when present, else a download)")
     parser.add_argument("--export-torch", type=Path, default=None, metavar="FILE.safetensors",
                         help="also write the trained weights as a torch_reference state_dict")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --export-torch (or --export-hf) output; without it, one is refused "
+                             "before training starts")
     parser.add_argument("--dtype", choices=["float32", "bf16"], default=None,
                         help="compute dtype (bf16: mixed precision, parameters and softmax/LayerNorm statistics fp32)")
     parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
@@ -50,7 +72,7 @@ def common_parser(description: str, presets) -> argparse.ArgumentParser:
 
 
 # flags that are not config fields (a resumed run may change them: the mesh, the processes)
-_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "no_progress", "mesh",
+_RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "overwrite", "no_progress", "mesh",
               "coordinator", "num_processes", "process_id"}
 _PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
@@ -61,14 +83,14 @@ def _check_process_flags(args) -> None:
         return
     if len(given) < len(_PROCESS_FLAGS):
         missing = [f"--{name.replace('_', '-')}" for name in _PROCESS_FLAGS if name not in given]
-        raise SystemExit("error: --coordinator, --num-processes and --process-id go together; "
-                         f"missing {' '.join(missing)}")
+        raise usage_error("--coordinator, --num-processes and --process-id go together; "
+                          f"missing {' '.join(missing)}")
     host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"error: --coordinator {args.coordinator!r}: expected HOST:PORT")
-    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
-        raise SystemExit(f"error: --process-id {args.process_id} with --num-processes {args.num_processes}: "
-                         "need 0 <= process id < number of processes")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise usage_error(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    if not 1 <= args.num_processes <= 1 << 16 or not 0 <= args.process_id < args.num_processes:
+        raise usage_error(f"--process-id {args.process_id} with --num-processes {args.num_processes}: "
+                          "need 0 <= process id < number of processes")
 
 
 def mesh_of(args):
@@ -86,15 +108,18 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
     renames = renames or {}
     _check_process_flags(args)
     if args.resume and args.out is None:
-        raise SystemExit("error: --resume needs --out RUN_DIR (the run to continue)")
+        raise usage_error("--resume needs --out RUN_DIR (the run to continue)")
     if args.resume and args.preset is None:
         try:
-            saved = json.loads((args.out / "run.json").read_text())
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"error: --resume: {args.out} holds no readable run.json ({error})") from None
+            saved = read_run_config(args.out)
+        except (RunError, OSError) as error:
+            raise usage_error(f"--resume: {error}") from None
         saved.pop("task", None)
         fields = {f.name for f in dataclasses.fields(config_cls)}
-        config = config_cls(**{k: v for k, v in saved.items() if k in fields})
+        try:
+            config = config_cls(**{k: v for k, v in saved.items() if k in fields})
+        except (TypeError, ValueError) as error:
+            raise usage_error(f"--resume: {args.out / 'run.json'}: {error}") from None
     else:
         config = presets[args.preset or "small"]()
     changes = {}
@@ -104,7 +129,7 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
             continue
         field = renames.get(name, name)
         if field not in fields:
-            raise SystemExit(f"error: --{name.replace('_', '-')} does not apply to {task}")
+            raise usage_error(f"--{name.replace('_', '-')} does not apply to {task}")
         changes[field] = value
     if "epochs" in changes and "steps" not in changes and hasattr(config, "steps"):
         changes["steps"] = None  # --epochs alone decides the length (a preset's steps would win otherwise)
@@ -113,11 +138,19 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
     try:
         return dataclasses.replace(config, **changes)
     except (TypeError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
+        raise usage_error(str(error)) from None
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """XLA's allocation failures (``RESOURCE_EXHAUSTED``) and numpy's ``MemoryError``."""
+    text = str(error)
+    return isinstance(error, MemoryError) or (type(error).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and (
+        "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text))
 
 
 def run_main(function):
-    """Run an entry point: clear one-line errors (exit 2), NaN loss (exit 3), Ctrl-C after saving (exit 130).
+    """Run an entry point: clear one-line errors (exit 2), NaN loss (exit 3), Ctrl-C (exit 130: after
+    saving, or, a second Ctrl-C or one before training, without).
 
     Before anything computes, malloc is told to keep freed memory (``malloc.keep_freed_memory``:
     each train step would otherwise fault its temporaries' pages in again)."""
@@ -129,7 +162,17 @@ def run_main(function):
     except NonFiniteLoss as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
-    except (RunError, OSError, ValueError) as error:  # OSError: missing files, failed downloads
+    except KeyboardInterrupt:
+        print("Interrupted", file=sys.stderr)
+        return 130
+    except (RunError, OSError, ValueError) as error:  # OSError: missing files, failed downloads, a full disk
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if not _out_of_memory(error):
+            raise
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        print(f"error: out of memory ({type(error).__name__}: {first}): lower --batch-size or the lengths "
+              "(--max-length, --context, --max-digits)", file=sys.stderr)
         return 2
     return 130 if interrupted else 0

@@ -11,7 +11,6 @@ prints its validation loss and a sample continued from ``prompt``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -25,8 +24,20 @@ from .. import checkpoints as ckpt
 from .. import files
 from . import data, tokenizers
 from .batching import Windows
-from .loop import Checkpoints, RunError, batch_evaluator, create_run_dir, fit, is_main_process, prepare_run_dir
+from .limits import check_config, check_memory, step_bytes
+from .loop import (
+    Checkpoints,
+    RunError,
+    batch_evaluator,
+    check_batch_size,
+    check_output,
+    fit,
+    is_main_process,
+    open_run,
+    prepare_run_dir,
+)
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
+from .rundir import config_of_run, read_tokenizer
 from .step import cross_entropy
 
 
@@ -66,6 +77,7 @@ class LMConfig:
     attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_config(self)  # types and bounds of every field
         check_precision(self.dtype, self.attention)
         if self.model not in ("gpt", "former"):
             raise ValueError(f"model must be 'gpt' or 'former', got {self.model!r}")
@@ -131,10 +143,9 @@ def decode(config: LMConfig, tokenizer, ids) -> str:
 
 
 def build_model(config: LMConfig, vocab_size: int):
+    from .. import set_attention
     from ..former import GTransformer
     from ..gpt import GPTTransformer
-
-    from .. import set_attention
 
     kw = dict(rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1), dtype=compute_dtype(config.dtype))
     if config.model == "gpt":
@@ -153,73 +164,97 @@ def loss_fn(model, batch):
     return loss, {"count": jnp.asarray(batch["ids"].size, jnp.float32)}
 
 
+def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
+    """The prompt's token ids; ``RunError`` unless it has 1 to ``context - 1`` of them."""
+    try:
+        prompt = encode(config, tokenizer, config.prompt)
+    except Exception:  # the Rust tokenizer refuses a character it has no id for (no unknown token at char level)
+        unknown = sorted(set(config.prompt) - set(tokenizer.get_vocab()))
+        raise RunError(f"--prompt {config.prompt!r} has characters the text does not have ({''.join(unknown)!r}), "
+                       "so the model has no token for them") from None
+    if len(prompt) == 0 or len(prompt) >= config.context:
+        raise RunError(f"--prompt {config.prompt!r} encodes to {len(prompt)} tokens; it needs 1 to "
+                       f"{config.context - 1} (--context {config.context})")
+    return prompt
+
+
 def sample(config: LMConfig, model, tokenizer, *, seed: int | None = None) -> str:
     """``prompt`` continued by up to ``sample_tokens`` tokens (within the model's context)."""
     from ..generate import generate
 
-    prompt = encode(config, tokenizer, config.prompt)
-    if len(prompt) == 0 or len(prompt) >= config.context:
-        raise RunError(f"the prompt {config.prompt!r} encodes to {len(prompt)} tokens; it needs 1..{config.context - 1}")
+    prompt = prompt_ids(config, tokenizer)
     new = min(config.sample_tokens, config.context - len(prompt))
     tokens = generate(model, prompt[None], new, temperature=config.temperature, top_k=config.top_k,
                       seed=config.seed if seed is None else seed)
     return decode(config, tokenizer, np.concatenate([prompt, np.asarray(tokens)[0]]))
 
 
+def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Windows, Windows]:
+    """The train and validation windows, refused (``RunError``) when either part is shorter than one window."""
+    for part, tokens in (("training", cut), ("validation", len(stream) - cut)):
+        if tokens < config.context + 1:
+            raise RunError(f"{source}: its {part} part has {tokens:,} tokens, less than one window of --context "
+                           f"{config.context} (+1): use a longer text or a smaller --context")
+    return (Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed),
+            Windows(stream[cut:], batch_size=config.batch_size, length=config.context, seed=config.seed))
+
+
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, mesh=None) -> dict:
-    """Train, then report validation loss (nats per token) and a sample; returns the metrics."""
+                       export_torch=None, overwrite: bool = False, mesh=None) -> dict:
+    """Train, then report validation loss (nats per token) and a sample; returns the metrics.
+
+    Everything that can be checked is checked before the run directory is made: the
+    configuration, the text (long enough for a window in both parts), the prompt,
+    ``export_torch`` (an existing file is replaced only with ``overwrite``), the batch against
+    the mesh, and whether a step fits in memory."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
+    check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    check_batch_size(config.batch_size, mesh)
     text = read_corpus(config, data_dir)
-    if not resume:
-        create_run_dir(run_dir, run_config)
     tok_path = run_dir / "tokenizer.json"
-    if resume and tok_path.is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    else:
-        tokenizer = build_tokenizer(config, text)  # every process builds the same one; process 0 writes it
-        if is_main_process():
-            files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
+    saved_tokenizer = resume and tok_path.is_file()
+    # every process builds the same tokenizer; process 0 writes it
+    tokenizer = read_tokenizer(tok_path) if saved_tokenizer else build_tokenizer(config, text)
     stream = encode(config, tokenizer, text)
     cut = int(len(stream) * (1 - config.val_fraction))
-    train = Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed)
-    val = Windows(stream[cut:], batch_size=config.batch_size, length=config.context, seed=config.seed)
-    model = build_model(config, tokenizer.get_vocab_size())
-    print(f"lm: {config.model} at {config.level} level: {len(stream):,} tokens ({cut:,} train), vocabulary "
-          f"{tokenizer.get_vocab_size()}, {config.steps} steps of {config.batch_size} x {config.context} tokens "
-          f"({config.steps * config.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
-    evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
-    result = fit(model, config.optim(), loss_fn, train, run_dir=run_dir, steps=config.steps, run_config=run_config,
-                 evaluate=evaluate, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-                 keep=config.keep, resume=resume, progress=progress, mesh=mesh,
-                 description=f"lm-{config.model}-{config.level}")
-    metrics = {"step": result.step, "interrupted": result.interrupted,
-               **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
-    if not result.interrupted:
-        metrics["val_bits_per_token"] = metrics["val_loss"] / math.log(2)
-        metrics["sample"] = sample(config, result.model, tokenizer)
-        if is_main_process():
-            (run_dir / "sample.txt").write_text(metrics["sample"] + "\n")
-    if export_torch is not None and is_main_process():
-        ckpt.save_safetensors(result.model, export_torch)
+    train, val = _windows(config, stream, cut, config.text or "the text")
+    prompt_ids(config, tokenizer)
+    vocab = tokenizer.get_vocab_size()
+    check_memory(step_bytes(batch=config.batch_size, length=config.context, width=max(config.d_embed, config.d_ff // 4),
+                            heads=config.heads, layers=config.n_layers, vocab=vocab, attention=config.attention,
+                            devices=mesh.size if mesh is not None else 1), "--context or --batch-size")
+    model = build_model(config, vocab)
+    with open_run(run_dir, run_config, resume=resume):
+        if not saved_tokenizer and is_main_process():
+            files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
+        print(f"lm: {config.model} at {config.level} level: {len(stream):,} tokens ({cut:,} train), vocabulary "
+              f"{vocab}, {config.steps} steps of {config.batch_size} x {config.context} tokens "
+              f"({config.steps * config.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
+        evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
+        result = fit(model, config.optim(), loss_fn, train, run_dir=run_dir, steps=config.steps,
+                     run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
+                     checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                     mesh=mesh, description=f"lm-{config.model}-{config.level}")
+        metrics = {"step": result.step, "interrupted": result.interrupted,
+                   **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
+        if not result.interrupted:
+            metrics["val_bits_per_token"] = metrics["val_loss"] / math.log(2)
+            metrics["sample"] = sample(config, result.model, tokenizer)
+            if is_main_process():
+                files.write_text(run_dir / "sample.txt", metrics["sample"] + "\n", overwrite=True)
+        if export_torch is not None and is_main_process():
+            ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
     return metrics
 
 
 def load_run(run_dir):
     """(model, tokenizer, config) of an lm run directory's latest checkpoint."""
-    from tokenizers import Tokenizer
-
     run_dir = Path(run_dir)
-    saved = json.loads((run_dir / "run.json").read_text())
-    if saved.pop("task", None) != "lm":
-        raise RunError(f"{run_dir} holds a run of another task, not lm")
-    config = LMConfig(**saved)
-    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    checkpoints = Checkpoints(run_dir, keep=config.keep)
+    config = config_of_run(run_dir, "lm", LMConfig)
+    tokenizer = read_tokenizer(run_dir / "tokenizer.json")
+    checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
     try:
         model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()))
     finally:

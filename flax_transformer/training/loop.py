@@ -3,7 +3,7 @@
     result = fit(model, OptimConfig(...), loss_fn, batches, run_dir="runs/x", steps=2000,
                  run_config=config_dict, evaluate=batch_evaluator(loss_fn, val_batches))
 
-A run directory holds:
+A run directory (``rundir``: created, locked against a second process, checked) holds:
 
 * ``run.json``: the run's full configuration. ``--resume`` refuses to continue a run
   with a different one (every differing field is listed), so a resumed run is the run
@@ -11,13 +11,14 @@ A run directory holds:
 * ``checkpoints/<step>/``: orbax ``CheckpointManager`` steps (the last ``keep``), each
   with the model's whole NNX state (parameters *and* its dropout RNG streams), the
   optimizer state (Adam moments, update count, so the schedule resumes too), and JSON
-  metadata: step, data position, run config, model description, last metrics. The
-  batches are a pure function of (seed, step), so the step fixes the data position.
-  orbax writes into a temporary folder and renames it when complete: a run killed
-  mid-save leaves the previous checkpoint intact.
+  metadata: step, data position, run config, model description, last metrics, and a
+  checksum of every array (a restore refuses a checkpoint whose bytes changed; ``--resume``
+  then falls back to the one before, saying so). The batches are a pure function of
+  (seed, step), so the step fixes the data position. orbax writes into a temporary folder
+  and renames it when complete: a run killed mid-save leaves the previous checkpoint intact.
 * ``metrics.jsonl`` (one JSON object per log line: ``step``, ``split``, metrics) and
-  ``tensorboard/`` (the same scalars); on resume both are cut back to the checkpoint's
-  step, so a resumed run's logs read like an uninterrupted one's.
+  ``tensorboard/`` (the same scalars); on resume both are cut back to what the checkpoint
+  had seen, so a resumed run's logs read like an uninterrupted one's, each step once.
 * ``curves.png``: loss and metric curves (the notebook's ``plot_loss_evolution``).
 
 Resuming is exact: the state is restored bit for bit and the step function is
@@ -28,19 +29,17 @@ one that was not (tested).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -48,245 +47,26 @@ from tqdm.auto import tqdm
 
 from .. import files
 from ..checkpoints import describe
+from .checkpointing import Checkpoints, _is_key, check_disk_space
 from .optim import OptimConfig, make_optimizer, schedule
-
-
-class RunError(RuntimeError):
-    """A run cannot start or go on: a clear message, and nothing in the run directory was lost."""
+from .rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
+    MetricsLog,
+    RunError,
+    _NoLog,
+    barrier,
+    config_differences,
+    create_run_dir,
+    is_main_process,
+    lock_run_dir,
+    open_run,
+    plot_curves,
+    prepare_run_dir,
+    read_metrics,
+)
 
 
 class NonFiniteLoss(RunError):
     """The loss became NaN or infinite; the run stopped before saving the bad state."""
-
-
-# ----------------------------------------------------------------------------- run directory
-
-
-def _flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def config_differences(saved: dict, given: dict) -> list[str]:
-    """``["field: saved -> given", ...]`` for every field that differs."""
-    a, b = _flatten(saved), _flatten(given)
-    return [f"{k}: {a.get(k, '<absent>')!r} (checkpoint) vs {b.get(k, '<absent>')!r} (now)"
-            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
-
-
-def prepare_run_dir(run_dir, run_config: dict, *, resume: bool) -> Path:
-    """Check that a new run would not overwrite another, or that ``resume`` continues the same run.
-
-    Raises ``RunError`` (and changes nothing) when a new run would overwrite an existing
-    one, when there is nothing to resume, or when the configuration differs from the saved one.
-    Creates nothing: call ``create_run_dir`` once the data has loaded, so that a run that
-    fails on its input leaves no half-made run directory behind.
-    """
-    run_dir = Path(run_dir)
-    saved_path = run_dir / "run.json"
-    if resume:
-        if not saved_path.is_file():
-            raise RunError(f"--resume: {run_dir} holds no run (no run.json); start one with --out {run_dir}")
-        try:
-            saved = json.loads(saved_path.read_text())
-        except (OSError, ValueError) as error:
-            raise RunError(f"--resume: {saved_path} is unreadable ({error})") from None
-        diff = config_differences(saved, json.loads(json.dumps(run_config)))
-        if diff:
-            raise RunError("--resume with a different configuration than the run in "
-                           f"{run_dir}:\n  " + "\n  ".join(diff) +
-                           "\nResume with the same flags, or start a new run with another --out.")
-        return run_dir
-    if saved_path.exists() or any((run_dir / "checkpoints").glob("*")):
-        raise RunError(f"{run_dir} already holds a run; continue it with --resume, or choose another --out")
-    return run_dir
-
-
-def create_run_dir(run_dir, run_config: dict) -> Path:
-    """Make a new run's directory and write its ``run.json`` (after ``prepare_run_dir`` checked it).
-
-    With several processes every one checks the folder first, then process 0 alone writes.
-    """
-    run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, run_config, resume=False)
-    barrier("create_run_dir: checked")  # no process may see process 0's run.json as "another run"
-    if is_main_process():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        files.write_text(run_dir / "run.json", json.dumps(run_config, indent=2) + "\n")
-    barrier("create_run_dir: written")
-    return run_dir
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _is_key(x) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _storable(tree):
-    """Typed PRNG keys -> their raw uint32 data (what orbax can write)."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
-def _unstorable(tree, like):
-    return jax.tree.map(lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
-                        if _is_key(ref) else jnp.asarray(x, dtype=ref.dtype), tree, like)
-
-
-class Checkpoints:
-    """An orbax ``CheckpointManager`` over ``run_dir/checkpoints`` keeping the last ``keep`` steps."""
-
-    def __init__(self, run_dir, keep: int = 3):
-        import orbax.checkpoint as ocp
-
-        self._ocp = ocp
-        self.directory = (Path(run_dir) / "checkpoints").absolute()
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            item_names=("state", "meta"))
-
-    def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
-
-    def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def save(self, step: int, state: dict, meta: dict) -> None:
-        ocp = self._ocp
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_storable(state)), meta=ocp.args.JsonSave(meta)), force=True)
-        self.manager.wait_until_finished()
-
-    def restore(self, step: int, like: dict) -> tuple[dict, dict]:
-        """(state shaped like ``like``, meta) of checkpoint ``step``; ``RunError`` if it cannot be read."""
-        ocp = self._ocp
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_storable(like)), meta=ocp.args.JsonRestore()))
-            return _unstorable(restored["state"], like), dict(restored["meta"])
-        except Exception as error:  # orbax/tensorstore raise many kinds; all mean the same to the user
-            others = [s for s in self.steps() if s != step]
-            raise RunError(f"checkpoint {self.directory / str(step)} is unreadable: {type(error).__name__}: "
-                           f"{str(error)[:300]}\nNothing was changed. Other checkpoints: {others or 'none'}; "
-                           "move the broken one aside to resume from the one before it.") from None
-
-    def restore_model(self, model, step: int | None = None):
-        """Fill ``model`` (a built NNX model) with checkpoint ``step`` (default: the latest)."""
-        step = self.latest() if step is None else step
-        if step is None:
-            raise RunError(f"no checkpoint in {self.directory}")
-        graphdef, state = nnx.split(model)
-        like = {"model": nnx.to_pure_dict(state)}
-        ocp = self._ocp
-        target = _storable(like)
-        try:  # the model part only: no need to know the optimizer to predict
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))["state"]
-        except Exception as error:
-            raise RunError(f"checkpoint {self.directory / str(step)} is unreadable: {type(error).__name__}: "
-                           f"{str(error)[:300]}") from None
-        nnx.replace_by_pure_dict(state, _unstorable(restored, like)["model"])
-        return nnx.merge(graphdef, state), step
-
-    def close(self):
-        self.manager.close()
-
-
-# ----------------------------------------------------------------------------- logs and curves
-
-
-class _NoLog:
-    """What processes other than the first log: nothing (process 0 writes the run's files)."""
-
-    def write(self, step: int, split: str, metrics: dict) -> None:
-        pass
-
-    def close(self):
-        pass
-
-
-class MetricsLog:
-    """``metrics.jsonl`` and TensorBoard scalars; ``start`` > 0 cuts both back to that step (resume)."""
-
-    def __init__(self, run_dir, start: int = 0, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        kept = []
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start]
-        files.write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)
-        self.file = open(self.path, "a")
-        self.writer = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start or None)
-
-    def write(self, step: int, split: str, metrics: dict) -> None:
-        record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(f"{split}/{key}", float(value), step)
-
-    def close(self):
-        self.file.close()
-        if self.writer is not None:
-            self.writer.close()
-
-
-def read_metrics(run_dir) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def plot_curves(run_dir, title: str = "") -> Path | None:
-    """``run_dir/curves.png``: train and eval loss against step, then one panel per other eval metric.
-
-    Only process 0 draws (and returns the path); other processes of a multi-process run return None.
-    """
-    if not is_main_process():
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(run_dir)
-    if not records:
-        return None
-    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for r in records:
-        for key, value in r.items():
-            if key not in ("step", "split", "lr", "tokens_per_s", "grad_norm", "count"):
-                series.setdefault((r["split"], key), []).append((r["step"], value))
-    metrics = ["loss"] + sorted({k for _, k in series if k != "loss"})
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        for split in ("train", "eval", "test"):
-            points = series.get((split, metric))
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if split != "train" else None, markersize=3, label=split)
-        ax.set_xlabel("step")
-        ax.set_ylabel(metric)
-        ax.set_title(metric)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(run_dir) / "curves.png"
-    files.write_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite=True)
-    plt.close(fig)
-    return out
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
@@ -341,19 +121,6 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
                        f"{num_processes}: {type(error).__name__}: {str(error)[:500]}") from None
 
 
-def is_main_process() -> bool:
-    """Whether this process writes the run's files and prints progress (process 0; the only one, usually)."""
-    return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    """Wait until every process of a multi-process run gets here; nothing with one process."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def parse_mesh(spec: str | None):
     """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp").
 
@@ -368,7 +135,7 @@ def parse_mesh(spec: str | None):
     try:
         for part in spec.split(","):
             name, value = part.split("=")
-            if name.strip() not in sizes:
+            if name.strip() not in sizes or not 1 <= int(value) <= 1 << 20:
                 raise ValueError(name)
             sizes[name.strip()] = int(value)
     except ValueError:
@@ -416,6 +183,23 @@ def batch_sharding(batch, mesh):
         if np.ndim(value) and np.shape(value)[0] % n:
             raise RunError(f"batch size {np.shape(value)[0]} ({key}) is not divisible by the {n} devices of the mesh")
     return {k: NamedSharding(mesh, P(("data", "fsdp")) if np.ndim(v) else P()) for k, v in batch.items()}
+
+
+def check_batch_size(batch_size: int, mesh) -> None:
+    """Refuse, before anything runs, a batch that the mesh's devices cannot split evenly."""
+    if mesh is not None and batch_size % mesh.size:
+        raise RunError(f"--batch-size {batch_size} is not divisible by the {mesh.size} devices of --mesh")
+
+
+def check_output(path, *, kind: str, overwrite: bool, flag: str) -> None:
+    """Refuse, before training, an export target that could not be written at the end
+    (``files.check_target``: a missing folder, a wrong kind, an existing output without ``--overwrite``)."""
+    if path is None:
+        return
+    try:
+        files.check_target(path, kind=kind, overwrite=overwrite)
+    except files.OutputError as error:
+        raise RunError(f"{flag}: {error}") from None
 
 
 def _to_mesh(tree, shardings):
@@ -516,6 +300,18 @@ def _tokens(batches, batch) -> int:
     return int(np.asarray(batch["ids"]).size)
 
 
+def _holding_the_run_dir(function):
+    """Run ``function(..., run_dir=...)`` holding the run directory's lock (``rundir.lock_run_dir``)."""
+
+    @functools.wraps(function)
+    def locked(*args, run_dir, **kwargs):
+        with lock_run_dir(run_dir):
+            return function(*args, run_dir=run_dir, **kwargs)
+
+    return locked
+
+
+@_holding_the_run_dir
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
         keep: int = 3, resume: bool = False, log_every: int = 10, progress: bool = True,
@@ -532,7 +328,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         evaluate: ``evaluate(model) -> metrics`` on held-out data, every ``eval_every``
             steps and at the end.
         checkpoint_every: save every so many steps (and always at the end, and on Ctrl-C).
-        resume: continue from the latest checkpoint in ``run_dir``.
+        resume: continue from the latest intact checkpoint in ``run_dir`` (a broken newer one
+            is reported and moved aside; with no checkpoint yet, the run starts from step 0).
         mesh: a ``jax.sharding.Mesh`` with axes ("data", "fsdp") (see ``parse_mesh``): batches
             split over all its devices, parameters and optimizer state split over "fsdp".
             The results equal a one-device run's within float rounding (tested on 8 CPU devices).
@@ -541,7 +338,8 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
             the returned model is replicated in every process.
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
-    and ``RunError`` for anything that stops a run before it starts.
+    and ``RunError`` for anything that stops a run before it starts. The run directory is
+    locked while ``fit`` runs (another process training into it is refused).
     """
     if steps < 1:
         raise RunError(f"steps must be >= 1, got {steps}")
@@ -568,20 +366,26 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
               f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp",
               file=sys.stderr)
-    start = 0
-    if resume:
-        start = checkpoints.latest()
-        if start is None:
-            checkpoints.close()
-            raise RunError(f"--resume: {run_dir} has no checkpoint yet; start it again without --resume "
-                           "(delete the folder first)")
-        # restored straight into the mesh's shardings: each process reads the shards it holds
-        like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
-        restored, meta = checkpoints.restore(start, like)
-        nnx.replace_by_pure_dict(model_state, restored["model"])
-        nnx.replace_by_pure_dict(opt_state, restored["optimizer"])
-        print(f"Resuming {run_dir} from step {start} ({meta.get('data_position')})", file=sys.stderr)
-    window = meta.get("log_window", []) if resume else []  # so the next log line averages the same steps
+    start, meta = 0, {}
+    try:
+        if resume:  # restored straight into the mesh's shardings: each process reads the shards it holds
+            like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
+            found = checkpoints.restore_latest(like)
+            if found is None:
+                print(f"{run_dir} has no checkpoint yet: starting it from step 0", file=sys.stderr)
+            else:
+                start, restored, meta = found
+                nnx.replace_by_pure_dict(model_state, restored["model"])
+                nnx.replace_by_pure_dict(opt_state, restored["optimizer"])
+                print(f"Resuming {run_dir} from step {start} ({meta.get('data_position')})", file=sys.stderr)
+        if is_main_process():
+            state_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(
+                (nnx.to_pure_dict(model_state), nnx.to_pure_dict(opt_state))))
+            check_disk_space(run_dir, state_bytes, keep)
+    except BaseException:
+        checkpoints.close()
+        raise
+    window = meta.get("log_window", [])  # so the next log line averages the same steps
 
     def current_model():
         m = nnx.merge(train_def, model_state)
@@ -596,18 +400,20 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     def save(step, last_metrics):
         meta = {"step": step, "data_position": batches.position(step), "run_config": run_config,
                 "model": description_of_model, "metrics": last_metrics,
-                "log_window": window}  # the steps not logged yet
+                "log_window": window,  # the steps not logged yet
+                "log_lines": log.count}  # the records metrics.jsonl holds now (a resume cuts it back to them)
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)
 
     train_step = _compiled_steps(loss_fn, train_def, opt_def, shardings)
     main = is_main_process()  # with several processes, process 0 alone writes the logs and the progress bar
-    log = MetricsLog(run_dir, start, tensorboard=tensorboard) if main else _NoLog()
-    bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not (progress and main),
-               dynamic_ncols=True, mininterval=0.5)
+    log = bar = None
     window_tokens, window_start = 0, time.perf_counter()
     last_eval, interrupted, step = {}, False, start
     try:
+        log = MetricsLog(run_dir, start, tensorboard=tensorboard, lines=meta.get("log_lines")) if main else _NoLog()
+        bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not (progress and main),
+                   dynamic_ncols=True, mininterval=0.5)
         with _StopRequest() as stop:
             while step < steps:
                 batch = batches.batch(step)
@@ -650,8 +456,10 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                 last_eval = evaluate(current_model())
                 log.write(step, "eval", last_eval)
     finally:
-        bar.close()
-        log.close()
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
         checkpoints.close()
     plot_curves(run_dir, title=description)
     if jax.process_count() > 1:  # the final model whole in every process, so that each can decode or export it

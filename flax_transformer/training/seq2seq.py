@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
-from .loop import batch_evaluator, create_run_dir, fit, is_main_process, prepare_run_dir
+from .limits import check_config, check_memory, step_bytes
+from .loop import batch_evaluator, check_batch_size, check_output, fit, is_main_process, open_run, prepare_run_dir
 from .optim import OptimConfig, check_precision, compute_dtype, from_task
 from .step import cross_entropy
 
@@ -55,6 +56,7 @@ class Seq2SeqConfig:
     attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
 
     def __post_init__(self):
+        check_config(self)  # types and bounds of every field
         check_precision(self.dtype, self.attention)
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
@@ -155,30 +157,39 @@ def exact_match_of(generated, target) -> float:
 
 
 def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, mesh=None) -> dict:
-    """Train on fresh examples, report exact match on ``eval_size`` held-out ones."""
+                       export_torch=None, overwrite: bool = False, mesh=None) -> dict:
+    """Train on fresh examples, report exact match on ``eval_size`` held-out ones.
+
+    Everything that can be checked is checked before the run directory is made: the
+    configuration, ``export_torch`` (an existing file is replaced only with ``overwrite``),
+    the batch against the mesh, and whether a step fits in memory."""
     run_dir = Path(run_dir)
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
-    if not resume:
-        create_run_dir(run_dir, run_config)  # no data to load: the task generates its own
+    check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    check_batch_size(config.batch_size, mesh)
+    check_memory(step_bytes(batch=config.batch_size, length=config.max_digits + 2,
+                            width=max(config.d_model, config.d_ff // 4), heads=config.heads,
+                            layers=2 * config.n_blocks, attention_layers=3 * config.n_blocks, vocab=VOCAB,
+                            attention=config.attention, devices=mesh.size if mesh is not None else 1),
+                 "--max-digits or --batch-size")
     held_out = make_batch(config, np.random.default_rng([config.seed, 10**9]), config.eval_size)
     model = build_model(config)
-    print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.steps} steps of "
-          f"{config.batch_size}", file=sys.stderr)
-    # held-out loss/token accuracy during training, exact match (a decode) at the end
-    eval_batches = [{k: v[i:i + config.batch_size] for k, v in held_out.items()}
-                    for i in range(0, config.eval_size, config.batch_size)]
-    evaluate = batch_evaluator(loss_fn, lambda: eval_batches)
-    result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
-                 run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
-                 checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
-                 mesh=mesh,
-                 description="seq2seq-reverse")
-    metrics = {"step": result.step, "interrupted": result.interrupted,
-               **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
-    if not result.interrupted:
-        metrics["exact_match"] = exact_match(config, result.model, held_out)
-    if export_torch is not None and is_main_process():
-        ckpt.save_safetensors(result.model, export_torch)
+    with open_run(run_dir, run_config, resume=resume):  # no data to load: the task generates its own
+        print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.steps} steps of "
+              f"{config.batch_size}", file=sys.stderr)
+        # held-out loss/token accuracy during training, exact match (a decode) at the end
+        eval_batches = [{k: v[i:i + config.batch_size] for k, v in held_out.items()}
+                        for i in range(0, config.eval_size, config.batch_size)]
+        evaluate = batch_evaluator(loss_fn, lambda: eval_batches)
+        result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
+                     run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
+                     checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                     mesh=mesh, description="seq2seq-reverse")
+        metrics = {"step": result.step, "interrupted": result.interrupted,
+                   **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
+        if not result.interrupted:
+            metrics["exact_match"] = exact_match(config, result.model, held_out)
+        if export_torch is not None and is_main_process():
+            ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
     return metrics

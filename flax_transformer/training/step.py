@@ -12,7 +12,7 @@ advances and which a checkpoint saves, so a resumed run draws the same masks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

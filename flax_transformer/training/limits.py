@@ -5,7 +5,8 @@ the wrong type or out of range with a ``ValueError`` naming its flag: ``--steps 
 ``--batch-size 0``, ``--lr -1``, ``--lr nan``, ``--max-digits 10000``, a ``run.json`` edited
 to ``"steps": "10"``. ``check_memory`` refuses a run whose one training step would not fit
 in the memory of the device it runs on (an estimate of the attention and activations),
-instead of an out-of-memory traceback from XLA.
+instead of an out-of-memory traceback from XLA. ``check_output`` refuses, before training,
+an export target that could not be written at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+
+from .. import files
+from .rundir import RunError
 
 BIG = 10**9
 # field: (lowest, highest, lowest excluded): the same wherever a task config has the field
@@ -141,3 +145,14 @@ def check_memory(needed: int, flags: str) -> None:
     if have is not None and needed > have:
         raise ValueError(f"one training step needs about {needed / 2**30:,.1f} GiB of memory, more than the "
                          f"{have / 2**30:,.1f} GiB here: lower {flags}")
+
+
+def check_output(path, *, kind: str, overwrite: bool, flag: str) -> None:
+    """Refuse, before training, an export target that could not be written at the end
+    (``files.check_target``: a missing folder, a wrong kind, an existing output without ``--overwrite``)."""
+    if path is None:
+        return
+    try:
+        files.check_target(path, kind=kind, overwrite=overwrite)
+    except files.OutputError as error:
+        raise RunError(f"{flag}: {error}") from None

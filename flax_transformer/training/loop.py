@@ -36,18 +36,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from .. import files
 from ..checkpoints import describe
-from .checkpointing import Checkpoints, _is_key, check_disk_space
+from .checkpointing import Checkpoints, check_disk_space
+from .distributed import (  # noqa: F401  (re-exported: these used to live here)
+    batch_sharding,
+    check_batch_size,
+    initialize_distributed,
+    parse_mesh,
+    place_state,
+    put_batch,
+    state_shardings,
+)
+from .limits import check_output  # noqa: F401  (re-exported)
 from .optim import OptimConfig, make_optimizer, schedule
 from .rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
     MetricsLog,
@@ -63,6 +70,7 @@ from .rundir import (  # noqa: F401  (re-exported: the run directory's functions
     prepare_run_dir,
     read_metrics,
 )
+from .step import compiled_train_step, eval_step
 
 
 class NonFiniteLoss(RunError):
@@ -96,163 +104,7 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self._old)
 
 
-# ----------------------------------------------------------------------------- steps
-
-
-# ----------------------------------------------------------------------------- devices and processes
-
-
-def initialize_distributed(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 300) -> None:
-    """Join a run of ``num_processes`` processes, this one being ``process_id``, through the
-    coordinator at ``HOST:PORT`` (served by process 0). Call it before anything touches JAX's
-    devices; afterwards ``jax.devices()`` lists every process's devices.
-
-    Every process then runs the same program: it computes the same global batches (a pure
-    function of (seed, step)), takes part in each step's collectives and in orbax's
-    checkpoint saves, and process 0 alone writes the human files (``is_main_process``).
-    CPU devices exchange data through gloo (the setting does not affect GPUs or TPUs).
-    """
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=timeout_s)
-    except Exception as error:  # RuntimeError or XlaRuntimeError, with a long C++ message
-        raise RunError(f"could not join the run through the coordinator {coordinator} as process {process_id} of "
-                       f"{num_processes}: {type(error).__name__}: {str(error)[:500]}") from None
-
-
-def parse_mesh(spec: str | None):
-    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp").
-
-    With several processes the mesh must cover all of their devices (``jax.device_count()``).
-    """
-    if not spec:
-        if jax.process_count() > 1:
-            raise RunError(f"a run over {jax.process_count()} processes needs --mesh covering all "
-                           f"{jax.device_count()} of their devices (e.g. --mesh data={jax.device_count()})")
-        return None
-    sizes = {"data": 1, "fsdp": 1}
-    try:
-        for part in spec.split(","):
-            name, value = part.split("=")
-            if name.strip() not in sizes or not 1 <= int(value) <= 1 << 20:
-                raise ValueError(name)
-            sizes[name.strip()] = int(value)
-    except ValueError:
-        raise RunError(f"--mesh {spec!r}: expected data=N,fsdp=M") from None
-    n = sizes["data"] * sizes["fsdp"]
-    devices = jax.devices()
-    if n < 1 or n > len(devices):
-        raise RunError(f"--mesh {spec} needs {n} devices, {len(devices)} available "
-                       "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    if jax.process_count() > 1 and n != len(devices):
-        raise RunError(f"--mesh {spec} covers {n} devices; a run over {jax.process_count()} processes must cover "
-                       f"all {len(devices)} of their devices")
-    grid = np.array(devices[:n]).reshape(sizes["data"], sizes["fsdp"])
-    return jax.sharding.Mesh(grid, ("data", "fsdp"))
-
-
-def _param_spec(x, fsdp: int):
-    """FSDP: split a parameter (and its Adam moments) along its largest axis that ``fsdp`` divides."""
-    from jax.sharding import PartitionSpec as P
-
-    shape = getattr(x, "shape", ())
-    if fsdp == 1 or not shape or _is_key(x):
-        return P()
-    axes = sorted(range(len(shape)), key=lambda i: -shape[i])
-    for axis in axes:
-        if shape[axis] % fsdp == 0:
-            return P(*[("fsdp" if i == axis else None) for i in range(len(shape))])
-    return P()  # too small to split: replicated
-
-
-def state_shardings(tree, mesh):
-    from jax.sharding import NamedSharding
-
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
-
-
-def batch_sharding(batch, mesh):
-    """Every batch array split along its first (batch) axis over both mesh axes: data parallel over all devices."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n = mesh.size
-    for key, value in batch.items():
-        if np.ndim(value) and np.shape(value)[0] % n:
-            raise RunError(f"batch size {np.shape(value)[0]} ({key}) is not divisible by the {n} devices of the mesh")
-    return {k: NamedSharding(mesh, P(("data", "fsdp")) if np.ndim(v) else P()) for k, v in batch.items()}
-
-
-def check_batch_size(batch_size: int, mesh) -> None:
-    """Refuse, before anything runs, a batch that the mesh's devices cannot split evenly."""
-    if mesh is not None and batch_size % mesh.size:
-        raise RunError(f"--batch-size {batch_size} is not divisible by the {mesh.size} devices of --mesh")
-
-
-def check_output(path, *, kind: str, overwrite: bool, flag: str) -> None:
-    """Refuse, before training, an export target that could not be written at the end
-    (``files.check_target``: a missing folder, a wrong kind, an existing output without ``--overwrite``)."""
-    if path is None:
-        return
-    try:
-        files.check_target(path, kind=kind, overwrite=overwrite)
-    except files.OutputError as error:
-        raise RunError(f"{flag}: {error}") from None
-
-
-def _to_mesh(tree, shardings):
-    """Arrays that every process holds whole and alike (a freshly built model) onto their ``shardings``."""
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def put(x, sharding):  # device_put refuses arrays committed to one process's device
-        if _is_key(x):
-            return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
-        value = np.asarray(x)
-        return jax.make_array_from_process_local_data(sharding, value, value.shape)
-
-    return jax.tree.map(put, tree, shardings)
-
-
-def put_batch(batch, mesh):
-    """A global batch of numpy arrays (the same in every process) onto ``mesh``, split as ``batch_sharding``.
-
-    Each process copies only the slices its own devices hold (``jax.device_put`` would also
-    work but checks with a collective, every step, that the processes' batches are equal).
-    """
-    shardings = batch_sharding(batch, mesh)
-    return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), np.shape(v))
-            for k, v in batch.items()}
-
-
-def _compiled_steps(loss_fn, train_def, opt_def, shardings=None):
-    """The train step as a pure function of (model state, optimizer state), traced once per batch shape.
-
-    With ``shardings`` = (model state, optimizer state, replicated) the step keeps the
-    parameters and optimizer state where they are (FSDP) and XLA's SPMD partitioner inserts
-    the collectives: no hand-written all-reduce.
-    """
-    jit = partial(jax.jit, donate_argnums=(0, 1))
-    if shardings is not None:
-        model_sh, opt_sh, replicated = shardings
-        jit = partial(jax.jit, donate_argnums=(0, 1), out_shardings=(model_sh, opt_sh, replicated))
-
-    @jit
-    def train_step(model_state, opt_state, batch):
-        model = nnx.merge(train_def, model_state)
-        optimizer = nnx.merge(opt_def, opt_state)
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
-        optimizer.update(model, grads)
-        return nnx.state(model), nnx.state(optimizer), dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-
-    return train_step
-
-
-@functools.cache
-def _jitted_loss(loss_fn):
-    return nnx.jit(loss_fn)
+# ----------------------------------------------------------------------------- evaluation
 
 
 def batch_evaluator(loss_fn, batches: Callable[[], object]):
@@ -262,7 +114,7 @@ def batch_evaluator(loss_fn, batches: Callable[[], object]):
     Evaluators of the same ``loss_fn`` (validation, then test) share one jitted function,
     so the test pass reuses the validation pass's compilations.
     """
-    step = _jitted_loss(loss_fn)
+    step = eval_step(loss_fn)
 
     def evaluate(model):
         totals, count = {}, 0.0
@@ -311,6 +163,22 @@ def _holding_the_run_dir(function):
     return locked
 
 
+def _restore(checkpoints, run_dir, model_state, opt_state) -> tuple[int, dict]:
+    """Fill the states in place from the latest intact checkpoint; (its step, its metadata).
+
+    Restored straight into the states' shardings: each process reads the shards it holds."""
+    like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
+    found = checkpoints.restore_latest(like)
+    if found is None:
+        print(f"{run_dir} has no checkpoint yet: starting it from step 0", file=sys.stderr)
+        return 0, {}
+    start, restored, meta = found
+    nnx.replace_by_pure_dict(model_state, restored["model"])
+    nnx.replace_by_pure_dict(opt_state, restored["optimizer"])
+    print(f"Resuming {run_dir} from step {start} ({meta.get('data_position')})", file=sys.stderr)
+    return start, meta
+
+
 @_holding_the_run_dir
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
@@ -356,28 +224,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     opt_def, opt_state = nnx.split(optimizer)
     shardings = None
     if mesh is not None:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        shardings = (state_shardings(model_state, mesh), state_shardings(opt_state, mesh), NamedSharding(mesh, P()))
-        model_state = _to_mesh(model_state, shardings[0])
-        opt_state = _to_mesh(opt_state, shardings[1])
-        specs = [sh.spec for sh in jax.tree.leaves(shardings[0])]
-        print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
-              f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp",
-              file=sys.stderr)
-    start, meta = 0, {}
+        model_state, opt_state, shardings = place_state(model_state, opt_state, mesh)
     try:
-        if resume:  # restored straight into the mesh's shardings: each process reads the shards it holds
-            like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
-            found = checkpoints.restore_latest(like)
-            if found is None:
-                print(f"{run_dir} has no checkpoint yet: starting it from step 0", file=sys.stderr)
-            else:
-                start, restored, meta = found
-                nnx.replace_by_pure_dict(model_state, restored["model"])
-                nnx.replace_by_pure_dict(opt_state, restored["optimizer"])
-                print(f"Resuming {run_dir} from step {start} ({meta.get('data_position')})", file=sys.stderr)
+        start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (0, {})
         if is_main_process():
             state_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(
                 (nnx.to_pure_dict(model_state), nnx.to_pure_dict(opt_state))))
@@ -405,7 +254,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
                          meta)
 
-    train_step = _compiled_steps(loss_fn, train_def, opt_def, shardings)
+    train_step = compiled_train_step(loss_fn, train_def, opt_def, shardings)
     main = is_main_process()  # with several processes, process 0 alone writes the logs and the progress bar
     log = bar = None
     window_tokens, window_start = 0, time.perf_counter()

@@ -186,7 +186,8 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
     # --predict reads the run's tokenizer and latest checkpoint
     assert _main("classify", ["--predict", "a wonderful superb loved film", "--predict", "awful dull boring waste",
                               "--checkpoint", run]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header == "label\tprobability\ttext"
     assert lines[0].startswith("positive\t") and lines[1].startswith("negative\t")
     assert 0.5 < float(lines[0].split("\t")[1]) <= 1.0
 

@@ -19,7 +19,7 @@ from flax_transformer.training.cli import common_parser, make_config, mesh_of, r
 
 
 def main(argv=None) -> int:
-    parser = common_parser(__doc__.splitlines()[0], classify.PRESETS)
+    parser = common_parser(__doc__.splitlines()[0], classify.PRESETS, prog="python -m train.classify")
     parser.add_argument("--model", choices=["former", "encoder", "hf"], default=None,
                         help="former.CTransformer (default), encoder.TransformerForSequenceClassification, or hf: "
                              "that classifier on the pretrained BERT folder --init")
@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     parser.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
                         help="--model hf: also write a folder transformers' BertForSequenceClassification and "
                              "AutoTokenizer load (checked against this library's logits)")
-    parser.add_argument("--dataset", choices=["imdb", "rt-polarity"], default=None)
+    parser.add_argument("--dataset", choices=["imdb", "rt-polarity"], default=None,
+                        help="IMDB reviews (the notebooks' task; the preset's default) or rt-polarity sentences")
     parser.add_argument("--predict", metavar="TEXT", action="append",
                         help="classify TEXT with the run in --checkpoint (repeatable) and exit")
     parser.add_argument("--checkpoint", metavar="RUN_DIR", help="the run directory --predict reads")
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
             parser.error("--predict needs --checkpoint RUN_DIR")
 
         def predict():
+            print("label\tprobability\ttext")  # tab-separated, one review a line
             for text, (label, prob) in zip(args.predict, classify.predict(args.checkpoint, args.predict)):
                 print(f"{label}\t{prob:.4f}\t{text}")
         return run_main(predict)

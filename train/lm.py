@@ -14,7 +14,7 @@ from flax_transformer.training.cli import common_parser, make_config, mesh_of, r
 
 
 def main(argv=None) -> int:
-    parser = common_parser(__doc__.splitlines()[0], lm.PRESETS)
+    parser = common_parser(__doc__.splitlines()[0], lm.PRESETS, prog="python -m train.lm")
     parser.add_argument("--model", choices=["gpt", "former"], default=None,
                         help="gpt.GPTTransformer (default) or former.GTransformer")
     parser.add_argument("--level", choices=["char", "word"], default=None)

@@ -12,7 +12,7 @@ from flax_transformer.training.cli import common_parser, make_config, mesh_of, r
 
 
 def main(argv=None) -> int:
-    parser = common_parser(__doc__.splitlines()[0], seq2seq.PRESETS)
+    parser = common_parser(__doc__.splitlines()[0], seq2seq.PRESETS, prog="python -m train.seq2seq")
     parser.add_argument("--max-digits", type=int, default=None, help="longest source string")
     args = parser.parse_args(argv)
     config = make_config(args, seq2seq.Seq2SeqConfig, seq2seq.PRESETS, "seq2seq")

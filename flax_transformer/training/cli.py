@@ -36,8 +36,10 @@ def usage_error(message: str) -> UsageError:
     return UsageError(message)
 
 
-def common_parser(description: str, presets) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+def common_parser(description: str, presets, *, prog: str | None = None) -> argparse.ArgumentParser:
+    """The flags every entry point shares. ``prog`` is how a user runs it (``python -m train.lm``):
+    argparse would otherwise show the script's file name (``lm.py``)."""
+    parser = argparse.ArgumentParser(description=description, prog=prog)
     parser.add_argument("--preset", choices=list(presets), default=None,
                         help="model and run size: tiny (< 1 min on 2 CPU cores, for tests), small (the CPU "
                              "benchmark, the default), base (sized for a GPU)")

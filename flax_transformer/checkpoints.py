@@ -270,15 +270,26 @@ def jax_tree_cast(tree, like):
     return jax.tree.map(lambda a, b: jnp.asarray(a, dtype=b.dtype), tree, like)
 
 
+def load_run(run_dir, *, step: int | None = None):
+    """A training run directory (``python -m train.*  --out RUN_DIR``) back: a ``Run`` with the
+    trained ``model`` (eval mode), its ``tokenizer``, its task ``config`` and ``task``."""
+    from .training.runs import load_run as load
+
+    return load(run_dir, step=step)
+
+
 def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
-    """A Flax model (eval mode) from any checkpoint that describes itself:
-    an HF folder, an orbax folder from ``save_orbax``, or a ``save_safetensors`` file."""
+    """A Flax model (eval mode) from any checkpoint that describes itself: an HF folder, an
+    orbax folder from ``save_orbax``, a ``save_safetensors`` file, or a training run directory
+    (its latest intact checkpoint; ``load_run`` gives the tokenizer and config too)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such checkpoint file or folder: {path}")
     if path.is_dir():
         if (path / f"{METADATA_KEY}.json").exists():
             return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
+        if (path / "run.json").is_file():  # a training run: its model as the run's config built it
+            return load_run(path).model
         from . import hf
 
         return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)

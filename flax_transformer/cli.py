@@ -4,6 +4,7 @@
     flax-transformer port SRC DST [--verify]      convert checkpoints between frameworks and formats
     flax-transformer summary MODEL_OR_CHECKPOINT  modules, parameter counts and shapes, largest layers
     flax-transformer attention-map --text ...     a BERT's attention on a sentence (pair), PNG or HTML
+    flax-transformer generate --checkpoint RUN_DIR --prompt TEXT   continue a prompt with a train.lm run
 """
 
 from __future__ import annotations
@@ -189,6 +190,23 @@ def _attention_map(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    """Continue a prompt with a ``train.lm`` run's model and tokenizer."""
+    from .training import lm
+    from .training.runs import load_run
+
+    _check_text("--prompt", args.prompt)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    run = load_run(args.checkpoint)
+    if run.task != "lm":
+        raise ValueError(f"{args.checkpoint} is a {run.task} run; generate continues text with a train.lm run")
+    print(lm.continue_text(run.config, run.model, run.tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                           seed=args.seed))
+    return 0
+
+
 def _check_text(flag: str, text: str | None) -> None:
     """A command-line text must be UTF-8 (Python hands undecodable bytes over as surrogates)."""
     if text is None:
@@ -197,6 +215,14 @@ def _check_text(flag: str, text: str | None) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{flag} is not valid UTF-8 text: {ascii(text)}") from None
+
+
+def _user_error(error: BaseException) -> bool:
+    """A missing or bad file or value, the machine (disk, permissions), or a run that cannot be read."""
+    if isinstance(error, (OSError, ValueError)):
+        return True
+    rundir = sys.modules.get("flax_transformer.training.rundir")  # loaded only if a run was touched
+    return rundir is not None and isinstance(error, rundir.RunError)
 
 
 def error_line(prog: str, error: BaseException) -> str:
@@ -257,10 +283,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_attention_map)
 
+    p = sub.add_parser("generate", help="continue a prompt with a trained train.lm run")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="a run directory of python -m train.lm")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, help="how many tokens to add (default: the run's --sample-tokens, "
+                                                      "within the model's context)")
+    p.add_argument("--temperature", type=float, help="default: the run's")
+    p.add_argument("--top-k", type=int, help="default: the run's")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens whose probability reaches P")
+    p.add_argument("--greedy", action="store_true", help="the most likely token each step, no sampling")
+    p.add_argument("--seed", type=int, help="default: the run's")
+    p.set_defaults(func=_generate)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (OSError, ValueError) as error:
+    except Exception as error:
+        if not _user_error(error):
+            raise
         # a user mistake or the machine (a missing file, a full disk, a read-only folder): one line, exit 2
         print(error_line(f"flax-transformer {args.command}", error), file=sys.stderr)
         return 2

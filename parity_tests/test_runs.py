@@ -241,6 +241,22 @@ def test_lm_tiny_end_to_end(tmp_path, capsys):
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert (run / "sample.txt").read_text().startswith("ROMEO:")
 
+    # the finished run back: as a model, as a Run, and through `flax-transformer generate`
+    from flax_transformer import checkpoints
+    from flax_transformer.cli import main
+
+    loaded = checkpoints.load_run(run)
+    assert loaded.task == "lm" and type(checkpoints.load(run)).__name__ == type(loaded.model).__name__
+    expected = lm.continue_text(loaded.config, loaded.model, loaded.tokenizer, "ROMEO: but", max_new_tokens=12,
+                                greedy=True)
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO: but", "--max-new-tokens", "12",
+                 "--greedy"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip("\n") == expected.rstrip("\n") and len(expected) == len("ROMEO: but") + 12
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO: \u00e9", "--greedy"]) == 2  # no such char
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x"]) == 2  # not a run
+    assert "error:" in capsys.readouterr().err
+
 
 def test_lm_former_at_word_level(tmp_path):
     text = tmp_path / "text.txt"

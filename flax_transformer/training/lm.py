@@ -180,13 +180,26 @@ def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
 
 def sample(config: LMConfig, model, tokenizer, *, seed: int | None = None) -> str:
     """``prompt`` continued by up to ``sample_tokens`` tokens (within the model's context)."""
+    return continue_text(config, model, tokenizer, config.prompt, seed=seed)
+
+
+def continue_text(config: LMConfig, model, tokenizer, prompt: str, *, max_new_tokens: int | None = None,
+                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                  greedy: bool = False, seed: int | None = None) -> str:
+    """``prompt`` and its continuation by up to ``max_new_tokens`` (default: the run's ``sample_tokens``)
+    tokens, within the model's context. Sampling settings default to the run's; ``RunError`` for a
+    prompt the tokenizer cannot encode or that leaves no room in the context."""
     from ..generate import generate
 
-    prompt = prompt_ids(config, tokenizer)
-    new = min(config.sample_tokens, config.context - len(prompt))
-    tokens = generate(model, prompt[None], new, temperature=config.temperature, top_k=config.top_k,
+    ids = prompt_ids(dataclasses.replace(config, prompt=prompt), tokenizer)
+    room = config.context - len(ids)
+    new = room if max_new_tokens is None and config.sample_tokens > room else (max_new_tokens or config.sample_tokens)
+    if new > room:
+        raise RunError(f"the prompt has {len(ids)} tokens: at most {room} new ones fit in the context ({config.context})")
+    tokens = generate(model, ids[None], new, temperature=config.temperature if temperature is None else temperature,
+                      top_k=config.top_k if top_k is None else top_k, top_p=top_p, greedy=greedy,
                       seed=config.seed if seed is None else seed)
-    return decode(config, tokenizer, np.concatenate([prompt, np.asarray(tokens)[0]]))
+    return decode(config, tokenizer, np.concatenate([ids, np.asarray(tokens)[0]]))
 
 
 def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Windows, Windows]:
@@ -249,14 +262,14 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     return metrics
 
 
-def load_run(run_dir):
-    """(model, tokenizer, config) of an lm run directory's latest checkpoint."""
+def load_run(run_dir, *, step: int | None = None):
+    """(model, tokenizer, config) of an lm run directory's latest (or given) checkpoint."""
     run_dir = Path(run_dir)
     config = config_of_run(run_dir, "lm", LMConfig)
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
     checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
     try:
-        model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()))
+        model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
     finally:
         checkpoints.close()
     model.eval()

@@ -1,0 +1,52 @@
+"""A finished (or interrupted) run directory back as a model: ``load_run(RUN_DIR)``.
+
+``run.json`` says which task wrote the run; the task rebuilds its model and tokenizer and
+restores the latest intact checkpoint (``checkpoints.load(RUN_DIR)`` gives the model alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpointing import Checkpoints
+from .rundir import RunError, config_of_run, read_run_config
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run's trained model (eval mode), its tokenizer (None for seq2seq, whose digits are ids)
+    and its task config."""
+
+    task: str
+    model: object
+    tokenizer: object
+    config: object
+
+
+def load_run(run_dir, *, step: int | None = None) -> Run:
+    """The model of ``run_dir``'s latest intact checkpoint (or of ``step``), with its tokenizer and config."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} is not a run directory (no such folder)")
+    task = read_run_config(run_dir).get("task")
+    if task == "classify":
+        from . import classify
+
+        return Run(task, *classify.load_run(run_dir, step=step))
+    if task == "lm":
+        from . import lm
+
+        return Run(task, *lm.load_run(run_dir, step=step))
+    if task == "seq2seq":
+        from . import seq2seq
+
+        config = config_of_run(run_dir, "seq2seq", seq2seq.Seq2SeqConfig)
+        checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
+        try:
+            model, _ = checkpoints.restore_model(seq2seq.build_model(config), step)
+        finally:
+            checkpoints.close()
+        model.eval()
+        return Run(task, model, None, config)
+    raise RunError(f"{run_dir / 'run.json'} names no task this library trains (task {task!r})")

@@ -274,7 +274,13 @@ def save_torch_file(obj, path) -> None:
     import torch
 
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as error:  # torch's zip writer fails in its cleanup after the OSError
+            cause = error.__context__ or error.__cause__
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, f"cannot write {path}: {cause.strerror or cause}") from None
+            raise
 
 
 def write_dir(path, write: Callable[[Path], object], *, overwrite: bool = False) -> Path:

@@ -215,7 +215,7 @@ class Checkpoints:
             state, meta = self._read(step, self._ocp.args.StandardRestore(_storable(like)))
         except RunError as error:
             others = [s for s in self.steps() if s != step]
-            raise RunError(f"{error}\nNothing was changed. Other checkpoints: {others or 'none'}") from None
+            raise RunError(f"{error}. Nothing was changed. Other checkpoints: {others or 'none'}") from None
         return _unstorable(state, like), meta
 
     def restore_latest(self, like: dict) -> tuple[int, dict, dict] | None:
@@ -239,8 +239,9 @@ class Checkpoints:
                           f"to {', '.join(str(m) for m in moved)}", file=sys.stderr)
             return step, _unstorable(state, like), meta
         if failures:
-            raise RunError(f"no checkpoint in {self.directory} can be restored:\n  " + "\n  ".join(failures) +
-                           "\nNothing was changed.")
+            # the warnings above named each failure; the error is one line
+            raise RunError(f"no checkpoint in {self.directory} can be restored ({len(failures)} corrupt or unreadable, "
+                           "named above). Nothing was changed.")
         return None
 
     def _set_aside(self, step: int) -> Path:

@@ -189,9 +189,9 @@ def prepare_run_dir(run_dir, run_config: dict, *, resume: bool) -> Path:
             raise RunError(f"--resume: {run_dir} holds a {saved.get('task')!r} run, not {run_config['task']!r}")
         diff = config_differences(saved, json.loads(json.dumps(run_config)))
         if diff:
-            raise RunError("--resume with a different configuration than the run in "
-                           f"{run_dir}:\n  " + "\n  ".join(diff) +
-                           "\nResume with the same flags, or start a new run with another --out.")
+            # one line (the CLI's rule), every differing field named
+            raise RunError(f"--resume with a different configuration than the run in {run_dir}: " + "; ".join(diff) +
+                           ". Resume with the same flags, or start a new run with another --out.")
         return run_dir
     if (run_dir / "run.json").exists() or ((run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())):
         raise RunError(f"{run_dir} already holds a run; continue it with --resume, or choose another --out")

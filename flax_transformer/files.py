@@ -237,6 +237,17 @@ def atomic_path(path, *, kind: str = "file", overwrite: bool = False) -> Iterato
             _swap_in_dir(tmp, path)
         else:
             os.replace(tmp, path)
+    except OSError as error:  # a full disk, a permission: name the output, not our temporary file
+        _remove(tmp)
+        message = str(error.strerror or error)  # without the "[Errno N]" the new error adds again
+        message = message.replace(str(tmp), str(path)).replace(tmp.name, path.name)
+        if error.filename:
+            message = f"{message}: {path}"
+        try:
+            renamed = type(error)(error.errno, message) if error.errno else type(error)(message)
+        except TypeError:  # an OSError subclass with another constructor
+            raise error from None
+        raise renamed from None
     except BaseException:
         _remove(tmp)
         raise

@@ -88,7 +88,7 @@ def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, t
     got = np.asarray(forward(model, batch["input_ids"].numpy(), batch["attention_mask"].numpy()))
     np.testing.assert_allclose(got, want, atol=1e-5)
     # training moved the weights away from the pretrained ones (the export is the trained model)
-    before = hf.classifier_from_pretrained(MINILM, seed=config.seed)
+    before = hf.classifier_from_pretrained(MINILM, seed=config.run.seed)
     assert np.abs(np.asarray(forward(before, batch["input_ids"].numpy(), batch["attention_mask"].numpy())) - got).max() > 1e-4
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from flax_transformer.training.run_config import replace
+
 # ---------------------------------------------------------------- 2. splits: disjoint, fixed by the seed
 
 
@@ -74,7 +76,7 @@ def test_classify_splits_are_disjoint_and_fixed_by_the_seed(split_data, dataset)
         assert len(test) == 30 and train | val | test == everything
     again = [_texts(rows) for rows in classify.load_splits(config, split_data)]
     assert again == [train, val, test]
-    other = [_texts(rows) for rows in classify.load_splits(dataclasses.replace(config, seed=1), split_data)]
+    other = [_texts(rows) for rows in classify.load_splits(replace(config, seed=1), split_data)]
     assert other[1] != val and other[0] != train
     if dataset == "rt-polarity":
         assert other[2] != test

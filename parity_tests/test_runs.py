@@ -328,6 +328,12 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     assert first["interrupted"] and first["step"] == 18  # stopped after the step in flight, and saved
     assert loop.Checkpoints(tmp_path / "split").latest() == 18
     monkeypatch.setattr(seq2seq, "Examples", real_examples)
+    # a run.json written before the task configs nested run/optim (flat fields) still resumes, exactly
+    saved = json.loads((tmp_path / "split" / "run.json").read_text())
+    flat = {k: v for k, v in saved.items() if k not in ("run", "optim")}
+    flat.update(saved["run"])
+    flat.update({k: saved["optim"][k] for k in ("optimizer", "lr", "warmup_steps", "decay", "weight_decay", "clip_norm")})
+    (tmp_path / "split" / "run.json").write_text(json.dumps(flat))
     second = seq2seq.train_and_evaluate(config, tmp_path / "split", resume=True, progress=False)
     assert second["step"] == 40 and not second["interrupted"]
 
@@ -359,7 +365,7 @@ def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
     assert "Saved a checkpoint at step" in err
     step = loop.Checkpoints(run).latest()
     assert step is not None and step >= 10
-    assert json.loads((run / "run.json").read_text())["steps"] == 100000
+    assert json.loads((run / "run.json").read_text())["run"]["steps"] == 100000
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -459,7 +465,7 @@ def test_bf16_and_fused_attention_runs(tmp_path, capsys):
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--dtype", "bf16",
                              "--attention", "xla"]) == 0
     saved = json.loads((run / "run.json").read_text())
-    assert saved["dtype"] == "bf16" and saved["attention"] == "xla"
+    assert saved["run"]["dtype"] == "bf16" and saved["run"]["attention"] == "xla"
     train = records(run, "train")
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
     params = tree_of(run)

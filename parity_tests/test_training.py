@@ -30,8 +30,10 @@ def test_cosine_and_linear_decay_end_where_asked():
     assert float(cosine(10)) == pytest.approx(1.0) and float(cosine(110)) == pytest.approx(0.1)
     assert float(cosine(60)) == pytest.approx(0.55, abs=1e-6)  # halfway down the cosine
     assert float(linear(60)) == pytest.approx(0.5) and float(linear(110)) == pytest.approx(0.0)
-    with pytest.raises(ValueError, match="needs total_steps"):
-        OptimConfig(decay="cosine")
+    with pytest.raises(ValueError, match="needs total_steps > warmup_steps"):
+        OptimConfig(decay="cosine", warmup_steps=10, total_steps=10)
+    with pytest.raises(ValueError, match="needs total_steps"):  # a task config's optim leaves it to the run
+        schedule(OptimConfig(decay="cosine"))
 
 
 def test_decay_mask_spares_biases_norms_and_embeddings():
@@ -115,3 +117,41 @@ def test_training_trajectory_check_can_fail(monkeypatch):
     monkeypatch.setattr(parity, "make_optimizer",
                         lambda config: real(dataclasses.replace(config, eps=1e-3)))
     assert not parity.trajectory("gpt", steps=3, optimizer="adam").passed
+
+
+def test_task_configs_nest_one_run_and_one_optim_config():
+    """Issue 13 item 5: the run's and the optimizer's fields live once, in ``RunConfig`` and
+    ``OptimConfig``; flat names (flags, presets) are routed to them, and an old flat run.json reads back."""
+    import dataclasses
+
+    from flax_transformer.training import classify, lm, seq2seq
+    from flax_transformer.training.optim import from_task
+    from flax_transformer.training.run_config import RunConfig, field_names, from_dict, replace
+
+    for cls in (classify.ClassifyConfig, lm.LMConfig, seq2seq.Seq2SeqConfig):
+        own = {f.name for f in dataclasses.fields(cls)}
+        assert {"run", "optim"} <= own and not own & {"lr", "steps", "seed", "batch_size", "clip_norm"}
+        assert {"lr", "steps", "seed", "batch_size", "clip_norm", "b2"} <= field_names(cls)
+    config = lm.LMConfig.tiny(steps=7, lr=0.5, seed=3, context=32)
+    assert (config.run.steps, config.optim.lr, config.run.seed, config.context) == (7, 0.5, 3, 32)
+    assert replace(config, b2=0.95).optim == dataclasses.replace(config.optim, b2=0.95)
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        replace(config, nope=1)
+    with pytest.raises(ValueError, match="--batch-size must be at least 1"):
+        replace(config, batch_size=0)
+    with pytest.raises(ValueError, match="--b1 must be at least 0 and below 1"):
+        replace(config, b1=1.0)
+    with pytest.raises(ValueError, match="--run must be RunConfig"):
+        dataclasses.replace(config, run={"steps": 3})
+    assert from_task(config, 7) == dataclasses.replace(config.optim, total_steps=7, warmup_steps=6)
+
+    saved = dataclasses.asdict(config)
+    assert from_dict(lm.LMConfig, saved) == config
+    flat = {k: v for k, v in saved.items() if k not in ("run", "optim")}
+    flat.update(saved["run"])
+    flat.update({k: saved["optim"][k] for k in ("optimizer", "lr", "warmup_steps", "decay", "weight_decay",
+                                                 "clip_norm")})
+    assert from_dict(lm.LMConfig, flat) == config  # a run.json written before the nesting
+    with pytest.raises(TypeError, match="unknown field"):
+        from_dict(lm.LMConfig, {**flat, "lrr": 1})
+    assert isinstance(seq2seq.Seq2SeqConfig().run, RunConfig)

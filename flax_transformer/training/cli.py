@@ -12,12 +12,12 @@ run raises for bad input, files or resources (``run_main``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from .loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
+from .run_config import field_names, from_dict, replace
 from .rundir import read_run_config
 
 
@@ -117,15 +117,14 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
         except (RunError, OSError) as error:
             raise usage_error(f"--resume: {error}") from None
         saved.pop("task", None)
-        fields = {f.name for f in dataclasses.fields(config_cls)}
         try:
-            config = config_cls(**{k: v for k, v in saved.items() if k in fields})
+            config = from_dict(config_cls, saved)
         except (TypeError, ValueError) as error:
             raise usage_error(f"--resume: {args.out / 'run.json'}: {error}") from None
     else:
         config = presets[args.preset or "small"]()
     changes = {}
-    fields = {f.name for f in dataclasses.fields(config_cls)}
+    fields = field_names(config_cls)
     for name, value in vars(args).items():
         if name in _RUN_FLAGS or value is None:
             continue
@@ -133,12 +132,12 @@ def make_config(args, config_cls, presets, task: str, *, renames: dict | None = 
         if field not in fields:
             raise usage_error(f"--{name.replace('_', '-')} does not apply to {task}")
         changes[field] = value
-    if "epochs" in changes and "steps" not in changes and hasattr(config, "steps"):
+    if "epochs" in changes and "steps" not in changes and "epochs" in fields:
         changes["steps"] = None  # --epochs alone decides the length (a preset's steps would win otherwise)
     if args.out is None:
         args.out = Path("runs") / f"{task}-{args.preset or 'small'}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        return dataclasses.replace(config, **changes)
+        return replace(config, **changes)
     except (TypeError, ValueError) as error:
         raise usage_error(str(error)) from None
 

@@ -35,9 +35,12 @@ BOUNDS = {
     "train_limit": (1, BIG, False), "test_limit": (1, BIG, False), "val_size": (1, BIG, False),
     "sample_tokens": (1, 1 << 20, False), "temperature": (0, 1e6, False), "top_k": (1, 1 << 22, False),
     "val_fraction": (0, 1, True),
+    # the optimizer's (config.optim)
+    "b1": (0, 1, False), "b2": (0, 1, False), "eps": (0, 1, True), "end_lr_ratio": (0, 1, False),
+    "total_steps": (1, BIG, False),
 }
 # at most, not included (dropout 1 would drop everything)
-_BELOW = {"dropout": 1.0, "val_fraction": 1.0}
+_BELOW = {"dropout": 1.0, "val_fraction": 1.0, "b1": 1.0, "b2": 1.0}
 
 
 def flag(name: str) -> str:
@@ -76,11 +79,14 @@ def _number(x) -> str:
 
 
 def check_config(config) -> None:
-    """``ValueError`` naming the flag of the first field of ``config`` (a task dataclass) of the wrong
-    type or outside ``BOUNDS``."""
+    """``ValueError`` naming the flag of the first field of ``config`` (a task dataclass, with its
+    nested ``run`` and ``optim`` configs) of the wrong type or outside ``BOUNDS``."""
     hints = {f.name: f.type for f in dataclasses.fields(config)}
     for name, annotation in hints.items():
         value = getattr(config, name)
+        if dataclasses.is_dataclass(value):
+            check_config(value)
+            continue
         _check_type(name, value, annotation if isinstance(annotation, str)
                     else getattr(annotation, "__name__", None) or str(annotation))
         if name not in BOUNDS or value is None or isinstance(value, bool):

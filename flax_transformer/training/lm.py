@@ -36,7 +36,8 @@ from .loop import (
     open_run,
     prepare_run_dir,
 )
-from .optim import OptimConfig, check_precision, compute_dtype, from_task
+from .optim import OptimConfig, compute_dtype, from_task
+from .run_config import RunConfig, replace
 from .rundir import config_of_run, read_tokenizer
 from .step import cross_entropy
 
@@ -55,30 +56,19 @@ class LMConfig:
     heads: int = 4
     context: int = 128
     dropout: float = 0.1
-    batch_size: int = 32
-    steps: int = 2000
-    optimizer: str = "adamw"
-    lr: float = 2e-3
-    warmup_steps: int = 100
-    decay: str = "cosine"
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
     val_fraction: float = 0.1
     eval_batches: int = 20  # validation windows read per evaluation: eval_batches * batch_size
-    eval_every: int | None = 500
-    checkpoint_every: int | None = None
-    keep: int = 3
     prompt: str = "ROMEO:"
     sample_tokens: int = 200
     temperature: float = 0.8
     top_k: int | None = None
-    seed: int = 0
-    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
-    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
+    run: RunConfig = RunConfig(batch_size=32, steps=2000, eval_every=500)
+    optim: OptimConfig = OptimConfig(optimizer="adamw", lr=2e-3, warmup_steps=100, decay="cosine", weight_decay=0.1)
 
     def __post_init__(self):
         check_config(self)  # types and bounds of every field
-        check_precision(self.dtype, self.attention)
+        if self.run.steps is None:
+            raise ValueError("--steps must be given")
         if self.model not in ("gpt", "former"):
             raise ValueError(f"model must be 'gpt' or 'former', got {self.model!r}")
         if self.level not in ("char", "word"):
@@ -91,24 +81,21 @@ class LMConfig:
     @classmethod
     def tiny(cls, **changes):
         """Seconds on 2 CPU cores, for tests."""
-        return dataclasses.replace(cls(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
+        return replace(cls(), **(dict(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
                                        batch_size=16, steps=80, lr=3e-3, warmup_steps=10, eval_batches=4,
-                                       eval_every=40, checkpoint_every=40, sample_tokens=60), **changes)
+                                       eval_every=40, checkpoint_every=40, sample_tokens=60) | changes))
 
     @classmethod
     def small(cls, **changes):
         """The 2-core CPU benchmark: character-level Tiny Shakespeare, 4 layers of width 128."""
-        return dataclasses.replace(cls(), **changes)
+        return replace(cls(), **changes)
 
     @classmethod
     def base(cls, **changes):
         """nanoGPT's Shakespeare-char size (6 layers of 384, context 256), for a GPU."""
-        return dataclasses.replace(cls(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256, dropout=0.2,
+        return replace(cls(), **(dict(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256, dropout=0.2,
                                        batch_size=64, steps=5000, lr=1e-3, warmup_steps=200, eval_batches=50,
-                                       sample_tokens=500), **changes)
-
-    def optim(self) -> OptimConfig:
-        return from_task(self, self.steps)
+                                       sample_tokens=500) | changes))
 
 
 PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}
@@ -147,14 +134,14 @@ def build_model(config: LMConfig, vocab_size: int):
     from ..former import GTransformer
     from ..gpt import GPTTransformer
 
-    kw = dict(rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1), dtype=compute_dtype(config.dtype))
+    kw = dict(rngs=nnx.Rngs(params=config.run.seed, dropout=config.run.seed + 1), dtype=compute_dtype(config.run.dtype))
     if config.model == "gpt":
         model = GPTTransformer(config.n_layers, config.d_embed, config.d_ff, config.heads, vocab_size, config.context,
                                config.dropout, **kw)
     else:
         model = GTransformer(config.d_embed, config.heads, config.n_layers, config.context, vocab_size,
                              dropout=config.dropout, **kw)
-    set_attention(model, config.attention)
+    set_attention(model, config.run.attention)
     return model
 
 
@@ -198,7 +185,7 @@ def continue_text(config: LMConfig, model, tokenizer, prompt: str, *, max_new_to
         raise RunError(f"the prompt has {len(ids)} tokens: at most {room} new ones fit in the context ({config.context})")
     tokens = generate(model, ids[None], new, temperature=config.temperature if temperature is None else temperature,
                       top_k=config.top_k if top_k is None else top_k, top_p=top_p, greedy=greedy,
-                      seed=config.seed if seed is None else seed)
+                      seed=config.run.seed if seed is None else seed)
     return decode(config, tokenizer, np.concatenate([ids, np.asarray(tokens)[0]]))
 
 
@@ -208,8 +195,8 @@ def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Wi
         if tokens < config.context + 1:
             raise RunError(f"{source}: its {part} part has {tokens:,} tokens, less than one window of --context "
                            f"{config.context} (+1): use a longer text or a smaller --context")
-    return (Windows(stream[:cut], batch_size=config.batch_size, length=config.context, seed=config.seed),
-            Windows(stream[cut:], batch_size=config.batch_size, length=config.context, seed=config.seed))
+    return (Windows(stream[:cut], batch_size=config.run.batch_size, length=config.context, seed=config.run.seed),
+            Windows(stream[cut:], batch_size=config.run.batch_size, length=config.context, seed=config.run.seed))
 
 
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
@@ -224,7 +211,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    check_batch_size(config.batch_size, mesh)
+    check_batch_size(config.run.batch_size, mesh)
     text = read_corpus(config, data_dir)
     tok_path = run_dir / "tokenizer.json"
     saved_tokenizer = resume and tok_path.is_file()
@@ -235,20 +222,20 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     train, val = _windows(config, stream, cut, config.text or "the text")
     prompt_ids(config, tokenizer)
     vocab = tokenizer.get_vocab_size()
-    check_memory(step_bytes(batch=config.batch_size, length=config.context, width=max(config.d_embed, config.d_ff // 4),
-                            heads=config.heads, layers=config.n_layers, vocab=vocab, attention=config.attention,
+    check_memory(step_bytes(batch=config.run.batch_size, length=config.context, width=max(config.d_embed, config.d_ff // 4),
+                            heads=config.heads, layers=config.n_layers, vocab=vocab, attention=config.run.attention,
                             devices=mesh.size if mesh is not None else 1), "--context or --batch-size")
     model = build_model(config, vocab)
     with open_run(run_dir, run_config, resume=resume):
         if not saved_tokenizer and is_main_process():
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
         print(f"lm: {config.model} at {config.level} level: {len(stream):,} tokens ({cut:,} train), vocabulary "
-              f"{vocab}, {config.steps} steps of {config.batch_size} x {config.context} tokens "
-              f"({config.steps * config.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
+              f"{vocab}, {config.run.steps} steps of {config.run.batch_size} x {config.context} tokens "
+              f"({config.run.steps * config.run.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
         evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
-        result = fit(model, config.optim(), loss_fn, train, run_dir=run_dir, steps=config.steps,
-                     run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
-                     checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+        result = fit(model, from_task(config, config.run.steps), loss_fn, train, run_dir=run_dir, steps=config.run.steps,
+                     run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
+                     checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
                      mesh=mesh, description=f"lm-{config.model}-{config.level}")
         metrics = {"step": result.step, "interrupted": result.interrupted,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
@@ -267,7 +254,7 @@ def load_run(run_dir, *, step: int | None = None):
     run_dir = Path(run_dir)
     config = config_of_run(run_dir, "lm", LMConfig)
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
-    checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
+    checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)
     try:
         model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
     finally:

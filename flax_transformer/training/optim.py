@@ -19,6 +19,7 @@ How the two map (the optimizer-parity test checks it step by step):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -37,6 +38,8 @@ class OptimConfig:
         warmup_steps: linear warmup from 0 (the notebooks' LambdaLR); 0 = none.
         decay: after warmup, "constant", "cosine" or "linear" down to ``end_lr_ratio * lr``
             at ``total_steps`` (required for cosine and linear).
+        total_steps: the run's length, where the decay ends. None inside a task config: the
+            run fills it in (``from_task``).
         weight_decay: AdamW's decoupled decay (only on ``decay_mask``'s leaves).
         clip_norm: clip the global gradient norm to this; None = no clipping.
     """
@@ -58,7 +61,7 @@ class OptimConfig:
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
         if self.decay not in ("constant", "cosine", "linear"):
             raise ValueError(f"decay must be 'constant', 'cosine' or 'linear', got {self.decay!r}")
-        if self.decay != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+        if self.decay != "constant" and self.total_steps is not None and self.total_steps <= self.warmup_steps:
             raise ValueError(f"decay={self.decay!r} needs total_steps > warmup_steps, got {self.total_steps!r}")
         if self.lr <= 0 or self.warmup_steps < 0:
             raise ValueError(f"lr must be > 0 and warmup_steps >= 0, got {self.lr!r}, {self.warmup_steps!r}")
@@ -67,11 +70,10 @@ class OptimConfig:
 
 
 def from_task(config, total_steps: int) -> OptimConfig:
-    """The ``OptimConfig`` of a task config (its optimizer, lr, warmup_steps, decay, weight_decay and
-    clip_norm fields) for a run of ``total_steps``; warmup is cut to fit a very short run."""
-    return OptimConfig(optimizer=config.optimizer, lr=config.lr, warmup_steps=min(config.warmup_steps, total_steps - 1),
-                       decay=config.decay, total_steps=total_steps, weight_decay=config.weight_decay,
-                       clip_norm=config.clip_norm)
+    """The ``OptimConfig`` a task config's run uses (``config.optim``) for a run of ``total_steps``:
+    the decay ends there, and warmup is cut to fit a very short run."""
+    optim = config.optim
+    return dataclasses.replace(optim, total_steps=total_steps, warmup_steps=min(optim.warmup_steps, total_steps - 1))
 
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -103,6 +105,8 @@ def schedule(config: OptimConfig) -> optax.Schedule:
     if config.decay == "constant":
         pieces.append(optax.constant_schedule(config.lr))
     else:
+        if config.total_steps is None:
+            raise ValueError(f"decay={config.decay!r} needs total_steps (the run's length), got None")
         steps = config.total_steps - config.warmup_steps
         end = config.lr * config.end_lr_ratio
         pieces.append(optax.cosine_decay_schedule(config.lr, steps, alpha=config.end_lr_ratio)
@@ -124,12 +128,16 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in _DECAYED, params)
 
 
-def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
-    """``chain(clip_by_global_norm, adam | adamw(schedule, mask=decay_mask))``."""
+def make_optimizer(config: OptimConfig, mask=None) -> optax.GradientTransformation:
+    """``chain(clip_by_global_norm, adam | adamw(schedule, mask=decay_mask))``.
+
+    ``mask`` (a function of the parameters, as ``decay_mask``) replaces ``decay_mask``: a run
+    continued from a torch optimizer whose groups decay other parameters
+    (``torch_state.import_torch_state``)."""
     lr = schedule(config)
     if config.optimizer == "adam":
         core = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)
     else:
         core = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                           mask=decay_mask)
+                           mask=decay_mask if mask is None else mask)
     return optax.chain(optax.clip_by_global_norm(config.clip_norm), core) if config.clip_norm else core

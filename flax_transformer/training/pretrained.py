@@ -76,8 +76,8 @@ def build_pretrained(config: ClassifyConfig, folder: Path):
     from .. import hf, set_attention
 
     model = hf.classifier_from_pretrained(folder, num_labels=config.num_classes, pooling=config.pooling,
-                                          dtype=compute_dtype(config.dtype), seed=config.seed)
-    set_attention(model, config.attention)
+                                          dtype=compute_dtype(config.run.dtype), seed=config.run.seed)
+    set_attention(model, config.run.attention)
     return model
 
 

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from .. import files
+from .run_config import from_dict, nest
 
 LOCK_NAME = ".lock"
 BROKEN = "broken-checkpoints"
@@ -133,7 +134,8 @@ def check_out(run_dir) -> Path:
 
 
 def read_run_config(run_dir) -> dict:
-    """``run_dir/run.json`` as a dict; ``RunError`` when it is missing or unreadable."""
+    """``run_dir/run.json`` as a dict, its config nested (``run``, ``optim``) even when the file was
+    written flat, before the nesting (``run_config.nest``); ``RunError`` when it is missing or unreadable."""
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise RunError(f"{run_dir} holds no run (no run.json)")
@@ -143,7 +145,7 @@ def read_run_config(run_dir) -> dict:
         raise RunError(f"{path} is unreadable ({error})") from None
     if not isinstance(saved, dict):
         raise RunError(f"{path} is not a run configuration (a JSON object)")
-    return saved
+    return nest(saved)
 
 
 def config_of_run(run_dir, task: str, config_cls):
@@ -153,7 +155,7 @@ def config_of_run(run_dir, task: str, config_cls):
     if saved.pop("task", None) != task:
         raise RunError(f"{run_dir} holds a run of another task, not {task}")
     try:
-        return config_cls(**saved)
+        return from_dict(config_cls, saved)
     except (TypeError, ValueError) as error:
         raise RunError(f"{Path(run_dir) / 'run.json'}: {error}") from None
 

@@ -42,7 +42,7 @@ def load_run(run_dir, *, step: int | None = None) -> Run:
         from . import seq2seq
 
         config = config_of_run(run_dir, "seq2seq", seq2seq.Seq2SeqConfig)
-        checkpoints = Checkpoints(run_dir, keep=config.keep, read_only=True)
+        checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)
         try:
             model, _ = checkpoints.restore_model(seq2seq.build_model(config), step)
         finally:

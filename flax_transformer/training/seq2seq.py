@@ -21,7 +21,8 @@ from flax import nnx
 from .. import checkpoints as ckpt
 from .limits import check_config, check_memory, step_bytes
 from .loop import batch_evaluator, check_batch_size, check_output, fit, is_main_process, open_run, prepare_run_dir
-from .optim import OptimConfig, check_precision, compute_dtype, from_task
+from .optim import OptimConfig, compute_dtype, from_task
+from .run_config import RunConfig, replace
 from .step import cross_entropy
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
@@ -39,25 +40,14 @@ class Seq2SeqConfig:
     n_blocks: int = 2
     d_ff: int = 512
     dropout: float = 0.0
-    batch_size: int = 64
-    steps: int = 3000
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    decay: str = "cosine"
-    weight_decay: float = 0.01
-    clip_norm: float | None = 1.0
     eval_size: int = 1000
-    eval_every: int | None = 500
-    checkpoint_every: int | None = None
-    keep: int = 3
-    seed: int = 0
-    dtype: str = "float32"  # compute dtype: "float32" or "bf16" (parameters stay float32)
-    attention: str = "reference"  # "reference", "xla" or "cudnn" (see flax_transformer.set_attention)
+    run: RunConfig = RunConfig(batch_size=64, steps=3000, eval_every=500)
+    optim: OptimConfig = OptimConfig(optimizer="adamw", lr=1e-3, warmup_steps=100, decay="cosine", weight_decay=0.01)
 
     def __post_init__(self):
         check_config(self)  # types and bounds of every field
-        check_precision(self.dtype, self.attention)
+        if self.run.steps is None:
+            raise ValueError("--steps must be given")
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         if self.d_model % self.heads:
@@ -66,21 +56,18 @@ class Seq2SeqConfig:
     @classmethod
     def tiny(cls, **changes):
         """Seconds on 2 CPU cores, for tests."""
-        return dataclasses.replace(cls(max_digits=5, d_model=32, heads=2, n_blocks=1, d_ff=64, batch_size=32,
+        return replace(cls(), **(dict(max_digits=5, d_model=32, heads=2, n_blocks=1, d_ff=64, batch_size=32,
                                        steps=80, lr=3e-3, warmup_steps=10, eval_size=128, eval_every=40,
-                                       checkpoint_every=40), **changes)
+                                       checkpoint_every=40) | changes))
 
     @classmethod
     def small(cls, **changes):
-        return dataclasses.replace(cls(), **changes)
+        return replace(cls(), **changes)
 
     @classmethod
     def base(cls, **changes):
-        return dataclasses.replace(cls(max_digits=32, d_model=256, heads=8, n_blocks=4, d_ff=1024, batch_size=128,
-                                       steps=5000), **changes)
-
-    def optim(self) -> OptimConfig:
-        return from_task(self, self.steps)
+        return replace(cls(), **(dict(max_digits=32, d_model=256, heads=8, n_blocks=4, d_ff=1024, batch_size=128,
+                                       steps=5000) | changes))
 
 
 PRESETS = {"tiny": Seq2SeqConfig.tiny, "small": Seq2SeqConfig.small, "base": Seq2SeqConfig.base}
@@ -110,13 +97,13 @@ class Examples:
         self.config = config
 
     def batch(self, step: int):
-        return make_batch(self.config, np.random.default_rng([self.config.seed, step]), self.config.batch_size)
+        return make_batch(self.config, np.random.default_rng([self.config.run.seed, step]), self.config.run.batch_size)
 
     def count_tokens(self, batch) -> int:
         return int(batch["src_mask"].sum() + (batch["tgt_in"] != PAD).sum())
 
     def position(self, step: int) -> dict:
-        return {"step": step, "examples_seen": step * self.config.batch_size}
+        return {"step": step, "examples_seen": step * self.config.run.batch_size}
 
 
 def build_model(config: Seq2SeqConfig):
@@ -124,9 +111,9 @@ def build_model(config: Seq2SeqConfig):
     from ..classic import Transformer
 
     model = Transformer(VOCAB, VOCAB, config.d_model, config.heads, config.n_blocks, config.d_ff, config.dropout,
-                        max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
-                        dtype=compute_dtype(config.dtype))
-    set_attention(model, config.attention)
+                        max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.run.seed, dropout=config.run.seed + 1),
+                        dtype=compute_dtype(config.run.dtype))
+    set_attention(model, config.run.attention)
     return model
 
 
@@ -167,24 +154,24 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    check_batch_size(config.batch_size, mesh)
-    check_memory(step_bytes(batch=config.batch_size, length=config.max_digits + 2,
+    check_batch_size(config.run.batch_size, mesh)
+    check_memory(step_bytes(batch=config.run.batch_size, length=config.max_digits + 2,
                             width=max(config.d_model, config.d_ff // 4), heads=config.heads,
                             layers=2 * config.n_blocks, attention_layers=3 * config.n_blocks, vocab=VOCAB,
-                            attention=config.attention, devices=mesh.size if mesh is not None else 1),
+                            attention=config.run.attention, devices=mesh.size if mesh is not None else 1),
                  "--max-digits or --batch-size")
-    held_out = make_batch(config, np.random.default_rng([config.seed, 10**9]), config.eval_size)
+    held_out = make_batch(config, np.random.default_rng([config.run.seed, 10**9]), config.eval_size)
     model = build_model(config)
     with open_run(run_dir, run_config, resume=resume):  # no data to load: the task generates its own
-        print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.steps} steps of "
-              f"{config.batch_size}", file=sys.stderr)
+        print(f"seq2seq: reverse {config.min_digits}..{config.max_digits} digits, {config.run.steps} steps of "
+              f"{config.run.batch_size}", file=sys.stderr)
         # held-out loss/token accuracy during training, exact match (a decode) at the end
-        eval_batches = [{k: v[i:i + config.batch_size] for k, v in held_out.items()}
-                        for i in range(0, config.eval_size, config.batch_size)]
+        eval_batches = [{k: v[i:i + config.run.batch_size] for k, v in held_out.items()}
+                        for i in range(0, config.eval_size, config.run.batch_size)]
         evaluate = batch_evaluator(loss_fn, lambda: eval_batches)
-        result = fit(model, config.optim(), loss_fn, Examples(config), run_dir=run_dir, steps=config.steps,
-                     run_config=run_config, evaluate=evaluate, eval_every=config.eval_every,
-                     checkpoint_every=config.checkpoint_every, keep=config.keep, resume=resume, progress=progress,
+        result = fit(model, from_task(config, config.run.steps), loss_fn, Examples(config), run_dir=run_dir, steps=config.run.steps,
+                     run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
+                     checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
                      mesh=mesh, description="seq2seq-reverse")
         metrics = {"step": result.step, "interrupted": result.interrupted,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}

@@ -179,6 +179,96 @@ def _restore(checkpoints, run_dir, model_state, opt_state) -> tuple[int, dict]:
     return start, meta
 
 
+@dataclass
+class _State:
+    """What the loop carries: the graph definitions (static), the states (arrays), where they live."""
+
+    train_def: object
+    opt_def: object
+    model: nnx.State
+    optimizer: nnx.State
+    shardings: tuple | None
+    start: int
+    meta: dict
+
+    def pure(self) -> dict:
+        return {"model": nnx.to_pure_dict(self.model), "optimizer": nnx.to_pure_dict(self.optimizer)}
+
+    def current_model(self):
+        """The model as it is now, in eval mode."""
+        model = nnx.merge(self.train_def, self.model)
+        model.eval()
+        return model
+
+
+def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh) -> _State:
+    """Split model and optimizer, place them on the mesh, restore the latest checkpoint if resuming,
+    and check that ``keep`` checkpoints fit on the disk."""
+    model.train()
+    train_def, model_state = nnx.split(model)
+    opt_def, opt_state = nnx.split(nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param))
+    shardings = None
+    if mesh is not None:
+        model_state, opt_state, shardings = place_state(model_state, opt_state, mesh)
+    start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (0, {})
+    state = _State(train_def, opt_def, model_state, opt_state, shardings, start, meta)
+    if is_main_process():
+        check_disk_space(run_dir, sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state.pure())), keep)
+    return state
+
+
+def _check_finite(loss: float, step: int, checkpoints, run_dir) -> None:
+    if not math.isfinite(loss):
+        good = checkpoints.latest()
+        raise NonFiniteLoss(f"the loss is {loss} at step {step + 1}: stopping. Nothing after the last good "
+                            f"checkpoint was saved ({run_dir}/checkpoints/{good})" if good is not None
+                            else f"the loss is {loss} at step {step + 1}: stopping before any checkpoint (lower --lr?)")
+
+
+class _TrainLog:
+    """The run's logs: train metrics averaged over ``log_every`` steps (with the learning rate and
+    real tokens/s over the same steps, not tqdm's smoothed rate), evaluations, the progress bar.
+
+    The steps not logged yet (``window``) are saved with each checkpoint, so that after a resume
+    the next log line averages the same steps as in an uninterrupted run. With several processes,
+    process 0 alone writes."""
+
+    def __init__(self, run_dir, batches, lr_at, state: _State, steps: int, *, log_every: int, progress: bool,
+                 tensorboard: bool, description: str):
+        self.main = is_main_process()
+        self.batches, self.lr_at, self.steps, self.log_every = batches, lr_at, steps, log_every
+        self.window, self.tokens, self.since = state.meta.get("log_window", []), 0, time.perf_counter()
+        self.log = (MetricsLog(run_dir, state.start, tensorboard=tensorboard, lines=state.meta.get("log_lines"))
+                    if self.main else _NoLog())
+        self.bar = tqdm(total=steps, initial=state.start, desc=description, unit="step",
+                        disable=not (progress and self.main), dynamic_ncols=True, mininterval=0.5)
+
+    def train(self, step: int, metrics: dict, batch) -> None:
+        """Record the train step that brought the run to ``step``."""
+        self.window.append({k: float(v) for k, v in metrics.items()})
+        self.tokens += _tokens(self.batches, batch)
+        self.bar.update(1)
+        if step % self.log_every and step != self.steps:
+            return
+        seconds = time.perf_counter() - self.since
+        mean = {k: float(np.mean([m[k] for m in self.window])) for k in self.window[0] if k != "count"}
+        mean |= {"lr": float(self.lr_at(step - 1)), "tokens_per_s": self.tokens / max(seconds, 1e-9)}
+        self.log.write(step, "train", mean)
+        self.bar.set_postfix(loss=f"{mean['loss']:.4f}", tok_s=f"{mean['tokens_per_s']:,.0f}")
+        self.window, self.tokens, self.since = [], 0, time.perf_counter()
+
+    def evaluation(self, step: int, metrics: dict, *, show: bool = True) -> None:
+        self.log.write(step, "eval", metrics)
+        if show and self.main:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"),
+                           file=sys.stderr)
+
+    def close(self) -> None:
+        for thing in (self.bar, self.log):
+            if thing is not None:
+                thing.close()
+
+
 @_holding_the_run_dir
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
@@ -216,31 +306,12 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                        f"devices (--mesh data={jax.device_count()})")
     run_dir = Path(run_dir)
     checkpoint_every = checkpoint_every or max(1, steps // 5)
-    optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param)
-    lr_at = schedule(optim)
     checkpoints = Checkpoints(run_dir, keep=keep)
-    model.train()
-    train_def, model_state = nnx.split(model)
-    opt_def, opt_state = nnx.split(optimizer)
-    shardings = None
-    if mesh is not None:
-        model_state, opt_state, shardings = place_state(model_state, opt_state, mesh)
     try:
-        start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (0, {})
-        if is_main_process():
-            state_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(
-                (nnx.to_pure_dict(model_state), nnx.to_pure_dict(opt_state))))
-            check_disk_space(run_dir, state_bytes, keep)
+        state = _start(model, optim, checkpoints, run_dir, keep=keep, resume=resume, mesh=mesh)
     except BaseException:
         checkpoints.close()
         raise
-    window = meta.get("log_window", [])  # so the next log line averages the same steps
-
-    def current_model():
-        m = nnx.merge(train_def, model_state)
-        m.eval()
-        return m
-
     try:
         description_of_model = describe(model)
     except TypeError:  # not a library model (a training-only module such as classify.Probe)
@@ -249,50 +320,27 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     def save(step, last_metrics):
         meta = {"step": step, "data_position": batches.position(step), "run_config": run_config,
                 "model": description_of_model, "metrics": last_metrics,
-                "log_window": window,  # the steps not logged yet
-                "log_lines": log.count}  # the records metrics.jsonl holds now (a resume cuts it back to them)
-        checkpoints.save(step, {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)},
-                         meta)
+                "log_window": logs.window,  # the steps not logged yet
+                "log_lines": logs.log.count}  # the records metrics.jsonl holds now (a resume cuts it back to them)
+        checkpoints.save(step, state.pure(), meta)
 
-    train_step = compiled_train_step(loss_fn, train_def, opt_def, shardings)
-    main = is_main_process()  # with several processes, process 0 alone writes the logs and the progress bar
-    log = bar = None
-    window_tokens, window_start = 0, time.perf_counter()
-    last_eval, interrupted, step = {}, False, start
+    train_step = compiled_train_step(loss_fn, state.train_def, state.opt_def, state.shardings)
+    logs, last_eval, interrupted, step = None, {}, False, state.start
     try:
-        log = MetricsLog(run_dir, start, tensorboard=tensorboard, lines=meta.get("log_lines")) if main else _NoLog()
-        bar = tqdm(total=steps, initial=start, desc=description, unit="step", disable=not (progress and main),
-                   dynamic_ncols=True, mininterval=0.5)
+        logs = _TrainLog(run_dir, batches, schedule(optim), state, steps, log_every=log_every, progress=progress,
+                         tensorboard=tensorboard, description=description)
         with _StopRequest() as stop:
             while step < steps:
                 batch = batches.batch(step)
-                model_state, opt_state, metrics = train_step(
-                    model_state, opt_state, batch if mesh is None else put_batch(batch, mesh))
+                state.model, state.optimizer, metrics = train_step(
+                    state.model, state.optimizer, batch if mesh is None else put_batch(batch, mesh))
                 metrics = jax.device_get(metrics)
-                loss = float(metrics["loss"])
-                if not math.isfinite(loss):
-                    good = checkpoints.latest()
-                    raise NonFiniteLoss(f"the loss is {loss} at step {step + 1}: stopping. Nothing after the last "
-                                        f"good checkpoint was saved ({run_dir}/checkpoints/{good})" if good is not None
-                                        else f"the loss is {loss} at step {step + 1}: stopping before any "
-                                        "checkpoint (lower --lr?)")
+                _check_finite(float(metrics["loss"]), step, checkpoints, run_dir)
                 step += 1
-                window.append({k: float(v) for k, v in metrics.items()})
-                window_tokens += _tokens(batches, batch)
-                bar.update(1)
-                if step % log_every == 0 or step == steps:
-                    seconds = time.perf_counter() - window_start
-                    mean = {k: float(np.mean([m[k] for m in window])) for k in window[0] if k != "count"}
-                    mean |= {"lr": float(lr_at(step - 1)), "tokens_per_s": window_tokens / max(seconds, 1e-9)}
-                    log.write(step, "train", mean)
-                    bar.set_postfix(loss=f"{mean['loss']:.4f}", tok_s=f"{mean['tokens_per_s']:,.0f}")
-                    window, window_tokens, window_start = [], 0, time.perf_counter()
+                logs.train(step, metrics, batch)
                 if evaluate is not None and eval_every and step % eval_every == 0 and step != steps:
-                    last_eval = evaluate(current_model())
-                    log.write(step, "eval", last_eval)
-                    if main:
-                        bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()
-                                                               if k != "count"), file=sys.stderr)
+                    last_eval = evaluate(state.current_model())
+                    logs.evaluation(step, last_eval)
                 if stop.requested:
                     interrupted = True
                     break
@@ -300,17 +348,16 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                     save(step, last_eval)
             if interrupted:
                 save(step, last_eval)
-                bar.write(f"Saved a checkpoint at step {step} in {run_dir}; continue with --resume", file=sys.stderr)
+                logs.bar.write(f"Saved a checkpoint at step {step} in {run_dir}; continue with --resume",
+                               file=sys.stderr)
             elif evaluate is not None:
-                last_eval = evaluate(current_model())
-                log.write(step, "eval", last_eval)
+                last_eval = evaluate(state.current_model())
+                logs.evaluation(step, last_eval, show=False)
     finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
+        if logs is not None:
+            logs.close()
         checkpoints.close()
     plot_curves(run_dir, title=description)
     if jax.process_count() > 1:  # the final model whole in every process, so that each can decode or export it
-        model_state = jax.jit(lambda state: state, out_shardings=shardings[2])(model_state)
-    return FitResult(current_model(), step, interrupted, last_eval)
+        state.model = jax.jit(lambda s: s, out_shardings=state.shardings[2])(state.model)
+    return FitResult(state.current_model(), step, interrupted, last_eval)

@@ -57,16 +57,15 @@ class OptimConfig:
     clip_norm: float | None = 1.0
 
     def __post_init__(self):
+        from .limits import check_config  # types and bounds (lr > 0, 0 <= b1 < 1, ...); imported late: no cycle
+
+        check_config(self)
         if self.optimizer not in ("adam", "adamw"):
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
         if self.decay not in ("constant", "cosine", "linear"):
             raise ValueError(f"decay must be 'constant', 'cosine' or 'linear', got {self.decay!r}")
         if self.decay != "constant" and self.total_steps is not None and self.total_steps <= self.warmup_steps:
             raise ValueError(f"decay={self.decay!r} needs total_steps > warmup_steps, got {self.total_steps!r}")
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(f"lr must be > 0 and warmup_steps >= 0, got {self.lr!r}, {self.warmup_steps!r}")
-        if self.clip_norm is not None and self.clip_norm <= 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
 
 
 def from_task(config, total_steps: int) -> OptimConfig:

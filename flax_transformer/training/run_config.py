@@ -45,6 +45,9 @@ class RunConfig:
     attention: str = "reference"
 
     def __post_init__(self):
+        from .limits import check_config  # imported late: limits -> rundir -> this module
+
+        check_config(self)
         check_precision(self.dtype, self.attention)
 
 

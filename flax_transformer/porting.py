@@ -1,13 +1,16 @@
-"""Weight porting between torch_reference and flax_transformer, in both directions.
+"""Weight porting between torch and Flax NNX models, in both directions.
 
-Both packages use the same parameter paths up to the leaf: torch's
+Both sides use the same parameter paths up to the leaf: torch's
 ``tblocks.0.mhattention.tokeys.weight`` is Flax's ``tblocks.0.mhattention.tokeys.kernel``.
-So each family declares one table, ``module path -> kind of layer``, and each kind of
-layer declares how its leaves map and change layout (``LEAF_RULES``). Nothing else in
-this module knows about particular architectures.
+A torch key is placed by the Flax module at its path: the module's kind of layer says
+which Flax leaf takes it and how its layout changes (``LEAF_RULES``). The kind comes
+from the family's table where the model is one of the four families (``KEY_MAPS``,
+module path -> kind), and otherwise from the module's own type
+(``layer_kinds.LAYER_KINDS``), so a user's own NNX model ports with no table entry.
+``rename=`` maps torch names that differ from the Flax model's.
 
-Loading is all or nothing: every missing, unexpected or mis-shaped key is collected
-and reported in one ``StateDictError`` before a single parameter is written.
+Loading is all or nothing: every missing, unexpected, mis-shaped or doubly placed key
+is collected and reported in one ``StateDictError`` before a single parameter is written.
 
 torch is imported lazily, inside the functions that need it, so that a JAX-only user
 can import ``flax_transformer`` without it.
@@ -15,6 +18,7 @@ can import ``flax_transformer`` without it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Mapping
@@ -26,21 +30,27 @@ import numpy as np
 from flax import nnx
 
 from ._shared import StateDictError, check_state_dict_mapping
+from .layer_kinds import (
+    AS_IS,
+    CONV,
+    LEAF_RULES,
+    TRANSPOSE,
+    Plan,
+    Slot,
+    apply_rename,
+    check_rename,
+    join,
+    plan_keys,
+    to_flax,
+    to_torch,
+    torch_shape,
+    why_not_placed,
+)
+
+__all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
+           "flax_class", "flax_to_torch", "load_state_dict", "state_dict", "torch_class", "torch_to_flax"]
 
 # --------------------------------------------------------------------- the tables
-
-AS_IS, TRANSPOSE = "as_is", "transpose"
-
-# kind of layer -> {torch leaf: (flax leaf, layout rule)}
-LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
-    "linear": {"weight": ("kernel", TRANSPOSE), "bias": ("bias", AS_IS)},  # torch (out, in), Flax (in, out)
-    "layer_norm": {"weight": ("scale", AS_IS), "bias": ("bias", AS_IS)},
-    "embedding": {"weight": ("embedding", AS_IS)},
-    # notebook 002 writes its own layers: matrix (d_in, d_out), gamma/beta, a bare table
-    "matrix_linear": {"matrix": ("matrix", AS_IS), "bias": ("bias", AS_IS)},
-    "gamma_beta_norm": {"gamma": ("gamma", AS_IS), "beta": ("beta", AS_IS)},
-    "table": {"embeddings": ("embeddings", AS_IS)},
-}
 
 # family -> {regex matching the end of a module path: kind(s) of layer}. A pattern
 # matches a whole path or a dotted suffix of it, so the same table serves a full
@@ -57,7 +67,7 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
     },
     "encoder": {
         r"token_embeddings|position_embeddings|token_type_embeddings": "embedding",
-        r"q|k|v|output_linear|linear_1|linear_2|classifier|pooler": "linear",
+        r"q|k|v|output_linear|linear_1|linear_2|pre_classifier|classifier|pooler": "linear",
         r"layer_norm|layer_norm_1|layer_norm_2": "layer_norm",
     },
     "gpt": {
@@ -83,17 +93,21 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
     },
 }
 
-_LAYOUT = {AS_IS: lambda a: a, TRANSPOSE: lambda a: a.T}
-
 
 class LoadResult(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
 
 
-def _family(module) -> str:
+def _family_or_none(module) -> str | None:
+    """The family of a flax_transformer or torch_reference module's class, or None for any other."""
     package, _, family = type(module).__module__.rpartition(".")
-    if package not in ("flax_transformer", "torch_reference") or family not in KEY_MAPS:
+    return family if package in ("flax_transformer", "torch_reference") and family in KEY_MAPS else None
+
+
+def _family(module) -> str:
+    family = _family_or_none(module)
+    if family is None:
         raise TypeError(
             f"{type(module).__name__} is not a flax_transformer or torch_reference model "
             f"(families: {', '.join(KEY_MAPS)})"
@@ -101,17 +115,18 @@ def _family(module) -> str:
     return family
 
 
-def _leaf_rules(family: str, module_path: str) -> dict[str, tuple[str, str]] | None:
-    """The leaf rules of the layer at ``module_path``, or None if the table has no entry."""
+def _table_kinds(family: str, module_path: str) -> tuple[str, ...] | None:
+    """The kinds of layer the family's table gives ``module_path``, or None if it has no entry."""
     for pattern, kinds in KEY_MAPS[family].items():
         if re.fullmatch(rf"(?:.+\.)?(?:{pattern})", module_path):
-            kinds = (kinds,) if isinstance(kinds, str) else kinds
-            return {leaf: rule for kind in kinds for leaf, rule in LEAF_RULES[kind].items()}
+            return (kinds,) if isinstance(kinds, str) else tuple(kinds)
     return None
 
 
-def _join(module_path: str, leaf: str) -> str:
-    return f"{module_path}.{leaf}" if module_path else leaf
+def _leaf_rules(family: str, module_path: str) -> dict[str, tuple[str, str]] | None:
+    """The leaf rules of the layer at ``module_path``, or None if the table has no entry."""
+    kinds = _table_kinds(family, module_path)
+    return None if kinds is None else {leaf: rule for kind in kinds for leaf, rule in LEAF_RULES[kind].items()}
 
 
 def torch_key_to_flax(family: str, key: str) -> tuple[str, str] | None:
@@ -121,7 +136,7 @@ def torch_key_to_flax(family: str, key: str) -> tuple[str, str] | None:
     if rules is None or leaf not in rules:
         return None
     flax_leaf, rule = rules[leaf]
-    return _join(module_path, flax_leaf), rule
+    return join(module_path, flax_leaf), rule
 
 
 def flax_path_to_torch(family: str, path: str) -> tuple[str, str] | None:
@@ -129,7 +144,7 @@ def flax_path_to_torch(family: str, path: str) -> tuple[str, str] | None:
     module_path, _, leaf = path.rpartition(".")
     for torch_leaf, (flax_leaf, rule) in (_leaf_rules(family, module_path) or {}).items():
         if flax_leaf == leaf:
-            return _join(module_path, torch_leaf), rule
+            return join(module_path, torch_leaf), rule
     return None
 
 
@@ -159,16 +174,56 @@ def _to_numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def state_dict(model) -> dict[str, np.ndarray]:
-    """The parameters of a flax_transformer model under torch names and layouts."""
-    family = _family(model)
-    out = {}
-    for path, param in _flax_params(model).items():
-        mapped = flax_path_to_torch(family, path)
-        if mapped is None:
-            raise StateDictError(unexpected=[f"{path} (no porting rule in the {family!r} table)"])
-        key, rule = mapped
-        out[key] = np.ascontiguousarray(_LAYOUT[rule](np.asarray(param[...])))
+# ------------------------------------------------------------------ placing keys
+
+
+RENAME_HINT = ("if the checkpoint names things differently, pass rename=[(regex, replacement), ...] "
+               "(re.sub on each key, in order)")
+
+
+def _refusal(missing=(), unexpected=(), mismatched=(), ambiguous=(), why=None) -> StateDictError:
+    """One StateDictError with every problem, the keys placed two ways (``.ambiguous``) and why keys were not placed."""
+    error = StateDictError(missing, unexpected, mismatched)
+    error.ambiguous = list(ambiguous)
+    lines = [str(error).rstrip()]
+    if ambiguous:
+        lines.append(f"keys placed two ways ({len(ambiguous)}): " + "; ".join(ambiguous))
+    if why:
+        lines.append("not placed: " + "; ".join(f"{key}: {reason}" for key, reason in why.items()))
+    if missing or unexpected:
+        lines.append(RENAME_HINT)
+    error.args = ("\n  ".join(lines),)
+    return error
+
+
+def _plan(model) -> Plan:
+    family = _family_or_none(model)
+    return plan_keys(model, None if family is None else functools.partial(_table_kinds, family))
+
+
+def state_dict(model, *, rename=None) -> dict[str, np.ndarray]:
+    """The parameters of an NNX model under torch names and layouts.
+
+    Names come from the family's table or else each layer's type, as in
+    ``load_state_dict``. ``rename`` pairs then apply to these names (our names -> the
+    checkpoint's: the reverse of the pairs that loading the same checkpoint takes).
+    """
+    pairs = check_rename(rename)
+    plan = _plan(model)
+    out, source, ambiguous = {}, {}, []
+    for path, param in plan.params.items():
+        slots = plan.slots[path]
+        if len(slots) > 1:
+            ambiguous.append(f"{path} could be " + " or ".join(f"{s.torch_key} ({s.kind})" for s in slots))
+            continue
+        key = apply_rename(slots[0].torch_key, pairs)
+        if key in source:
+            ambiguous.append(f"{source[key]} and {path} both become {key}")
+            continue
+        source[key] = path
+        out[key] = np.ascontiguousarray(to_torch(slots[0].rule, np.asarray(param[...])))
+    if ambiguous:
+        raise _refusal(ambiguous=ambiguous)
     return out
 
 
@@ -193,48 +248,82 @@ def _check_value(key: str, array: np.ndarray, target) -> None:
                          f"{jnp.dtype(target).name} (max {limit:.6g}); it would become inf; nothing was loaded")
 
 
-def load_state_dict(model, state: Mapping[str, Any], strict: bool = True) -> LoadResult:
-    """Load torch-named weights (torch tensors or numpy arrays) into a Flax model.
+def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename=None) -> LoadResult:
+    """Load torch-named weights (torch tensors or numpy arrays) into a Flax NNX model.
 
-    Every key is checked before anything is written. With ``strict=True`` missing and
-    unexpected keys raise; shape mismatches always raise. Values are cast to each
-    parameter's own dtype (``param_dtype``), so bf16 weights load into fp32 models and
-    the other way round.
+    Any NNX model whose parameter paths follow the torch module's loads: each key goes to
+    the Flax module at its path, by the family's table or else the module's type (see
+    the module docstring). Every key is checked before anything is written. With
+    ``strict=True`` missing and unexpected keys raise; shape mismatches and keys placed
+    two ways (two keys on one parameter, one key fitting two kinds of layer) always
+    raise. Values are cast to each parameter's own dtype (``param_dtype``), so bf16
+    weights load into fp32 models and the other way round.
+
+    Args:
+        rename: ``[(regex, replacement), ...]`` applied with ``re.sub``, in order, to
+            each key before it is placed, for checkpoints that name things differently.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)``, as torch's ``load_state_dict``.
     """
-    family = _family(model)
-    params = _flax_params(model)
+    pairs = check_rename(rename)
     check_state_dict_mapping(state)
-    updates, seen, unexpected, mismatched = {}, set(), [], []
-    for key, value in state.items():
-        mapped = torch_key_to_flax(family, key)
-        if mapped is None or mapped[0] not in params:
-            unexpected.append(key)
-            continue
-        path, rule = mapped
-        seen.add(path)
+    return _load(model, state, strict, pairs)
+
+
+def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozenset()) -> LoadResult:
+    """``load_state_dict``; keys in ``optional`` (torch buffers) are skipped where nothing takes them."""
+    plan = _plan(model)
+    params = plan.params
+    by_key: dict[str, list[tuple[str, Slot]]] = {}
+    for path, slots in plan.slots.items():
+        for slot in slots:
+            by_key.setdefault(slot.torch_key, []).append((path, slot))
+    placed, claims, shown, unexpected, why, ambiguous = {}, {}, {}, [], {}, []
+    contested: set[str] = set()
+    for original_key in state:
+        key = apply_rename(original_key, pairs)
+        shown[original_key] = original_key if key == original_key else f"{original_key} (renamed {key})"
+        targets = by_key.get(key, [])
+        if len(targets) > 1:
+            ambiguous.append(f"{shown[original_key]} fits " +
+                             " and ".join(f"{slot.kind} -> {path}" for path, slot in targets))
+            contested.update(path for path, _ in targets)  # placed twice, not missing
+        elif targets:
+            placed[original_key] = targets[0]
+            claims.setdefault(targets[0][0], []).append(original_key)
+        elif original_key not in optional:
+            unexpected.append(original_key)
+            why[shown[original_key]] = why_not_placed(plan, key)
+    for path, keys in claims.items():
+        if len(keys) > 1:
+            ambiguous.append(" and ".join(shown[k] for k in keys) + f" all land on {path}")
+    updates, mismatched = {}, []
+    for original_key, (path, slot) in placed.items():
         try:
-            original = _to_numpy(value)
+            original = _to_numpy(state[original_key])
         except (TypeError, ValueError) as error:
-            raise TypeError(f"state_dict[{key!r}] is not an array ({type(value).__name__}: {error}); "
-                            "nothing was loaded") from None
-        array = _LAYOUT[rule](original)
-        expected = tuple(params[path].shape)
-        if tuple(array.shape) != expected:
-            # report both shapes in the checkpoint's (torch) layout (a transpose reverses the axes)
-            mismatched.append((key, tuple(original.shape), expected[::-1] if rule == TRANSPOSE else expected))
+            raise TypeError(f"state_dict[{original_key!r}] is not an array ({type(state[original_key]).__name__}: "
+                            f"{error}); nothing was loaded") from None
+        if original.ndim != len(params[path].shape):
+            mismatched.append((original_key, tuple(original.shape), torch_shape(slot.rule, params[path].shape)))
             continue
-        _check_value(key, array, params[path].dtype)
+        array = to_flax(slot.rule, original)
+        if tuple(array.shape) != tuple(params[path].shape):
+            # both shapes in the checkpoint's (torch) layout
+            mismatched.append((original_key, tuple(original.shape), torch_shape(slot.rule, params[path].shape)))
+            continue
+        _check_value(original_key, array, params[path].dtype)
         updates[path] = array
-    missing = [(flax_path_to_torch(family, p) or (p,))[0] for p in params if p not in seen]
-    if mismatched or (strict and (missing or unexpected)):
-        raise StateDictError(missing if strict else (), unexpected if strict else (), mismatched)
-    unfilled = [(flax_path_to_torch(family, p) or (p,))[0] for p in params
-                if p not in seen and isinstance(params[p].get_value(), jax.ShapeDtypeStruct)]
+    missing = list(dict.fromkeys(plan.slots[p][0].torch_key for p in params
+                                 if p not in claims and p not in contested))
+    if ambiguous or mismatched or (strict and (missing or unexpected)):
+        raise _refusal(missing if strict else (), unexpected if strict else (), mismatched, ambiguous,
+                       why if strict else None)
+    unfilled = [plan.slots[p][0].torch_key for p in params
+                if p not in claims and isinstance(params[p].get_value(), jax.ShapeDtypeStruct)]
     if unfilled:
-        raise StateDictError(missing=unfilled)  # an unfilled model cannot be partly loaded
+        raise _refusal(missing=unfilled)  # an unfilled model cannot be partly loaded
     # convert everything first: a value that cannot be cast fails before any write
     try:
         converted = {path: jnp.asarray(array, dtype=params[path].dtype) for path, array in updates.items()}
@@ -285,18 +374,41 @@ def build_unfilled(cls, kwargs: dict, *, seed: int = 0):
     return abstract
 
 
-def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0):
-    """Build the Flax twin of a torch_reference module, with its weights and mode.
+def torch_to_flax(torch_module, flax_module=None, *, rename=None, dtype=None, param_dtype=None, seed: int = 0):
+    """The Flax twin of a torch module, with its weights and train/eval mode.
 
     Args:
-        torch_module: an instance of a torch_reference class.
-        dtype, param_dtype: compute and storage types of the Flax module.
-        seed: seeds the Flax module's ``nnx.Rngs`` (dropout streams).
+        torch_module: a torch ``nn.Module``.
+        flax_module: where the weights go. None builds the twin of a torch_reference
+            module (unfilled, then loaded). Given, any NNX model whose parameter paths
+            follow the torch module's is loaded in place, all or nothing, and returned.
+            torch buffers it has no place for are skipped (a Flax model computes such
+            constants); one it has a parameter of that name for loads as is.
+        rename: ``[(regex, replacement), ...]`` for torch names that differ from the Flax
+            model's (see ``load_state_dict``).
+        dtype, param_dtype: compute and storage types of the built twin (default float32);
+            with ``flax_module`` the module's own are kept, and these must be left out.
+        seed: seeds the built twin's ``nnx.Rngs`` (dropout streams).
     """
-    cls = flax_class(torch_module)
-    kwargs = dict(torch_module.init_kwargs(), dtype=dtype, param_dtype=param_dtype)
-    flax_module = build_unfilled(cls, kwargs, seed=seed)
-    load_state_dict(flax_module, torch_module.state_dict(), strict=True)
+    pairs = check_rename(rename)
+    if not callable(getattr(torch_module, "state_dict", None)):
+        raise TypeError(f"torch_module must be a torch nn.Module, got {type(torch_module).__name__}")
+    if flax_module is None:
+        try:
+            cls = flax_class(torch_module)
+        except TypeError as error:
+            raise TypeError(f"{error}; to port your own model, pass its Flax twin: "
+                            "torch_to_flax(torch_module, flax_module)") from None
+        kwargs = dict(torch_module.init_kwargs(), dtype=dtype or jnp.float32, param_dtype=param_dtype or jnp.float32)
+        flax_module = build_unfilled(cls, kwargs, seed=seed)
+    elif not isinstance(flax_module, nnx.Module):
+        raise TypeError(f"flax_module must be a Flax NNX module, got {type(flax_module).__name__}")
+    elif dtype is not None or param_dtype is not None:
+        raise ValueError("dtype and param_dtype say how to build the twin; flax_module is already built "
+                         "and keeps its own types")
+    state = torch_module.state_dict()
+    buffers = frozenset(name for name, _ in torch_module.named_buffers()) & state.keys()
+    _load(flax_module, state, True, pairs, optional=buffers)
     if torch_module.training:
         flax_module.train()
     else:
@@ -304,22 +416,56 @@ def torch_to_flax(torch_module, *, dtype=jnp.float32, param_dtype=jnp.float32, s
     return flax_module
 
 
-def flax_to_torch(flax_module, *, dtype=None):
-    """Build the torch_reference twin of a Flax module, with its weights and mode.
+def flax_to_torch(flax_module, torch_module=None, *, rename=None, dtype=None):
+    """The torch twin of a Flax NNX module, with its weights and train/eval mode.
 
     Args:
-        dtype: torch dtype of the parameters; default float32 (bfloat16 weights are
-            widened exactly).
+        torch_module: where the weights go. None builds the torch_reference twin of a
+            flax_transformer module. Given, any torch module whose keys follow
+            ``state_dict(flax_module, rename=rename)`` is loaded in place, all or nothing,
+            and returned; its buffers keep their own values.
+        rename: ``[(regex, replacement), ...]`` applied to the Flax model's torch names
+            (ours -> the torch module's).
+        dtype: torch dtype of the parameters; default float32 for a built twin (bfloat16
+            weights are widened exactly), the module's own for a given one.
     """
     import torch
 
-    cls = torch_class(flax_module)
-    kwargs = {k: v for k, v in flax_module.init_kwargs().items() if k not in ("dtype", "param_dtype")}
-    torch_module = cls(**kwargs)
-    state = {}
-    for key, array in state_dict(flax_module).items():
-        state[key] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
-    torch_module.load_state_dict(state, strict=True)
-    torch_module.to(dtype or torch.float32)
+    state = state_dict(flax_module, rename=rename)
+    if torch_module is None:
+        try:
+            cls = torch_class(flax_module)
+        except TypeError as error:
+            raise TypeError(f"{error}; to port your own model, pass its torch twin: "
+                            "flax_to_torch(flax_module, torch_module)") from None
+        kwargs = {k: v for k, v in flax_module.init_kwargs().items() if k not in ("dtype", "param_dtype")}
+        torch_module = cls(**kwargs)
+        dtype = dtype or torch.float32
+    elif not isinstance(torch_module, torch.nn.Module):
+        raise TypeError(f"torch_module must be a torch nn.Module, got {type(torch_module).__name__}")
+    _load_torch(torch_module, state)
+    if dtype is not None:
+        torch_module.to(dtype)
     torch_module.train(not _is_eval(flax_module))
     return torch_module
+
+
+def _load_torch(torch_module, state: dict[str, np.ndarray]) -> None:
+    """Load ``state`` into a torch module, all or nothing; buffers that ``state`` lacks keep their values."""
+    import torch
+
+    own = torch_module.state_dict()
+    buffers = {name for name, _ in torch_module.named_buffers()}
+    missing = [k for k in own if k not in state and k not in buffers]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+                  if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if missing or unexpected or mismatched:
+        raise _refusal(missing, unexpected, mismatched)
+    tensors = {}
+    for key, array in state.items():
+        if own[key].dtype.is_floating_point:  # torch's copy would turn a value beyond the range into inf
+            _check_value(key, array, jnp.dtype(str(own[key].dtype).removeprefix("torch.")))
+        widened = np.float32 if array.dtype.name == "bfloat16" else array.dtype  # numpy has no torch bf16
+        tensors[key] = torch.from_numpy(np.array(array, dtype=widened))  # a writable copy
+    torch_module.load_state_dict(tensors, strict=False)

@@ -9,18 +9,35 @@ the key/value cache at the same index, and each row's result equals what it woul
 get alone. The loop is a ``lax.while_loop`` over a static-shape cache; it stops early
 once every row has produced ``eos_id``.
 
+Compilation: the loop is compiled for each (batch, prompt length) it sees, so ``generate``
+first pads both up to a bucket (``bucket_shape``: powers of two, prompts at least 16 long,
+then steps of 64 rows and 128 tokens). Extra columns hold pad id 0 after every prompt, extra
+rows repeat row 0 and count as done; neither changes the loop's bounds (shortest and longest
+prompt), and no query ever reads a position past its own, so each row's tokens are those it
+gets unpadded. ``count_compiles`` counts compilations.
+
 The same algorithm, without a cache, is ``torch_reference.generate.generate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from ._shared import InputSpec, check_generate_args, check_padding_mask, input_spec, is_greedy, prompt_lengths
+from ._shared import (
+    InputSpec,
+    check_flag,
+    check_generate_args,
+    check_padding_mask,
+    input_spec,
+    is_greedy,
+    prompt_lengths,
+)
 from .checks import check_length, check_token_ids, is_concrete
 
 
@@ -50,6 +67,63 @@ def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: 
     return jax.random.categorical(key, logits, axis=-1)
 
 
+MIN_PROMPT_BUCKET = 16  # shorter prompts share one program: their prefill costs about the same
+# Past these sizes buckets grow by a constant step instead of doubling, so that padding wastes
+# at most one step: a batch of 520 runs 576 rows, not 1024.
+BATCH_STEP, PROMPT_STEP = 64, 128
+
+# jax records this event once per XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT);
+# test_generate_hf checks that a fresh program still counts, so a renamed event fails there.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _round_up(n: int, step: int) -> int:
+    """``n`` up to a power of two while that stays within ``step``, else to a multiple of ``step``."""
+    if n <= step:
+        return 1 << max(int(n) - 1, 0).bit_length()
+    return -(-n // step) * step
+
+
+def bucket_shape(batch: int, length: int, max_new_tokens: int, max_length: int) -> tuple[int, int]:
+    """The (batch, prompt length) ``generate`` compiles for a (batch, length) prompt.
+
+    Both round up to a power of two (prompts to at least ``MIN_PROMPT_BUCKET``), beyond
+    ``BATCH_STEP`` rows and ``PROMPT_STEP`` tokens to a multiple of those; the length no further
+    than the position table allows with ``max_new_tokens`` after it. Batches 1-8 and prompts
+    1-100 then compile 4 x 4 programs, not 800.
+    """
+    room = max_length - max_new_tokens  # >= length: generate checks the table first
+    padded = max(length, min(max(_round_up(length, PROMPT_STEP), MIN_PROMPT_BUCKET), room))
+    return _round_up(batch, BATCH_STEP), padded
+
+
+class CompileCount:
+    """How many XLA compilations happened inside a ``count_compiles`` block (``.n``)."""
+
+    def __init__(self):
+        self.n = 0
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Count every XLA compilation (of any function, in any thread) while the block runs.
+
+    ``with count_compiles() as c: generate(...)``, then ``c.n``: 0 when every program the
+    block ran was already compiled.
+    """
+    count = CompileCount()
+
+    def listener(event, duration, **kwargs):
+        if event == _COMPILE_EVENT:
+            count.n += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def _spec(model) -> InputSpec:
     spec = input_spec(model)
     if not spec.generates:
@@ -61,13 +135,13 @@ def _spec(model) -> InputSpec:
 def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, greedy: bool = False, eos_id: int | None = None,
              rng=None, seed: int = 0, src_ids=None, src_attention_mask=None, use_cache: bool = True,
-             return_logits: bool = False):
+             return_logits: bool = False, bucket: bool = True):
     """Continue each prompt by ``max_new_tokens`` tokens.
 
     Args:
-        model: a flax ``gpt.GPTTransformer``, ``former.GTransformer`` or ``classic.Transformer``
-            (for which ``input_ids`` are the decoder's prompt, e.g. a start token, and
-            ``src_ids`` the source). Dropout is off during generation whatever the mode.
+        model: a flax ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``, ``former.GTransformer`` or
+            ``classic.Transformer`` (for which ``input_ids`` are the decoder's prompt, e.g. a
+            start token, and ``src_ids`` the source). Dropout is off during generation.
         input_ids: (b, p) prompt ids, right-padded; ``attention_mask`` (b, p), 1 = token.
         temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``; a
             temperature below ~1.2e-38 is greedy).
@@ -75,6 +149,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         rng / seed: a ``jax.random`` key, or an int seed when ``rng`` is None.
         use_cache: decode with a key/value cache (True) or rerun the whole prefix each step.
         return_logits: also return the logits each new token was chosen from.
+        bucket: pad the batch and prompt length up to ``bucket_shape`` so that nearby shapes
+            share one compiled program (same tokens; False compiles for the exact shape).
 
     Returns:
         (b, max_new_tokens) int32 new tokens, and (b, max_new_tokens, vocab) float32 logits
@@ -87,6 +163,7 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     if not is_concrete(input_ids):
         raise TypeError("generate compiles its own loop: call it with concrete arrays, not inside jit")
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
+    bucket = check_flag("bucket", bucket)
     lengths = prompt_lengths(input_ids, attention_mask)
     total = input_ids.shape[1] + max_new_tokens
     if total > spec.max_length:
@@ -109,13 +186,28 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
             return empty, jnp.zeros((input_ids.shape[0], max_new_tokens, vocab), jnp.float32)
         return empty
     key = rng if rng is not None else jax.random.key(seed)
+    b = input_ids.shape[0]
+    ids = np.asarray(input_ids).astype(np.int32)  # (b, p)
+    if bucket:
+        rows, width = bucket_shape(b, ids.shape[1], max_new_tokens, spec.max_length)
+        if not (is_greedy(greedy, temperature) or jax.config.jax_threefry_partitionable):
+            rows = b  # this PRNG draws a (rows, V) sample's first b rows unlike a (b, V) one's: keep b
+        ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))  # pad id 0 after every prompt: never read
+        # extra rows repeat row 0, so the shortest and longest prompt (the loop's bounds) stay put
+        take = np.concatenate([np.arange(b), np.zeros(rows - b, int)])
+        ids, lengths = ids[take], lengths[take]
+        if src_ids is not None:
+            src_ids = np.asarray(src_ids)[take]
+        if src_attention_mask is not None:
+            src_attention_mask = np.asarray(src_attention_mask)[take]
     deterministic = [m.deterministic for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]
     model.eval()
     try:
+        # jax.device_put, not jnp.asarray: the latter compiles a copy for every new shape
         tokens, logits = _generate(
-            model, jnp.asarray(input_ids, jnp.int32), jnp.asarray(lengths), key,
-            None if src_ids is None else jnp.asarray(src_ids, jnp.int32),
-            None if src_attention_mask is None else jnp.asarray(src_attention_mask),
+            model, jax.device_put(ids), jax.device_put(lengths), jax.device_put(np.int32(b)), key,
+            None if src_ids is None else jax.device_put(np.asarray(src_ids).astype(np.int32)),
+            None if src_attention_mask is None else jax.device_put(np.asarray(src_attention_mask)),
             max_new_tokens=int(max_new_tokens), temperature=float(temperature),
             top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
             greedy=is_greedy(greedy, temperature), eos_id=None if eos_id is None else int(eos_id),
@@ -125,13 +217,15 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         dropouts = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Dropout)]
         for dropout, det in zip(dropouts, deterministic):
             dropout.deterministic = det
+    if tokens.shape[0] != b:  # drop the extra rows on the host: slicing in JAX would compile per batch size
+        tokens, logits = (jax.device_put(np.asarray(x)[:b]) for x in (tokens, logits))
     return (tokens, logits) if return_logits else tokens
 
 
 @partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "eos_id",
                                    "use_cache", "return_logits"))
-def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, max_new_tokens, temperature, top_k,
-              top_p, greedy, eos_id, use_cache, return_logits):
+def _generate(model, input_ids, lengths, n_rows, key, src_ids, src_attention_mask, *, max_new_tokens, temperature,
+              top_k, top_p, greedy, eos_id, use_cache, return_logits):
     b, p = input_ids.shape
     total = p + max_new_tokens
     spec = _spec(model)
@@ -157,7 +251,9 @@ def _generate(model, input_ids, lengths, key, src_ids, src_attention_mask, *, ma
     cache = model.init_cache(b, total) if use_cache else None
     vocab = spec.output_vocab_size
     all_logits = jnp.zeros((b, max_new_tokens if return_logits else 0, vocab), jnp.float32)
-    done = jnp.zeros((b,), bool)
+    # rows from n_rows on only fill a batch bucket: done from the start, so that when sampling
+    # (their draws differ from row 0's) they cannot keep the loop running after the real rows end
+    done = jnp.arange(b) >= n_rows
     last = lengths + max_new_tokens - 1  # the last position each row fills
 
     def cond(carry):

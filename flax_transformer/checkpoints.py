@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import configs, files, porting
+from . import certificate, configs, files, porting
 
 METADATA_KEY = "flax_transformer"
 
@@ -127,23 +127,28 @@ def _state(model) -> dict[str, np.ndarray]:
     return porting.state_dict(model)
 
 
-def save_safetensors(model, path, *, overwrite: bool = False) -> Path:
+def save_safetensors(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
     """Weights under torch names and layouts, plus the model description in the header.
 
-    An existing ``path`` is replaced only with ``overwrite=True`` (``files.OutputError`` otherwise)."""
+    An existing ``path`` is replaced only with ``overwrite=True`` (``files.OutputError`` otherwise).
+    ``certify`` (default) checks the written file in torch and writes ``PATH.verification.json``
+    beside it (``certificate``); ``certify=False`` skips both."""
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: np.ascontiguousarray(v) for k, v in _state(model).items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(describe(model))}
-    return files.write_file(path, lambda tmp: files.save_safetensors_file(state, tmp, metadata), overwrite=overwrite)
+    return certificate.write_file(path, lambda tmp: files.save_safetensors_file(state, tmp, metadata), "safetensors",
+                                  model, overwrite=overwrite, certify=certify)
 
 
-def save_torch(model, path, *, overwrite: bool = False) -> Path:
-    """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``."""
+def save_torch(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
+    """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``; with ``certify``,
+    ``PATH.verification.json`` beside it, which also says which model the bare file holds."""
     import torch
 
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in _state(model).items()}
-    return files.write_file(path, lambda tmp: files.save_torch_file(state, tmp), overwrite=overwrite)
+    return certificate.write_file(path, lambda tmp: files.save_torch_file(state, tmp), "torch", model,
+                                  overwrite=overwrite, certify=certify)
 
 
 @contextlib.contextmanager
@@ -187,8 +192,9 @@ def orbax_errors_raised_not_logged(settle_s: float = 1.0):
                     os.write(2, text)
 
 
-def save_orbax(model, path, *, overwrite: bool = False) -> Path:
-    """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it."""
+def save_orbax(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
+    """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it (and, with
+    ``certify``, ``verification.json``: see ``certificate``)."""
     import orbax.checkpoint as ocp
 
     path = files.check_target(Path(path).absolute(), kind="dir", overwrite=overwrite)
@@ -200,6 +206,8 @@ def save_orbax(model, path, *, overwrite: bool = False) -> Path:
         with orbax_errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
+        if certify:  # inside the folder, so it is swapped in with the weights it describes
+            certificate.write_into(tmp, "orbax", model)
     return files.write_dir(path, write, overwrite=overwrite)
 
 

@@ -54,6 +54,16 @@ class EncoderConfig:
             (HF's ``BertForSequenceClassification``); or "mean", the mean hidden state
             over real tokens (how sentence-transformers models such as all-MiniLM-L6-v2
             were trained; no pooler).
+        classifier_head: what the classifier does with the pooled vector: "linear"
+            (dropout, ``classifier``: BERT), "relu" (``pre_classifier``, ReLU, dropout,
+            ``classifier``: DistilBERT) or "tanh" (dropout, ``pre_classifier``, tanh,
+            dropout, ``classifier``: RoBERTa's head on ``<s>``).
+        classifier_dropout: the head's dropout; None = ``hidden_dropout_prob`` (as
+            transformers' ``classifier_dropout``; DistilBERT's ``seq_classif_dropout``).
+        position_padding_idx: None = positions 0, 1, ... (BERT). An id = RoBERTa's
+            positions: real tokens count from ``position_padding_idx + 1`` and tokens
+            equal to that id (padding) take position ``position_padding_idx``, so the
+            longest input is ``max_position_embeddings - position_padding_idx - 1``.
     """
 
     vocab_size: int = 30522
@@ -72,6 +82,9 @@ class EncoderConfig:
     token_types: int = 0
     pooler: bool = False
     classifier_pooling: str = "cls"
+    classifier_head: str = "linear"
+    classifier_dropout: float | None = None
+    position_padding_idx: int | None = None
 
     def __post_init__(self):
         _check_fields(self, sizes=("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
@@ -90,6 +103,17 @@ class EncoderConfig:
             )
         if self.classifier_pooling not in ("cls", "mean"):
             raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
+        if self.classifier_head not in ("linear", "relu", "tanh"):
+            raise ValueError(f"classifier_head must be 'linear', 'relu' or 'tanh', got {self.classifier_head!r}")
+        if self.classifier_dropout is not None:
+            _set(self, "classifier_dropout",
+                 check_probability("EncoderConfig.classifier_dropout", self.classifier_dropout))
+        if self.position_padding_idx is not None:
+            _set(self, "position_padding_idx", check_size("EncoderConfig.position_padding_idx",
+                                                          self.position_padding_idx, least=0))
+            if self.position_padding_idx + 1 >= self.max_position_embeddings:
+                raise ValueError(f"position_padding_idx ({self.position_padding_idx}) leaves no positions in a "
+                                 f"table of max_position_embeddings={self.max_position_embeddings}")
         supported = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in supported:
             raise ValueError(f"EncoderConfig.hidden_act {self.hidden_act!r} is not supported ({', '.join(supported)})")
@@ -97,6 +121,17 @@ class EncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def head_dropout(self) -> float:
+        """The classifier head's dropout (``classifier_dropout``, else ``hidden_dropout_prob``)."""
+        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
+
+    @property
+    def max_length(self) -> int:
+        """The longest input: the position table, less RoBERTa's offset (``position_padding_idx + 1``)."""
+        offset = 0 if self.position_padding_idx is None else self.position_padding_idx + 1
+        return self.max_position_embeddings - offset
 
     @property
     def block_eps(self) -> float:
@@ -138,9 +173,66 @@ class EncoderConfig:
         except ValueError as error:  # name the BERT field, not ours
             raise ValueError(str(error).replace("EncoderConfig.token_types", "type_vocab_size")) from None
 
-    def to_bert_dict(self) -> dict:
+    @classmethod
+    def distilbert(cls, config) -> EncoderConfig:
+        """The encoder with DistilBERT's options, from its ``config.json`` names (``dim``,
+        ``n_layers``, ...): post-LN with eps 1e-12 everywhere, no token types, no pooler."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        return cls(vocab_size=get("vocab_size", 30522), hidden_size=get("dim", 768), num_hidden_layers=get("n_layers", 6),
+                   num_attention_heads=get("n_heads", 12), intermediate_size=get("hidden_dim", 3072),
+                   hidden_dropout_prob=get("dropout", 0.1), attention_probs_dropout_prob=get("attention_dropout", 0.1),
+                   max_position_embeddings=get("max_position_embeddings", 512), hidden_act=get("activation", "gelu"),
+                   layer_norm_eps=1e-12, norm_first=False, token_types=0, pooler=False,
+                   classifier_head="relu", classifier_dropout=get("seq_classif_dropout", 0.2))
+
+    @classmethod
+    def roberta(cls, config, *, pooler: bool = True) -> EncoderConfig:
+        """BERT's options plus RoBERTa's positions (from ``pad_token_id + 1``, padding skipped)
+        and its classifier head; ``pooler=False`` for ``RobertaForSequenceClassification``'s body."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        base = cls.bert(config)
+        try:
+            return dataclasses.replace(base, position_padding_idx=get("pad_token_id", 1), pooler=pooler,
+                                       classifier_head="tanh")
+        except ValueError as error:  # name RoBERTa's field, not ours
+            raise ValueError(str(error).replace("EncoderConfig.position_padding_idx", "pad_token_id")) from None
+
+    @property
+    def hf_model_type(self) -> str | None:
+        """The transformers ``model_type`` this encoder is, or None (a notebook-style encoder)."""
+        if self.norm_first:
+            return None
+        if self.position_padding_idx is not None:
+            return "roberta" if self.token_types else None
+        if not self.token_types and not self.pooler and self.layer_norm_eps == self.block_eps == 1e-12:
+            return "distilbert"
+        return "bert" if self.token_types and self.pooler else None
+
+    def to_hf_dict(self) -> dict:
+        """A transformers ``config.json`` for this encoder (BERT, DistilBERT or RoBERTa; ``hf_model_type``)."""
+        kind = self.hf_model_type
+        if kind == "bert":
+            return self.to_bert_dict()
+        if kind == "roberta":
+            return {**self.to_bert_dict(check=False), "architectures": ["RobertaModel"], "model_type": "roberta",
+                    "pad_token_id": self.position_padding_idx, "bos_token_id": 0, "eos_token_id": 2,
+                    "classifier_dropout": self.classifier_dropout}
+        if kind == "distilbert":
+            return dict(architectures=["DistilBertModel"], model_type="distilbert", vocab_size=self.vocab_size,
+                        dim=self.hidden_size, n_layers=self.num_hidden_layers, n_heads=self.num_attention_heads,
+                        hidden_dim=self.intermediate_size, dropout=self.hidden_dropout_prob,
+                        attention_dropout=self.attention_probs_dropout_prob, activation=self.hidden_act,
+                        max_position_embeddings=self.max_position_embeddings, sinusoidal_pos_embds=False,
+                        initializer_range=0.02, qa_dropout=0.1, seq_classif_dropout=self.head_dropout,
+                        pad_token_id=0, tie_word_embeddings=True)
+        raise ValueError("this encoder is not a BERT, DistilBERT or RoBERTa (EncoderConfig.bert, .distilbert, "
+                         f".roberta), so it has no transformers equivalent: norm_first={self.norm_first}, "
+                         f"token_types={self.token_types}, pooler={self.pooler}, "
+                         f"position_padding_idx={self.position_padding_idx}")
+
+    def to_bert_dict(self, *, check: bool = True) -> dict:
         """A transformers ``config.json`` for this (BERT-style) encoder."""
-        if self.norm_first or not self.pooler:
+        if check and (self.norm_first or not self.pooler):
             raise ValueError("only a BERT-style encoder (norm_first=False, pooler=True) has a BERT config")
         return dict(architectures=["BertModel"], model_type="bert", vocab_size=self.vocab_size,
                     hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,

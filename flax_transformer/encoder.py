@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -186,12 +187,18 @@ class TransformerEncoderLayer(_ConfigModule):
 
 
 class Embeddings(_ConfigModule):
-    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout."""
+    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout.
+
+    Positions are 0, 1, ... (BERT, DistilBERT), or with ``config.position_padding_idx``
+    RoBERTa's: real tokens count from ``position_padding_idx + 1``, and a token equal to
+    ``position_padding_idx`` (padding, wherever it is) takes position ``position_padding_idx``.
+    """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.vocab_size, self.max_positions, self.dtype = config.vocab_size, config.max_position_embeddings, dtype
+        self.max_length, self.position_padding_idx = config.max_length, config.position_padding_idx
         self.token_types = config.token_types
         self.token_embeddings = Embed(config.vocab_size, config.hidden_size, **kw)
         self.position_embeddings = Embed(config.max_position_embeddings, config.hidden_size, **kw)
@@ -203,7 +210,7 @@ class Embeddings(_ConfigModule):
     def check(self, input_ids, token_type_ids=None):
         """Every check of ``__call__``, so a caller can make them before computing anything."""
         check_token_ids(input_ids, self.vocab_size)
-        check_length(input_ids.shape[1], self.max_positions)
+        check_length(input_ids.shape[1], self.max_length)
         if token_type_ids is not None:
             if not self.token_types:
                 raise ValueError("token_type_ids given, but this encoder has no token-type embeddings "
@@ -217,8 +224,13 @@ class Embeddings(_ConfigModule):
         """(b, t) integer ids (and segment ids, default 0) -> (b, t, hidden_size)."""
         self.check(input_ids, token_type_ids)
         seq_length = input_ids.shape[1]
+        if self.position_padding_idx is None:
+            positions = jnp.arange(seq_length)[None]  # (1, t)
+        else:  # RoBERTa (fairseq's make_positions): read from the ids, not from the attention mask
+            real = (input_ids != self.position_padding_idx).astype(jnp.int32)  # (b, t)
+            positions = jnp.cumsum(real, axis=1) * real + self.position_padding_idx  # (b, t)
         embeddings = (lookup(self.token_embeddings, input_ids, self.dtype)
-                      + lookup(self.position_embeddings, jnp.arange(seq_length), self.dtype)[None])  # (b, t, e)
+                      + lookup(self.position_embeddings, positions, self.dtype))  # (b, t, e)
         if self.token_types:
             if token_type_ids is None:
                 token_type_ids = jnp.zeros_like(input_ids)
@@ -242,7 +254,7 @@ class TransformerEncoder(_ConfigModule):
 
     def input_spec(self) -> InputSpec:
         """What the model reads (ids range, longest input), so tools need not know its class."""
-        return InputSpec(self.embeddings.vocab_size, self.embeddings.max_positions)
+        return InputSpec(self.embeddings.vocab_size, self.embeddings.max_length)
 
     def __call__(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
@@ -280,14 +292,20 @@ class TransformerForSequenceClassification(_ConfigModule):
     ``config.classifier_pooling`` picks the vector: "cls", the first hidden state (the
     notebook's), through BERT's pooler when the encoder has one (``EncoderConfig.bert``:
     exactly HF's ``BertForSequenceClassification``); or "mean", the mean over real tokens.
+    ``config.classifier_head`` adds a dense layer before ``classifier``: "relu" is
+    ``DistilBertForSequenceClassification``'s ``pre_classifier``, "tanh" is
+    ``RobertaClassificationHead`` (its ``dense`` is our ``pre_classifier``, ``out_proj`` our ``classifier``).
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = EncoderConfig.from_any(config)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.pooling = config.classifier_pooling  # "cls" or "mean"
+        self.classifier_head = config.classifier_head  # "linear", "relu" or "tanh"
         self.encoder = TransformerEncoder(config, **kw)
-        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+        self.dropout = nnx.Dropout(config.head_dropout, rngs=rngs)
+        if config.classifier_head != "linear":
+            self.pre_classifier = Linear(config.hidden_size, config.hidden_size, **kw)
         self.classifier = Linear(config.hidden_size, config.num_labels, **kw)
 
     def features(self, x, attention_mask=None):
@@ -301,6 +319,10 @@ class TransformerForSequenceClassification(_ConfigModule):
 
     def classify(self, features):
         """(b, hidden_size) pooled vectors -> (b, num_labels) float32 logits."""
+        if self.classifier_head == "relu":  # DistilBERT: pre_classifier, ReLU, dropout, classifier
+            features = jax.nn.relu(self.pre_classifier(features))
+        elif self.classifier_head == "tanh":  # RoBERTa: dropout, dense, tanh, dropout, out_proj
+            features = jnp.tanh(self.pre_classifier(self.dropout(features)))
         return self.classifier(self.dropout(features)).astype(jnp.float32)
 
     def input_spec(self) -> InputSpec:

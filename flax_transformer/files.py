@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import secrets
 import shutil
@@ -299,3 +300,12 @@ def write_dir(path, write: Callable[[Path], object], *, overwrite: bool = False)
     with atomic_path(path, kind="dir", overwrite=overwrite) as tmp:
         write(tmp)
     return Path(path)
+
+
+def sha256_file(path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks (a checkpoint need not fit in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -326,7 +326,9 @@ def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozens
         raise _refusal(missing=unfilled)  # an unfilled model cannot be partly loaded
     # convert everything first: a value that cannot be cast fails before any write
     try:
-        converted = {path: jnp.asarray(array, dtype=params[path].dtype) for path, array in updates.items()}
+        # jnp.array copies: jnp.asarray of a numpy array may alias its memory on CPU, and a torch tensor's
+        # .numpy() shares the tensor's, so an in-place torch optimizer step would change the Flax weights
+        converted = {path: jnp.array(array, dtype=params[path].dtype) for path, array in updates.items()}
     except (TypeError, ValueError) as error:
         raise TypeError(f"state_dict values must be numeric arrays; nothing was loaded ({error})") from None
     for path, array in converted.items():

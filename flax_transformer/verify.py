@@ -5,6 +5,9 @@ other, runs both in eval mode on the same random inputs (with no mask, a padding
 mask, a causal mask, both, and a row whose keys are all masked) and reports the
 largest absolute difference. ``flax-transformer verify`` prints the table.
 
+``compare`` does one comparison for any pair (a ``CompareReport``, gradients too with
+``grads=True``); ``bisect`` (``bisect.py``) finds the first submodule where a pair diverges.
+
 torch is imported here at call time only (this is a verification module).
 """
 
@@ -19,6 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .bisect import BisectReport, bisect  # noqa: F401  (verify.bisect: the public name)
+from .frameworks import apply as _apply
+from .frameworks import flax_grads as _flax_grads
+from .frameworks import leaves as _leaves
+from .frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
+
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
 
@@ -30,10 +39,11 @@ class Row:
     direction: str
     max_abs_err: float
     finite: bool
+    tol: float = TOLERANCE
 
     @property
     def passed(self) -> bool:
-        return self.finite and self.max_abs_err <= TOLERANCE
+        return self.finite and self.max_abs_err <= self.tol
 
 
 # ------------------------------------------------------------------ inputs
@@ -69,49 +79,100 @@ def _mask_for(case: str, rng, b, t):
 # ------------------------------------------------------------ comparison
 
 
-def _leaves(x):
-    if isinstance(x, (tuple, list)):
-        for item in x:
-            yield from _leaves(item)
-    else:
-        yield x
+@dataclass(frozen=True)
+class CompareReport:
+    """What ``compare`` found: the output row, and with ``grads=True`` one row per parameter.
+
+    ``str(report)`` is the table ``flax-transformer verify`` prints; ``report.to_dict()`` the same
+    as plain data. It also unpacks as ``err, finite = report`` (the outputs' max abs error and
+    whether all outputs are finite), the form ``compare`` returned before it grew a report.
+    """
+
+    rows: tuple[Row, ...]
+    max_abs_err: float
+    finite: bool
+    tol: float = TOLERANCE
+    grad_err: float | None = None  # worst parameter-gradient error, relative to max(1, max |g|)
+    grad_finite: bool | None = None
+    worst_grad_key: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def __iter__(self):
+        return iter((self.max_abs_err, self.finite))
+
+    def __str__(self) -> str:
+        return format_table(list(self.rows))
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "tol": self.tol, "max_abs_err": self.max_abs_err, "finite": self.finite,
+                "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
+                "rows": [dataclasses.asdict(r) | {"passed": r.passed} for r in self.rows]}
 
 
-def max_abs_err(torch_out, flax_out) -> tuple[float, bool]:
-    """Largest |torch - flax| over all outputs, and whether every value is finite."""
-    err, finite = 0.0, True
-    for a, b in zip(_leaves(torch_out), _leaves(flax_out), strict=True):
-        a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
-        b = np.asarray(b)
-        if a.shape != b.shape:
-            raise AssertionError(f"output shapes differ: torch {a.shape} vs flax {b.shape}")
-        finite &= bool(np.isfinite(a).all() and np.isfinite(b).all())
-        err = max(err, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0)))
-    return err, finite
+def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
+            grads: bool = False, use_jit: bool = True, seed: int = 0) -> CompareReport:
+    """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
 
+    Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
+    tensors (each framework gets its own copy); ``None`` and Python scalars pass through.
 
-@nnx.jit
-def _apply(module, args, kwargs):
-    """One jitted wrapper for every comparison, so its compile cache is shared: the two
-    directions of a check (same module structure, same shapes) compile once, not twice."""
-    return module(*args, **kwargs)
+    Args:
+        args, kwargs: the call's arguments, e.g. ``(ids, mask)``.
+        tol: the max abs error a row may have and pass (fp32, matmul precision "highest": 1e-5).
+        grads: also compare every parameter's gradient of ``sum_i <output_i, W_i>`` with fixed
+            random ``W_i`` (seeded by ``seed``): the gradient of any loss is the backward pass of
+            some such ``W``, so a random one checks the whole backward pass. Each parameter's
+            error is relative to its gradient's scale, ``max(1, max |g_torch|)``; parameters are
+            named by their torch keys.
+        use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
 
-
-def compare(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, use_jit: bool = True):
-    """Run both modules on the same numpy inputs; return (max abs err, all finite)."""
+    Returns:
+        A ``CompareReport``: one row for the outputs, then one per parameter gradient.
+    """
     import torch
 
+    from . import porting
+
     kwargs = kwargs or {}
-    to_torch = lambda a: None if a is None else torch.from_numpy(np.array(a))  # noqa: E731
-    to_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-    with torch.no_grad():
-        torch_out = torch_module(*map(to_torch, args), **{k: to_torch(v) for k, v in kwargs.items()})
-    jax_args, jax_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
-    if use_jit:
-        flax_out = _apply(flax_module, jax_args, jax_kwargs)
-    else:
-        flax_out = flax_module(*jax_args, **jax_kwargs)
-    return max_abs_err(torch_out, flax_out)
+    torch_model.eval()
+    flax_model.eval()
+    t_args, t_kwargs = tuple(map(to_torch, args)), {k: to_torch(v) for k, v in kwargs.items()}
+    j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
+    with torch.set_grad_enabled(grads):
+        torch_out = torch_model(*t_args, **t_kwargs)
+    family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
+    if not grads:
+        flax_out = (_apply if use_jit else lambda m, a, k: m(*a, **k))(flax_model, j_args, j_kwargs)
+        err, finite = max_abs_err(torch_out, flax_out)
+        return CompareReport((Row(family, name, "given inputs", "torch vs flax", err, finite, tol),), err, finite, tol)
+    outs = list(_leaves(torch_out))
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]
+    torch_model.zero_grad(set_to_none=True)
+    sum((o * torch.from_numpy(w)).sum() for o, w in zip(outs, weights)).backward()
+    torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
+                   for k, p in torch_model.named_parameters()}
+    flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
+    err, finite = max_abs_err(torch_out, flax_out)
+    rows = [Row(family, name, "given inputs", "torch vs flax", err, finite, tol)]
+    holder = nnx.clone(flax_model)
+    nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
+    flax_grads = porting.state_dict(holder)
+    if set(flax_grads) != set(torch_grads):
+        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
+    worst, worst_key, all_finite = 0.0, "", True
+    for key, g in torch_grads.items():
+        f = np.asarray(flax_grads[key])
+        ok = bool(np.isfinite(g).all() and np.isfinite(f).all())
+        g_err = float(np.abs(f.astype(np.float64) - g).max(initial=0.0)) / max(1.0, float(np.abs(g).max(initial=0.0)))
+        rows.append(Row(family, key, "given inputs", "grads", g_err, ok, tol))
+        all_finite &= ok
+        if g_err >= worst:
+            worst, worst_key = g_err, key
+    return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key)
 
 
 # ------------------------------------------------------------------- specs
@@ -294,12 +355,14 @@ def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, se
     torch_module.eval()
     perturb_torch(torch_module, seed)
     flax_module = porting.torch_to_flax(torch_module, seed=seed)
-    results = [("torch->flax", *compare(torch_module, flax_module, args, kwargs, use_jit=use_jit))]
+    report = compare(torch_module, flax_module, args, kwargs, use_jit=use_jit)
+    results = [("torch->flax", report.max_abs_err, report.finite)]
     flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
     flax_module.eval()
     perturb_flax(flax_module, seed + 1)
     torch_twin = porting.flax_to_torch(flax_module)
-    results.append(("flax->torch", *compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit)))
+    report = compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit)
+    results.append(("flax->torch", report.max_abs_err, report.finite))
     return results
 
 
@@ -335,52 +398,14 @@ MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "Transforme
           "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel")
 
 
-@nnx.jit
-def _flax_grads(module, args, kwargs, weights):
-    def loss(m):
-        return sum((leaf * w).sum() for leaf, w in zip(_leaves(m(*args, **kwargs)), weights, strict=True))
-    return nnx.grad(loss)(module)
-
-
 def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):
-    """Compare d loss / d parameter between a torch module and its Flax twin, parameter by parameter.
-
-    The loss is ``sum_i <output_i, W_i>`` with fixed random ``W_i`` of each output's shape: the
-    gradient of any loss is the backward pass of some such ``W`` (its gradient w.r.t. the
-    outputs), so a random one checks the whole backward pass. Each parameter's error is
-    relative to its gradient's scale, ``max(1, max |g_torch|)``.
+    """Compare d loss / d parameter between a torch module and its Flax twin, parameter by parameter
+    (``compare(..., grads=True)``; see there for the loss and the relative error).
 
     Returns (largest relative error over all parameters, all gradients finite, worst key).
     """
-    import torch
-
-    from . import porting
-
-    kwargs = kwargs or {}
-    to_torch = lambda a: None if a is None else torch.from_numpy(np.array(a))  # noqa: E731
-    to_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-    torch_module.zero_grad(set_to_none=True)
-    out = list(_leaves(torch_module(*map(to_torch, args), **{k: to_torch(v) for k, v in kwargs.items()})))
-    rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in out]
-    sum((o * torch.from_numpy(w)).sum() for o, w in zip(out, weights)).backward()
-    torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
-                   for k, p in torch_module.named_parameters()}
-    grads = _flax_grads(flax_module, tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()},
-                        [jnp.asarray(w) for w in weights])
-    holder = nnx.clone(flax_module)
-    nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
-    flax_grads = porting.state_dict(holder)
-    if set(flax_grads) != set(torch_grads):
-        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
-    worst, worst_key, finite = 0.0, "", True
-    for key, g in torch_grads.items():
-        f = np.asarray(flax_grads[key])
-        finite &= bool(np.isfinite(g).all() and np.isfinite(f).all())
-        err = float(np.abs(f.astype(np.float64) - g).max(initial=0.0)) / max(1.0, float(np.abs(g).max(initial=0.0)))
-        if err >= worst:
-            worst, worst_key = err, key
-    return worst, finite, worst_key
+    report = compare(torch_module, flax_module, args, kwargs, grads=True, seed=seed)
+    return report.grad_err, report.grad_finite, report.worst_grad_key
 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
@@ -418,25 +443,28 @@ def checkpoint_rows(path) -> list[Row]:
     transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
     from pathlib import Path
 
-    from . import pairs
+    from . import certificate, pairs
 
-    flax_model, torch_model = pairs.load_pair(path)
+    bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
+    flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else
+                               pairs.load_pair(path))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = pairs.example_inputs(flax_model)
     masks = 2 if flax_model.input_spec().encoder_decoder else 1  # the trailing mask arguments
     no_mask = tuple(None if i >= len(args) - masks else a for i, a in enumerate(args))
     rows = []
     for case, inputs in (("none", no_mask), ("padding", args)):
-        err, finite = compare(torch_model, flax_model, inputs)
-        rows.append(Row(family, name, case, "torch twin vs flax", err, finite))
+        report = compare(torch_model, flax_model, inputs)
+        rows.append(dataclasses.replace(report.rows[0], case=case, direction="torch twin vs flax"))
     if Path(path).is_dir() and (Path(path) / "config.json").exists():
         try:
             import torch
             import transformers
         except ImportError:
             return rows
-        reference = (transformers.BertModel if name == "TransformerEncoder" else transformers.GPT2LMHeadModel)
-        reference = reference.from_pretrained(path).eval()
+        # AutoModel: BertModel, DistilBertModel or RobertaModel, by the folder's model_type
+        reference = (transformers.AutoModel if name == "TransformerEncoder" else transformers.GPT2LMHeadModel)
+        reference = reference.from_pretrained(path, dtype=torch.float32).eval()  # a bf16 folder widens exactly
         for case, (ids, mask) in (("none", no_mask), ("padding", args)):
             kwargs = {} if mask is None else {"attention_mask": torch.from_numpy(np.array(mask))}
             with torch.no_grad():

@@ -34,15 +34,16 @@ def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, 
 def assert_parameter_gradients_match(torch_model, args, rng):
     """d<model(*args), W>/d(every parameter) agrees between torch and the ported Flax model.
 
-    W is a fixed random tensor of the output's shape (``verify.gradient_errors``). Tolerance:
-    TOL relative to the gradient's scale (max(1, max |g|)).
+    W is a fixed random tensor of the output's shape (``verify.compare(..., grads=True)``).
+    Tolerance: TOL relative to the gradient's scale (max(1, max |g|)).
     """
     from flax_transformer import porting, verify
 
     torch_model.eval()
-    err, finite, key = verify.gradient_errors(torch_model, porting.torch_to_flax(torch_model), tuple(args),
-                                              seed=int(rng.integers(1 << 30)))
-    assert finite and err <= TOL, f"{key}: grad max abs err {err:.3g} relative to its scale"
+    report = verify.compare(torch_model, porting.torch_to_flax(torch_model), tuple(args), grads=True, tol=TOL,
+                            seed=int(rng.integers(1 << 30)))
+    assert report.grad_finite and report.grad_err <= TOL, \
+        f"{report.worst_grad_key}: grad max abs err {report.grad_err:.3g} relative to its scale"
 
 
 @pytest.fixture

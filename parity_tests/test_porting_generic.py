@@ -176,3 +176,26 @@ def test_bad_rename_is_refused_before_any_work():
                             ([("a",)], "pair")]:
         with pytest.raises(ValueError, match=message):
             porting.load_state_dict(model, {}, rename=rename)
+
+
+def test_ported_weights_do_not_share_memory_with_the_torch_tensors():
+    """On CPU ``jnp.asarray`` of a numpy array may alias it, and ``tensor.numpy()`` shares the tensor's
+    memory: an in-place torch update (an optimizer step) must not reach the Flax weights."""
+    import torch
+
+    from flax_transformer.former import CTransformer as FlaxCTransformer
+    from torch_reference.former import CTransformer
+
+    torch_model = CTransformer(32, 4, 1, 16, 100, 2)
+    flax_model = porting.torch_to_flax(torch_model)
+    before = np.array(flax_model.toprobs.kernel[...])
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            p.add_(1.0)
+    np.testing.assert_array_equal(np.array(flax_model.toprobs.kernel[...]), before)
+    target = porting.build_unfilled(FlaxCTransformer, dict(emb=32, heads=4, depth=1, seq_length=16, num_tokens=100,
+                                                           num_classes=2))
+    state = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+    porting.load_state_dict(target, state)
+    state["token_embedding.weight"] += 1.0  # the caller's numpy array, changed afterwards
+    assert not np.array_equal(np.array(target.token_embedding.embedding[...]), state["token_embedding.weight"])

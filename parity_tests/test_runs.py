@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flax_transformer import certificate
 from flax_transformer.training import classify, lm, loop, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
 from flax_transformer.training.loop import NonFiniteLoss, RunError, create_run_dir, fit
@@ -176,6 +177,7 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
                               "--export-torch", export]) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out
+    assert certificate.recheck(export).passed  # the export's certificate (model.safetensors.verification.json)
     _assert_run_files(run)
     assert (run / "tokenizer.json").is_file()
     train = records(run, "train")

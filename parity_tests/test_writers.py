@@ -70,8 +70,8 @@ WRITERS = {
                          "save_file", lambda a, k: a[1]),
     "save_torch": (_former, lambda m, p, o: checkpoints.save_torch(m, p, overwrite=o), "torch", "save",
                    lambda a, k: a[1]),
-    "hf.save_pretrained": (_bert, lambda m, p, o: hf.save_pretrained(m, p, overwrite=o), "safetensors.numpy",
-                           "save_file", lambda a, k: a[1]),
+    "hf.save_pretrained": (_bert, lambda m, p, o: hf.save_pretrained(m, p, overwrite=o),  # streams tensor by tensor
+                           "flax_transformer.safetensors_io", "write_safetensors", lambda a, k: a[1]),
 }
 
 
@@ -88,7 +88,8 @@ def test_a_failed_overwrite_leaves_the_old_output_and_no_temp(tmp_path, monkeypa
     with pytest.raises(OSError, match="No space"):
         write(model, out, True)
     assert _snapshot(tmp_path) == before  # old output byte-identical, nothing else left
-    assert sorted(os.listdir(tmp_path)) == [out.name]
+    beside = [] if name == "hf.save_pretrained" else [f"{out.name}.verification.json"]  # a file's certificate
+    assert sorted(os.listdir(tmp_path)) == [out.name, *beside]
 
 
 def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
@@ -290,4 +291,4 @@ def test_cli_errors_are_one_line(tmp_path):
                                 cwd=REPO)
         err = result.stderr.decode("utf-8", "replace")
         assert result.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
-    assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "ro"]
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "m.safetensors.verification.json", "ro"]

@@ -190,11 +190,17 @@ class TransformerEncoderLayer(_ConfigModule):
 
 
 class Embeddings(_ConfigModule):
-    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout."""
+    """Token + learned position (+ BERT's token-type) embeddings, LayerNorm (config eps), dropout.
+
+    Positions are 0, 1, ... (BERT, DistilBERT), or with ``config.position_padding_idx``
+    RoBERTa's: real tokens count from ``position_padding_idx + 1``, and a token equal to
+    ``position_padding_idx`` (padding, wherever it is) takes position ``position_padding_idx``.
+    """
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
+        self.max_length, self.position_padding_idx = config.max_length, config.position_padding_idx
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         if config.token_types:
@@ -205,7 +211,7 @@ class Embeddings(_ConfigModule):
     def check(self, input_ids, token_type_ids=None):
         """Every check of ``forward``, so a caller can make them before computing anything."""
         check_token_ids(input_ids, self.token_embeddings.num_embeddings)
-        check_length(input_ids.size(1), self.position_embeddings.num_embeddings)
+        check_length(input_ids.size(1), self.max_length)
         if token_type_ids is not None:
             if not hasattr(self, "token_type_embeddings"):
                 raise ValueError("token_type_ids given, but this encoder has no token-type embeddings "
@@ -219,7 +225,11 @@ class Embeddings(_ConfigModule):
         """(b, t) integer ids (and segment ids, default 0) -> (b, t, hidden_size)."""
         self.check(input_ids, token_type_ids)
         seq_length = input_ids.size(1)
-        position_ids = torch.arange(seq_length, dtype=torch.long, device=input_ids.device)[None]  # (1, t)
+        if self.position_padding_idx is None:
+            position_ids = torch.arange(seq_length, dtype=torch.long, device=input_ids.device)[None]  # (1, t)
+        else:  # RoBERTa (fairseq's make_positions): read from the ids, not from the attention mask
+            real = (input_ids != self.position_padding_idx).long()  # (b, t)
+            position_ids = torch.cumsum(real, dim=1) * real + self.position_padding_idx  # (b, t)
         embeddings = self.token_embeddings(input_ids) + self.position_embeddings(position_ids)
         if hasattr(self, "token_type_embeddings"):
             if token_type_ids is None:
@@ -245,8 +255,7 @@ class TransformerEncoder(_ConfigModule):
 
     def input_spec(self) -> InputSpec:
         """What the model reads (ids range, longest input), so tools need not know its class."""
-        return InputSpec(self.embeddings.token_embeddings.num_embeddings,
-                         self.embeddings.position_embeddings.num_embeddings)
+        return InputSpec(self.embeddings.token_embeddings.num_embeddings, self.embeddings.max_length)
 
     def forward(self, x, attention_mask=None, token_type_ids=None, *, return_attentions: bool = False):
         """Args:
@@ -284,14 +293,20 @@ class TransformerForSequenceClassification(_ConfigModule):
     ``config.classifier_pooling`` picks the vector: "cls", the first hidden state (the
     notebook's), through BERT's pooler when the encoder has one (``EncoderConfig.bert``:
     exactly HF's ``BertForSequenceClassification``); or "mean", the mean over real tokens.
+    ``config.classifier_head`` adds a dense layer before ``classifier``: "relu" is
+    ``DistilBertForSequenceClassification``'s ``pre_classifier``, "tanh" is
+    ``RobertaClassificationHead`` (its ``dense`` is our ``pre_classifier``, ``out_proj`` our ``classifier``).
     """
 
     def __init__(self, config):
         super().__init__()
         config = EncoderConfig.from_any(config)
         self.pooling = config.classifier_pooling  # "cls" or "mean"
+        self.classifier_head = config.classifier_head  # "linear", "relu" or "tanh"
         self.encoder = TransformerEncoder(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = nn.Dropout(config.head_dropout)
+        if config.classifier_head != "linear":
+            self.pre_classifier = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     def features(self, x, attention_mask=None):
@@ -305,6 +320,10 @@ class TransformerForSequenceClassification(_ConfigModule):
 
     def classify(self, features):
         """(b, hidden_size) pooled vectors -> (b, num_labels) logits."""
+        if self.classifier_head == "relu":  # DistilBERT: pre_classifier, ReLU, dropout, classifier
+            features = torch.relu(self.pre_classifier(features))
+        elif self.classifier_head == "tanh":  # RoBERTa: dropout, dense, tanh, dropout, out_proj
+            features = torch.tanh(self.pre_classifier(self.dropout(features)))
         return self.classifier(self.dropout(features))
 
     def input_spec(self) -> InputSpec:

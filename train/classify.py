@@ -60,7 +60,8 @@ def main(argv=None) -> int:
                                               progress=not args.no_progress, export_torch=args.export_torch,
                                               overwrite=args.overwrite,
                                               export_hf=args.export_hf,
-                                              mesh=mesh_of(args))
+                                              mesh=mesh_of(args), init_from_torch=args.init_from_torch,
+                                              export_torch_state=args.export_torch_state)
         if metrics["interrupted"]:
             return True
         print(f"test accuracy {metrics['test_accuracy']:.4f}  test loss {metrics['test_loss']:.4f}  "

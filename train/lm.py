@@ -27,7 +27,8 @@ def main(argv=None) -> int:
         metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                         progress=not args.no_progress, export_torch=args.export_torch,
                                         overwrite=args.overwrite,
-                                        mesh=mesh_of(args))
+                                        mesh=mesh_of(args), init_from_torch=args.init_from_torch,
+                                        export_torch_state=args.export_torch_state)
         if metrics["interrupted"]:
             return True
         print(f"validation loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bits_per_token']:.3f} bits), "

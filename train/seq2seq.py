@@ -20,7 +20,8 @@ def main(argv=None) -> int:
     def run():
         metrics = seq2seq.train_and_evaluate(config, args.out, resume=args.resume, progress=not args.no_progress,
                                              export_torch=args.export_torch, overwrite=args.overwrite,
-                                             mesh=mesh_of(args))
+                                             mesh=mesh_of(args), init_from_torch=args.init_from_torch,
+                                             export_torch_state=args.export_torch_state)
         if metrics["interrupted"]:
             return True
         print(f"exact match {metrics['exact_match']:.4f} on {config.eval_size} held-out strings "

@@ -31,7 +31,7 @@ from flax import nnx
 from .. import checkpoints as ckpt
 from .. import files
 from ..configs import EncoderConfig
-from . import data, tokenizers
+from . import data, tokenizers, torch_export
 from .batching import Bucketed, Rows, default_buckets
 from .limits import BIG, check_config, check_memory, step_bytes
 from .loop import (
@@ -292,7 +292,8 @@ from .pretrained import (  # noqa: E402,F401  (re-exported: they used to live he
 
 
 def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, export_hf=None, overwrite: bool = False, mesh=None) -> dict:
+                       export_torch=None, export_hf=None, overwrite: bool = False, mesh=None, init_from_torch=None,
+                       export_torch_state=None) -> dict:
     """Train, evaluate on the test set, write the run directory; returns the final metrics.
 
     ``resume`` continues ``run_dir``'s run (the configuration must be the same) from its
@@ -315,6 +316,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     if export_hf is not None:
         _check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     _check_memory(config, folder, mesh)
     train, val, test = load_splits(config, data_dir)
@@ -329,7 +332,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)))
         return _train(config, run_dir, run_config, (train, val, test), tokenizer, folder, resume=resume,
                       progress=progress, export_torch=export_torch, export_hf=export_hf, overwrite=overwrite,
-                      mesh=mesh)
+                      mesh=mesh, init_from_torch=init_from_torch, export_torch_state=export_torch_state)
 
 
 def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
@@ -340,15 +343,15 @@ def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
     if folder is not None:
         from .. import hf
 
-        hf_config = hf.read_config(folder)
-        sizes = dict(width=int(hf_config.get("hidden_size", 1)), heads=int(hf_config.get("num_attention_heads", 1)),
-                     layers=int(hf_config.get("num_hidden_layers", 1)), vocab=config.num_classes)
+        encoder = hf.config_of(hf.read_config(folder))[1]  # BERT's, DistilBERT's or RoBERTa's names
+        sizes = dict(width=encoder.hidden_size, heads=encoder.num_attention_heads, layers=encoder.num_hidden_layers,
+                     vocab=config.num_classes)
     check_memory(step_bytes(batch=config.run.batch_size, length=config.max_length, devices=mesh.size if mesh else 1,
                             attention=config.run.attention, **sizes), "--max-length or --batch-size")
 
 
 def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, tokenizer, folder, *, resume, progress,
-           export_torch, export_hf, overwrite, mesh) -> dict:
+           export_torch, export_hf, overwrite, mesh, init_from_torch=None, export_torch_state=None) -> dict:
     """The run itself, in its open (locked) run directory."""
     train, val, test = splits
     buckets = default_buckets(config.max_length, config.buckets)
@@ -358,7 +361,8 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
         return Bucketed(*encode(tokenizer, rows), batch_size=config.run.batch_size, buckets=buckets, pad_id=pad,
                         seed=config.run.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
-    model = build_pretrained(config, folder) if folder is not None else build_model(config, tokenizer.get_vocab_size())
+    model = (build_pretrained(config, folder, mesh) if folder is not None
+             else build_model(config, tokenizer.get_vocab_size()))
     if config.freeze_encoder:
         def features(split, batches):
             return cached_features(run_dir, split, lambda: pooled_features(
@@ -385,11 +389,11 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
                  run_config=run_config, evaluate=batch_evaluator(loss_fn, lambda: val_batches.epoch()),
                  eval_every=config.run.eval_every or train_batches.steps_per_epoch,
                  checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
-                 mesh=mesh, description=f"classify-{config.model}")
+                 mesh=mesh, description=f"classify-{config.model}", init_from_torch=init_from_torch)
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
     if result.interrupted:
-        if export_hf is not None or export_torch is not None:
+        if export_hf is not None or export_torch is not None or export_torch_state is not None:
             print("Interrupted: nothing exported (the export follows a finished run)", file=sys.stderr)
         return metrics
     if config.freeze_encoder:
@@ -402,6 +406,8 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
     final = result.model.attach(model) if config.freeze_encoder else result.model
     if export_torch is not None and is_main_process():
         ckpt.save_safetensors(final, export_torch, overwrite=overwrite)
+    if export_torch_state is not None and is_main_process():
+        torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, steps), overwrite=overwrite)
     if export_hf is not None and is_main_process():
         labels = list(LABELS) if config.num_classes == 2 else None
         metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder, labels=labels,

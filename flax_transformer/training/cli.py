@@ -54,9 +54,15 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
                         help="data folder (default ../shared/data beside the repo when present, else a download)")
     parser.add_argument("--export-torch", type=Path, default=None, metavar="FILE.safetensors",
                         help="also write the trained weights as a torch_reference state_dict")
+    parser.add_argument("--init-from-torch", type=Path, default=None, metavar="FILE.pt",
+                        help="start a new run from a torch training checkpoint (model, Adam/AdamW and LambdaLR state, "
+                             "step N): it trains steps N+1 .. --steps (docs/training.md)")
+    parser.add_argument("--export-torch-state", type=Path, default=None, metavar="FILE.pt",
+                        help="also write the finished run as a torch training checkpoint (model, optimizer, scheduler, "
+                             "step) that a plain torch loop continues")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --export-torch (or --export-hf) output; without it, one is refused "
-                             "before training starts")
+                        help="replace an existing --export-torch (or --export-hf, --export-torch-state) output; "
+                             "without it, one is refused before training starts")
     parser.add_argument("--dtype", choices=["float32", "bf16"], default=None,
                         help="compute dtype (bf16: mixed precision, parameters and softmax/LayerNorm statistics fp32)")
     parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
@@ -75,7 +81,7 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
 
 # flags that are not config fields (a resumed run may change them: the mesh, the processes)
 _RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "overwrite", "no_progress", "mesh",
-              "coordinator", "num_processes", "process_id"}
+              "coordinator", "num_processes", "process_id", "init_from_torch", "export_torch_state"}
 _PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import http.client
 import json
 import os
@@ -232,7 +231,7 @@ def read_imdb(data_dir, split: str) -> list[tuple[str, int]]:
         rows = []
         for file in _packed_shards(folder, split):
             rows.extend(_packed_records(file, counts.get(file.name)))
-            if file.name in sums and _sha256(file) != sums[file.name]:  # what the checks above cannot see
+            if file.name in sums and files.sha256_file(file) != sums[file.name]:  # what the checks above cannot see
                 raise DataError(f"{file} is damaged: its SHA-256 differs from {folder / 'SHA256SUMS'}")
         return rows
     for folder in (root / "aclImdb" / split, root / split):
@@ -291,14 +290,6 @@ def read_text(path) -> str:
 # -------------------------------------------------------------------- download
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class DownloadError(OSError):
     """The source could not be fetched (no network, refused, not found)."""
 
@@ -314,7 +305,7 @@ def download(url: str, cache_dir, *, sha256: str | None = None, progress: bool =
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / url.rstrip("/").rsplit("/", 1)[-1]
-    if target.is_file() and (sha256 is None or _sha256(target) == sha256):
+    if target.is_file() and (sha256 is None or files.sha256_file(target) == sha256):
         return target
 
     def fetch(tmp: Path):
@@ -334,7 +325,7 @@ def download(url: str, cache_dir, *, sha256: str | None = None, progress: bool =
                         bar.update(len(chunk))
                 except (http.client.HTTPException, ConnectionError, TimeoutError) as error:
                     raise DownloadError(f"the download of {url} broke off ({error}); try again") from None
-        if sha256 is not None and _sha256(tmp) != sha256:
+        if sha256 is not None and files.sha256_file(tmp) != sha256:
             raise ValueError(f"{url}: SHA-256 mismatch (expected {sha256}); the download was discarded")
 
     return files.write_file(target, fetch, overwrite=True)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from .. import checkpoints as ckpt
 from .. import files
-from . import data, tokenizers
+from . import data, tokenizers, torch_export
 from .batching import Windows
 from .limits import check_config, check_memory, step_bytes
 from .loop import (
@@ -200,7 +200,8 @@ def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Wi
 
 
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, overwrite: bool = False, mesh=None) -> dict:
+                       export_torch=None, overwrite: bool = False, mesh=None, init_from_torch=None,
+                       export_torch_state=None) -> dict:
     """Train, then report validation loss (nats per token) and a sample; returns the metrics.
 
     Everything that can be checked is checked before the run directory is made: the
@@ -211,6 +212,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     text = read_corpus(config, data_dir)
     tok_path = run_dir / "tokenizer.json"
@@ -236,7 +239,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
         result = fit(model, from_task(config, config.run.steps), loss_fn, train, run_dir=run_dir, steps=config.run.steps,
                      run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
                      checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
-                     mesh=mesh, description=f"lm-{config.model}-{config.level}")
+                     mesh=mesh, description=f"lm-{config.model}-{config.level}", init_from_torch=init_from_torch)
         metrics = {"step": result.step, "interrupted": result.interrupted,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
         if not result.interrupted:
@@ -246,6 +249,9 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
                 files.write_text(run_dir / "sample.txt", metrics["sample"] + "\n", overwrite=True)
         if export_torch is not None and is_main_process():
             ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
+        if export_torch_state is not None and not result.interrupted and is_main_process():
+            torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, config.run.steps),
+                                    overwrite=overwrite)
     return metrics
 
 

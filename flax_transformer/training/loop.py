@@ -201,16 +201,24 @@ class _State:
         return model
 
 
-def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh) -> _State:
-    """Split model and optimizer, place them on the mesh, restore the latest checkpoint if resuming,
-    and check that ``keep`` checkpoints fit on the disk."""
+def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh, init_from_torch=None) -> _State:
+    """Split model and optimizer, place them on the mesh, restore the latest checkpoint if resuming
+    (or, starting a run, the torch training checkpoint ``init_from_torch``), and check that ``keep``
+    checkpoints fit on the disk."""
     model.train()
+    optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param)
+    start = 0
+    if init_from_torch is not None and not resume:
+        from .torch_state import import_torch_state
+
+        start = import_torch_state(init_from_torch, model, optim, optimizer=optimizer)[1]
+        print(f"Starting {run_dir} from {init_from_torch} at step {start}", file=sys.stderr)
     train_def, model_state = nnx.split(model)
-    opt_def, opt_state = nnx.split(nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param))
+    opt_def, opt_state = nnx.split(optimizer)
     shardings = None
     if mesh is not None:
         model_state, opt_state, shardings = place_state(model_state, opt_state, mesh)
-    start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (0, {})
+    start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (start, {})
     state = _State(train_def, opt_def, model_state, opt_state, shardings, start, meta)
     if is_main_process():
         check_disk_space(run_dir, sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state.pure())), keep)
@@ -273,7 +281,7 @@ class _TrainLog:
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
         keep: int = 3, resume: bool = False, log_every: int = 10, progress: bool = True,
-        tensorboard: bool = True, description: str = "train", mesh=None) -> FitResult:
+        tensorboard: bool = True, description: str = "train", mesh=None, init_from_torch=None) -> FitResult:
     """Train ``model`` for ``steps`` optimizer updates, saving, logging and evaluating as it goes.
 
     Args:
@@ -294,6 +302,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
             Required, over all devices, in a multi-process run (``initialize_distributed``):
             every process calls ``fit`` alike, process 0 alone writes the logs and curves, and
             the returned model is replicated in every process.
+        init_from_torch: a torch training checkpoint (``torch_state``: weights, Adam/AdamW state,
+            LambdaLR, step N) a new run starts from; it trains steps N+1 .. ``steps``, its batches
+            those of steps N.. (a pure function of (seed, step)).
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
     and ``RunError`` for anything that stops a run before it starts. The run directory is
@@ -308,7 +319,10 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     checkpoint_every = checkpoint_every or max(1, steps // 5)
     checkpoints = Checkpoints(run_dir, keep=keep)
     try:
-        state = _start(model, optim, checkpoints, run_dir, keep=keep, resume=resume, mesh=mesh)
+        state = _start(model, optim, checkpoints, run_dir, keep=keep, resume=resume, mesh=mesh,
+                       init_from_torch=init_from_torch)
+        if state.start >= steps and init_from_torch is not None and not resume:
+            raise RunError(f"{init_from_torch} is at step {state.start}; the run ends at step {steps}: nothing to train")
     except BaseException:
         checkpoints.close()
         raise

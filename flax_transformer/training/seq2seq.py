@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .. import checkpoints as ckpt
+from . import torch_export
 from .limits import check_config, check_memory, step_bytes
 from .loop import batch_evaluator, check_batch_size, check_output, fit, is_main_process, open_run, prepare_run_dir
 from .optim import OptimConfig, compute_dtype, from_task
@@ -144,7 +145,8 @@ def exact_match_of(generated, target) -> float:
 
 
 def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
-                       export_torch=None, overwrite: bool = False, mesh=None) -> dict:
+                       export_torch=None, overwrite: bool = False, mesh=None, init_from_torch=None,
+                       export_torch_state=None) -> dict:
     """Train on fresh examples, report exact match on ``eval_size`` held-out ones.
 
     Everything that can be checked is checked before the run directory is made: the
@@ -154,6 +156,8 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     check_memory(step_bytes(batch=config.run.batch_size, length=config.max_digits + 2,
                             width=max(config.d_model, config.d_ff // 4), heads=config.heads,
@@ -172,11 +176,14 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
         result = fit(model, from_task(config, config.run.steps), loss_fn, Examples(config), run_dir=run_dir, steps=config.run.steps,
                      run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
                      checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
-                     mesh=mesh, description="seq2seq-reverse")
+                     mesh=mesh, description="seq2seq-reverse", init_from_torch=init_from_torch)
         metrics = {"step": result.step, "interrupted": result.interrupted,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
         if not result.interrupted:
             metrics["exact_match"] = exact_match(config, result.model, held_out)
         if export_torch is not None and is_main_process():
             ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
+        if export_torch_state is not None and not result.interrupted and is_main_process():
+            torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, config.run.steps),
+                                    overwrite=overwrite)
     return metrics

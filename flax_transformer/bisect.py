@@ -1,0 +1,405 @@
+"""Where do a torch model and its Flax twin part ways? Every submodule, against float64 torch.
+
+``bisect(torch_model, flax_model, args)`` runs three models on the same inputs and records
+every submodule call of each (``capture``): the torch model in float32, a float64 copy of it
+(the reference: what the float32 math approximates) and the Flax model. For each call, in the
+order calls return (a module after its submodules), it measures
+
+* ``torch_err``: max |torch fp32 - fp64| (torch's own rounding: what fp32 costs here),
+* ``jax_err``: max |JAX - fp64|,
+
+and judges ``jax_err`` against a budget, ``max(SLACK * torch_err, FLOOR_ULPS * eps32 * scale)``
+with ``scale`` = max |fp64 output| and eps32 = 2^-23: JAX may be ``SLACK`` times less accurate
+than torch, or within ``FLOOR_ULPS`` float32 steps of the output's largest value (the floor
+covers modules torch computes exactly, e.g. an embedding lookup or a ReLU). A call beyond the
+budget has diverged.
+
+A diverged call either introduced the error or carried it in with its input. To tell, the
+module is rerun alone on the fp64 reference's input to it (cast to float32): in JAX, and in
+torch fp32 for that rerun's budget. Beyond budget there: ``introduced``; within: ``inherited``.
+``first_divergent`` is the first call, in return order, that introduced an error: the
+innermost module where it appears (its parents contain it and return later). When no call
+introduced one but some diverged (an error built up gradually), it is the first diverged call.
+
+With ``grads=True`` the same three models also give every parameter's gradient of
+``sum_i <output_i, W_i>`` (fixed random W, as ``verify.compare``), each judged by the same
+budget (scale: the largest |fp64 gradient| of the parameter's module, since an attention key
+bias has an exactly zero gradient). ``first_divergent_grad`` names a parameter: when the
+forward diverged, the first parameter under ``first_divergent`` whose gradient diverged (a
+wrong forward makes every gradient it reaches wrong; the place to fix is where the forward
+went wrong); otherwise the first diverged parameter in backward order (owning modules in
+reverse call order), which is where a wrong backward pass first shows.
+
+torch is imported lazily (this is a verification module).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import capture, frameworks
+
+SLACK = 10.0  # JAX may be this many times less accurate than torch fp32 ...
+FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magnitude
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def budget(torch_err: float, scale: float) -> float:
+    """The largest JAX error (vs fp64) that is still float32 rounding, by the rule above."""
+    return max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One submodule call: errors against the fp64 reference, end to end and rerun alone."""
+
+    path: str  # torch naming, "" = the model; "#k" marks the k-th repeated call
+    kind: str  # the torch class
+    torch_err: float | None = None  # torch fp32 vs fp64
+    jax_err: float | None = None  # JAX vs fp64
+    scale: float = 0.0  # max |fp64 output|
+    local_torch_err: float | None = None  # rerun alone on the fp64 input
+    local_jax_err: float | None = None
+    status: str = "ok"  # ok | introduced | inherited | diverged (no rerun possible) | skipped: why
+
+    @property
+    def ratio(self) -> float | None:
+        if self.jax_err is None or self.torch_err is None:
+            return None
+        return self.jax_err / self.torch_err if self.torch_err > 0 else (0.0 if self.jax_err == 0 else float("inf"))
+
+    @property
+    def budget(self) -> float | None:
+        return None if self.torch_err is None else budget(self.torch_err, self.scale)
+
+
+@dataclass(frozen=True)
+class GradRow:
+    """One parameter's gradient (torch key) against the fp64 reference's."""
+
+    name: str
+    torch_err: float
+    jax_err: float
+    scale: float
+    status: str
+
+    @property
+    def ratio(self) -> float:
+        return self.jax_err / self.torch_err if self.torch_err > 0 else (0.0 if self.jax_err == 0 else float("inf"))
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2e}" if x == x and abs(x) != float("inf") else str(x)
+
+
+@dataclass
+class BisectReport:
+    """``bisect``'s findings; ``str(report)`` is a table, ``report.tree()`` an indented tree."""
+
+    rows: list[ModuleRow]
+    first_divergent: str | None
+    grad_rows: list[GradRow] = field(default_factory=list)
+    first_divergent_grad: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergent is None and self.first_divergent_grad is None
+
+    def _row(self, path: str) -> ModuleRow | None:
+        return next((r for r in self.rows if r.path == path), None)
+
+    def summary(self) -> str:
+        if self.first_divergent is None:
+            line = "forward: every module within budget"
+        else:
+            row = self._row(self.first_divergent)
+            where = "introduced in" if row.status == "introduced" else "first seen at (built up gradually)"
+            line = (f"forward: error {where} {self.first_divergent or '(model)'} ({row.kind}): JAX {_fmt(row.jax_err)} "
+                    f"vs torch {_fmt(row.torch_err)} against float64")
+        if self.grad_rows:
+            line += "\ngradients: " + ("every parameter within budget" if self.first_divergent_grad is None
+                                       else f"first wrong at {self.first_divergent_grad}")
+        return line
+
+    def __str__(self) -> str:
+        header = ("module", "class", "torch err", "jax err", "ratio", "rerun alone: torch", "jax", "status")
+        body = [(r.path or "(model)", r.kind, _fmt(r.torch_err), _fmt(r.jax_err),
+                 "-" if r.ratio is None else f"{r.ratio:.1f}", _fmt(r.local_torch_err), _fmt(r.local_jax_err),
+                 r.status) for r in self.rows]
+        parts = [_table(header, body)]
+        if self.grad_rows:
+            body = [(g.name, _fmt(g.torch_err), _fmt(g.jax_err), f"{g.ratio:.1f}", g.status) for g in self.grad_rows]
+            parts.append(_table(("parameter gradient", "torch err", "jax err", "ratio", "status"), body))
+        return "\n\n".join(parts + [self.summary()])
+
+    def tree(self) -> str:
+        """Modules indented by depth, in call order (each under the parent that contains it)."""
+        lines = []
+        called = {r.path.split("#")[0] for r in self.rows}
+        for r in self.rows:
+            path = r.path.split("#")[0]
+            depth = sum(1 for p in called if p != path and (not p or path.startswith(p + ".")))
+            mark = " <-- first divergent" if r.path == self.first_divergent else ""
+            lines.append(f"{'  ' * depth}{r.path or '(model)'} [{r.kind}] "
+                         f"jax {_fmt(r.jax_err)} torch {_fmt(r.torch_err)}: {r.status}{mark}")
+        return "\n".join(lines + [self.summary()])
+
+    def to_dict(self) -> dict:
+        rows = [asdict(r) | {"ratio": r.ratio, "budget": r.budget} for r in self.rows]
+        grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
+        rule = {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
+        return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
+                "passed": self.passed, "budget_rule": rule, "modules": rows, "gradients": grads}
+
+    def to_json(self, path=None, *, overwrite: bool = False) -> str:
+        """The report as JSON text; also written to ``path`` (through ``files``) when given."""
+        text = json_text(self.to_dict())
+        if path is not None:
+            from . import files
+
+            files.check_target(path, kind="file", overwrite=overwrite)
+            files.write_text(path, text + "\n", overwrite=overwrite)
+        return text
+
+
+def json_text(data: dict) -> str:
+    """JSON of a report's ``to_dict()`` (infinities and NaN as strings: JSON has no such numbers)."""
+    return json.dumps(_finite(data), indent=1)
+
+
+def _finite(x):
+    """inf/NaN as strings: JSON has no such numbers."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _table(header, body) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _floats(tree) -> list[np.ndarray]:
+    """The floating-point arrays of a (nested) output, as numpy."""
+    out = []
+    for leaf in frameworks.leaves(list(tree.values()) if isinstance(tree, dict) else tree):
+        a = frameworks.to_numpy(leaf)
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            out.append(a)
+    return out
+
+
+def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """max |got - want| in float64; NaN where the reference has none counts as infinite."""
+    err = 0.0
+    for a, b in zip(got, want, strict=True):
+        d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        d[np.isnan(a) & np.isnan(b)] = 0.0
+        err = max(err, float(np.nan_to_num(d, nan=np.inf).max(initial=0.0)))
+    return err
+
+
+def _scale(arrays: list[np.ndarray]) -> float:
+    return max((float(np.nanmax(np.abs(a), initial=0.0)) for a in arrays), default=0.0)
+
+
+def _cast(tree, dtype):
+    """Every floating torch tensor in a structure cast to ``dtype`` (ids and masks kept)."""
+    if hasattr(tree, "is_floating_point"):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cast(x, dtype) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _cast(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call):
+    """The JAX call's own arguments with each float array replaced by the fp64 reference's input
+    to the same module (cast to float32): masks and ids keep JAX's own form, which may differ
+    from torch's. None when the float inputs do not line up (count or shapes)."""
+    leaves, treedef = jax.tree.flatten((jax_call.args, jax_call.kwargs))  # keyword arguments sorted by name
+    ref_kwargs = [ref_call.kwargs[k] for k in sorted(ref_call.kwargs)]
+    ref = [a for a in frameworks.leaves((*ref_call.args, *ref_kwargs))
+           if hasattr(a, "is_floating_point") and a.is_floating_point()]
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype,
+                                                                                                  jnp.floating)]
+    if len(slots) != len(ref) or any(tuple(leaves[i].shape) != tuple(r.shape) for i, r in zip(slots, ref)):
+        return None
+    for i, r in zip(slots, ref):
+        leaves[i] = jnp.asarray(r.detach().numpy().astype(np.float32)).astype(leaves[i].dtype)
+    return treedef.unflatten(leaves)
+
+
+def _rerun_alone(torch_module, ref_call, jax_call, want):
+    """(torch fp32 error, JAX error) of the module rerun alone on the fp64 input; None if it cannot be."""
+    import torch
+
+    inputs = _jax_inputs(jax_call, ref_call)
+    if inputs is None or jax_call.module is None:
+        return None, None
+    with torch.no_grad():
+        torch_out = torch_module(*_cast(ref_call.args, torch.float32), **_cast(ref_call.kwargs, torch.float32))
+    jax_out = jax_call.module(*inputs[0], **inputs[1])
+    got_t, got_j = _floats(torch_out), _floats(jax_out)
+    if len(got_t) != len(want) or len(got_j) != len(want):
+        return None, None
+    return _err(got_t, want), _err(got_j, want)
+
+
+def _status(jax_err, torch_err, scale, local) -> str:
+    if jax_err <= budget(torch_err, scale):
+        return "ok"
+    local_torch, local_jax = local
+    if local_jax is None:
+        return "diverged"
+    return "introduced" if local_jax > budget(local_torch, scale) else "inherited"
+
+
+def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool) -> list[ModuleRow]:
+    rows = []
+    for name, ref in ref_calls.items():
+        kind = type(ref.module).__name__
+        t32, jx = t32_calls.get(name), jax_calls.get(name)
+        want = _floats(ref.output)
+        if jx is None:
+            rows.append(ModuleRow(name, kind, status="skipped: no Flax call at this path"))
+            continue
+        got_t, got_j = _floats(t32.output), _floats(jx.output)
+        if len(got_j) != len(want) or any(a.shape != b.shape for a, b in zip(got_j, want)):
+            rows.append(ModuleRow(name, kind, status="skipped: the Flax output has another structure or shape"))
+            continue
+        torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
+        local = (None, None)
+        if rerun and jax_err > budget(torch_err, scale):  # only a diverged call needs the rerun
+            local = _rerun_alone(modules32[ref.path], ref, jx, want)
+        rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, _status(jax_err, torch_err, scale, local)))
+    return rows
+
+
+def _first_divergent(rows: list[ModuleRow]) -> str | None:
+    introduced = [r.path for r in rows if r.status == "introduced"]
+    diverged = [r.path for r in rows if r.status in ("inherited", "diverged")]
+    return (introduced or diverged or [None])[0]
+
+
+def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
+           use_jit: bool = True, seed: int = 0) -> BisectReport:
+    """Find the first submodule where the Flax model's output leaves the float64 torch reference.
+
+    Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
+    named by torch module paths, in the order the calls return; a module called k times gets
+    ``path``, ``path#1``, ... A torch module the Flax model does not call at that path (e.g. a
+    BERT attention head that the Flax attention folds into one matmul) is skipped with a status.
+    The budget rule, "introduced" and "inherited" and ``first_divergent`` are in the module
+    docstring. torch's calls are recorded by forward hooks; the Flax ones by wrapping each Module
+    class's ``__call__`` for the duration of the run (``capture.nnx_calls``; its docstring says
+    why not ``nnx.capture``: that sows outputs only, and loses the call order). ``use_jit`` runs
+    the Flax model under ``nnx.jit`` (the reruns of single modules run eagerly).
+
+    Returns:
+        a ``BisectReport``: ``rows``, ``first_divergent`` (None when everything agrees),
+        and with ``grads=True`` ``grad_rows`` and ``first_divergent_grad``.
+    """
+    import torch
+
+    kwargs = kwargs or {}
+    torch_model.eval()
+    flax_model.eval()
+    reference = copy.deepcopy(torch_model).double()
+    t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
+    j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
+    with torch.no_grad():
+        _, t32 = capture.torch_calls(torch_model, t_args, t_kwargs)
+        _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
+    _, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
+    modules32 = dict(torch_model.named_modules())
+    rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True)
+    report = BisectReport(rows, _first_divergent(rows))
+    if grads:
+        report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed)
+        report.first_divergent_grad = _first_divergent_grad(report, t32)
+    return report
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def _torch_grads(model, args, kwargs, weights, dtype) -> dict[str, np.ndarray]:
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        outs = list(frameworks.leaves(model(*_cast(args, dtype), **_cast(kwargs, dtype))))
+        sum((o * torch.from_numpy(w).to(dtype)).sum() for o, w in zip(outs, weights)).backward()
+    grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
+             for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[GradRow]:
+    import torch
+    from flax import nnx
+
+    from . import porting
+
+    with torch.no_grad():
+        outs = list(frameworks.leaves(torch_model(*args, **kwargs)))
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]  # verify.compare's W
+    g32 = _torch_grads(torch_model, args, kwargs, weights, torch.float32)
+    g64 = _torch_grads(reference, args, kwargs, weights, torch.float64)
+    j_args = tuple(map(frameworks.to_jax, args))
+    j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
+    _, grads = frameworks.flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
+    holder = nnx.clone(flax_model)
+    nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
+    gj = porting.state_dict(holder)
+    # a gradient's scale is the largest of its module's: an attention key bias has an exactly zero
+    # gradient (adding q.b to a whole row of scores leaves the softmax alone), so its own scale
+    # is rounding noise, which the two frameworks draw differently
+    module_scale: dict[str, float] = {}
+    for name, want in g64.items():
+        owner = name.rpartition(".")[0]
+        module_scale[owner] = max(module_scale.get(owner, 0.0), _scale([want]))
+    rows = []
+    for name, want in g64.items():
+        if name not in gj:
+            rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"))
+            continue
+        scale = module_scale[name.rpartition(".")[0]]
+        torch_err, jax_err = _err([g32[name]], [want]), _err([np.asarray(gj[name])], [want])
+        rows.append(GradRow(name, torch_err, jax_err, scale, "ok" if jax_err <= budget(torch_err, scale)
+                            else "diverged"))
+    return rows
+
+
+def _first_divergent_grad(report: BisectReport, t32_calls) -> str | None:
+    diverged = [g.name for g in report.grad_rows if g.status == "diverged"]
+    if not diverged:
+        return None
+    if report.first_divergent is not None:
+        prefix = report.first_divergent.split("#")[0]
+        inside = [n for n in diverged if not prefix or n.startswith(prefix + ".")]
+        if inside:
+            return inside[0]
+    # backward order: owning modules in reverse order of their first return
+    order = {}
+    for i, call in enumerate(t32_calls):
+        order.setdefault(call.path, i)
+    return max(diverged, key=lambda n: order.get(n.rpartition(".")[0], -1))

@@ -1,0 +1,137 @@
+"""``flax-transformer verify --pair MODULE:FACTORY`` and ``verify --checkpoint PATH --bisect``.
+
+Loading what the user names (a factory of their own, or a checkpoint and its tokenizer) and
+printing ``verify.compare``'s or ``bisect.bisect``'s report; ``cli.py`` only parses flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def load_factory(spec: str):
+    """The callable named by ``MODULE:FACTORY``.
+
+    MODULE is a path to a ``.py`` file when it ends in ``.py`` (imported under its file name,
+    without touching ``sys.path``), else a dotted module name importable from here (the
+    current directory is on the path, as for ``python -m``).
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--pair must be MODULE:FACTORY (a module or a .py file, then a function), got {spec!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"--pair: no such file: {path}")
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as error:
+            raise ValueError(f"--pair: importing {path} failed: {type(error).__name__}: {error}") from None
+    else:
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.insert(0, "")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:
+            raise ValueError(f"--pair: cannot import {module_name!r}: {type(error).__name__}: {error}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--pair: {module_name} has no function {attr!r}")
+    return factory
+
+
+def call_factory(spec: str):
+    """(torch model, flax model, args, kwargs) from the factory named by ``MODULE:FACTORY``."""
+    factory = load_factory(spec)
+    try:
+        made = factory()
+    except Exception as error:
+        raise ValueError(f"--pair: {spec} raised {type(error).__name__}: {error}") from None
+    if not isinstance(made, tuple) or len(made) not in (3, 4):
+        raise ValueError(f"--pair: {spec} must return (torch_model, flax_model, args) or "
+                         f"(torch_model, flax_model, args, kwargs), got {_kind(made)}")
+    torch_model, flax_model, args, kwargs = (*made, {}) if len(made) == 3 else made
+    if not hasattr(torch_model, "named_modules"):
+        raise ValueError(f"--pair: {spec}'s first item must be a torch module, got {_kind(torch_model)}")
+    from flax import nnx
+
+    if not isinstance(flax_model, nnx.Module):
+        raise ValueError(f"--pair: {spec}'s second item must be a Flax NNX module, got {_kind(flax_model)}")
+    if not isinstance(args, (tuple, list)) or not isinstance(kwargs or {}, dict):
+        raise ValueError(f"--pair: {spec}'s args must be a tuple (and kwargs a dict), got {_kind(args)}")
+    return torch_model, flax_model, tuple(args), dict(kwargs or {})
+
+
+def _kind(x) -> str:
+    return f"a tuple of {len(x)}" if isinstance(x, tuple) else type(x).__name__
+
+
+def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
+    """(ids, mask) of the texts through the checkpoint's own tokenizer.json, right-padded to one length."""
+    from tokenizers import Tokenizer
+
+    from ._shared import input_spec
+
+    tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)
+    encodings = [tokenizer.encode(t).ids for t in texts]
+    spec = input_spec(flax_model)
+    longest = max(len(e) for e in encodings)
+    if longest > spec.max_length:
+        raise ValueError(f"--text is {longest} tokens; the model reads at most {spec.max_length}")
+    if min(len(e) for e in encodings) == 0:
+        raise ValueError("--text gives no tokens")
+    ids = np.zeros((len(texts), longest), np.int64)
+    mask = np.zeros((len(texts), longest), np.int64)
+    for i, e in enumerate(encodings):
+        ids[i, :len(e)], mask[i, :len(e)] = e, 1
+    if ids.max() >= spec.vocab_size:
+        raise ValueError(f"the tokenizer gives id {ids.max()}, beyond the model's vocabulary of {spec.vocab_size}")
+    return ids, mask
+
+
+def run(args) -> int:
+    """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
+    from . import bisect, files, pairs, verify
+
+    if args.pair and args.checkpoint:
+        raise ValueError("--pair and --checkpoint exclude each other")
+    if not (args.pair or args.checkpoint):
+        raise ValueError("--bisect needs --checkpoint PATH or --pair MODULE:FACTORY")
+    if args.text and not (args.checkpoint and args.bisect):
+        raise ValueError("--text goes with --checkpoint PATH --bisect")
+    if args.json:
+        files.check_target(args.json, kind="file", overwrite=args.overwrite)  # before any computation
+    if args.text and not (Path(args.checkpoint) / "tokenizer.json").is_file():
+        raise ValueError(f"--text needs a checkpoint folder with a tokenizer.json; {args.checkpoint} has none "
+                         "(leave --text out for random ids)")
+    if args.pair:
+        torch_model, flax_model, call_args, call_kwargs = call_factory(args.pair)
+    else:
+        flax_model, torch_model = pairs.load_pair(args.checkpoint)
+        call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
+                     else pairs.example_inputs(flax_model, seed=args.seed))
+        call_kwargs = {}
+    if args.bisect:
+        report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                               use_jit=not args.no_jit, seed=args.seed)
+        print(report)
+        failed = not report.passed
+    else:
+        report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                                use_jit=not args.no_jit, seed=args.seed)
+        print(report)
+        failed = not report.passed
+        print(f"\n{'FAIL' if failed else 'pass'} (tolerance {verify.TOLERANCE:g})")
+    if args.json:
+        text = bisect.json_text(report.to_dict())
+        files.write_text(args.json, text + "\n", overwrite=args.overwrite)
+        print(f"wrote {args.json}")
+    return 1 if failed else 0

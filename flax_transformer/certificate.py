@@ -1,0 +1,506 @@
+"""The verification certificate: evidence, written with every export, that the weights were checked.
+
+Every writer of weights (``checkpoints.save_safetensors``/``save_torch``/``save_orbax``,
+``hf.save_pretrained``, so ``port`` and the trainers' ``--export-torch``/``--export-hf``)
+reloads what it wrote as a torch model, compares it with the Flax model being exported on
+example inputs (outputs, and every parameter's gradient), and records:
+
+* the sha256 of every tensor (and of the files that describe the model),
+* the forward and backward errors and the tolerance, and the inputs they were measured on,
+* the tensors' dtypes and the matmul precision,
+* the versions of jax, flax, torch, transformers (...) and the platform.
+
+A folder (HF, orbax) holds it as ``verification.json``, written inside the folder's atomic
+swap. A file ``x.safetensors`` / ``x.pt`` has it beside as ``x.safetensors.verification.json``:
+two files cannot be swapped together, so the certificate goes in first and the weights
+second. An interrupted export can therefore leave old weights under a new certificate, never
+new weights without one, and ``recheck`` reports that mismatch (the file's hash is recorded).
+
+``recheck(path)`` (``flax-transformer verify --checkpoint PATH``) recomputes the hashes (a
+changed tensor is named), reruns the measurement on the recorded inputs, and compares
+versions: see ``Report`` for what fails and what is a note.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from . import files
+
+FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
+FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
+FORMAT = "flax_transformer verification certificate 1"
+FORMATS = ("safetensors", "torch", "orbax", "hf")
+INPUTS = {"seed": 0, "batch": 2, "length": 9}  # one small batch: the whole check stays cheap
+# A parameter's gradient sums over every position of the batch (an embedding's over its rows too),
+# and torch and XLA sum in different orders: with real weights the fp32 rounding grows past 1e-5
+# (all-MiniLM-L6-v2: 0.9e-5 to 1.7e-5 on three seeds, worst on attention queries). A porting bug
+# (a transpose, a wrong bias) gives relative errors of order 1, so 1e-4 still catches every one.
+BACKWARD_TOLERANCE = 1e-4
+VERSIONED = ("flax_transformer", "jax", "jaxlib", "flax", "torch", "transformers", "numpy", "safetensors",
+             "orbax-checkpoint")
+
+
+class CertificateError(ValueError):
+    """An export failed its check (nothing was written), or a certificate cannot be read."""
+
+
+def path_for(path) -> Path:
+    """Where the certificate of the export ``path`` lives (it need not exist)."""
+    path = Path(path)
+    return path / FOLDER_NAME if path.is_dir() else path.with_name(path.name + FILE_SUFFIX)
+
+
+def find(path) -> Path | None:
+    """The certificate of ``path`` if it has one."""
+    cert = path_for(path)
+    return cert if cert.is_file() else None
+
+
+# ------------------------------------------------------------------ what is recorded
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
+    """Every tensor of a written export, under the names it has in the file (numpy; bf16 stays bf16)."""
+    from . import checkpoints, hf
+
+    path = Path(path)
+    if fmt == "safetensors":
+        return checkpoints.read_safetensors(path)[0]
+    if fmt == "torch":  # by content: the temporary file being checked has no suffix
+        return hf._torch_pickle(path)
+    if fmt == "hf":
+        return hf.read_weights(path)
+    import jax
+    import orbax.checkpoint as ocp
+
+    with checkpoints.orbax_errors_raised_not_logged(settle_s=0.0), ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.restore(path.absolute() / "params")
+    # Flax paths joined with "/": tblocks/0/ff/0/kernel
+    return {"/".join(str(getattr(k, "key", k)) for k in keys): np.asarray(v)
+            for keys, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def tensor_hashes(tensors: dict) -> dict[str, dict]:
+    """{name: {"sha256" of the C-order bytes, "dtype", "shape"}}."""
+    out = {}
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        out[name] = {"sha256": _sha256(a.tobytes()), "dtype": str(a.dtype), "shape": list(a.shape)}
+    return out
+
+
+def file_hashes(path, fmt: str, name: str | None = None) -> dict[str, str]:
+    """sha256 of the weights file of a single-file export (under its final ``name``), or of a
+    folder's files that describe the model (its tensors are hashed one by one)."""
+    path = Path(path)
+    if fmt in ("safetensors", "torch"):
+        return {name or path.name: files.sha256_file(path)}
+    if fmt == "orbax":  # orbax's own files carry no weights of their own: its tensors are hashed one by one
+        return {n: files.sha256_file(path / n) for n in ("flax_transformer.json",) if (path / n).is_file()}
+    return {p.name: files.sha256_file(p) for p in sorted(path.iterdir())  # config, weights, a sharded index
+            if p.is_file() and (p.name == "config.json" or p.suffix in (".safetensors", ".bin")
+                                or p.name.endswith(".index.json"))}
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions (None: not installed). torch counts only if it imports."""
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    if out["torch"] is not None and _torch() is None:
+        out["torch"] = None
+    return out
+
+
+def platform_info() -> dict[str, str]:
+    import jax
+
+    device = jax.devices()[0]
+    return {"python": platform.python_version(), "system": platform.platform(), "machine": platform.machine(),
+            "jax_backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device))}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+# ------------------------------------------------------------------------ measuring
+
+
+def _errors(torch_model, flax_model, args, seed: int) -> tuple[float, bool, float, bool, str]:
+    """(forward err, finite, backward err, finite, worst parameter): an adapter over ``verify``.
+
+    ``verify.compare(..., grads=True)`` runs the forward and backward in one compiled call; an
+    older ``compare`` without ``grads`` returns ``(err, finite)`` and ``gradient_errors`` the rest."""
+    import inspect
+
+    from . import verify
+
+    if "grads" in inspect.signature(verify.compare).parameters:
+        report = verify.compare(torch_model, flax_model, args, grads=True, seed=seed)
+        return (float(report.max_abs_err), bool(report.finite), float(report.grad_err), bool(report.grad_finite),
+                str(report.worst_grad_key))
+    err, finite = verify.compare(torch_model, flax_model, args)
+    grad_err, grad_finite, worst = verify.gradient_errors(torch_model, flax_model, args, seed=seed)
+    return float(err), bool(finite), float(grad_err), bool(grad_finite), str(worst)
+
+
+def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None):
+    """The torch_reference model of what was written at ``path``, built and filled from the file."""
+    from . import checkpoints, hf, porting
+
+    if fmt == "hf":
+        if description["class"] == "TransformerForSequenceClassification":
+            return hf.torch_classifier_from_pretrained(path)
+        return hf.torch_from_pretrained(path)
+    if fmt == "orbax":  # torch cannot read orbax: through the library's own reader and port
+        return porting.flax_to_torch(checkpoints.load_orbax(path)).eval()
+    model = checkpoints.build(description, framework="torch")
+    if tensors is None:
+        tensors = read_tensors(path, fmt)
+    model.load_state_dict(hf.torch_state(tensors))
+    return model.eval()
+
+
+def _flax_model(path, fmt: str, description: dict, tensors: dict | None = None):
+    """The Flax model of what was written at ``path`` (for a re-check: the exported model is gone)."""
+    from . import checkpoints, hf, porting
+
+    if fmt == "hf":
+        if description["class"] == "TransformerForSequenceClassification":
+            return hf.classifier_from_pretrained(path)
+        return hf.from_pretrained(path)
+    if fmt == "orbax":  # re-homed as the export's twin was, so the check's compiled code is shared
+        return fp32_twin(checkpoints.load_orbax(path))
+    model = checkpoints.build(description)  # as checkpoints.load, whatever the file's suffix
+    porting.load_state_dict(model, tensors if tensors is not None else read_tensors(path, fmt), strict=True)
+    model.eval()
+    return model
+
+
+def load_pair(path):
+    """(Flax model, torch model) of a certified export, each read from the files; a bare torch
+    ``.pt`` needs no ``--family``/``--class``/``--config`` here: its certificate describes it."""
+    record = read(path)
+    return _flax_model(path, record["format"], record["model"]), _torch_model(path, record["format"], record["model"])
+
+
+def fp32_twin(model, state: dict | None = None):
+    """The exported model as a Flax model computing in float32 (eval mode), with the same values.
+
+    The certificate is about the weights: a model that computes in bf16 is measured in fp32, so
+    one tolerance holds; bf16 parameters widen to float32 exactly. A float32 model on one device
+    is used as it is, through an eval-mode view (the caller's model keeps its mode; building a
+    twin costs a trace of the whole model). Anything else is rebuilt from the numpy ``state``
+    (torch names; default ``porting.state_dict(model)``), so sharded parameters never enter a
+    computation here; pass ``state`` when the file holds other values (a bf16 export)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from . import checkpoints, porting
+
+    if state is None and type(model).__module__.startswith("torch_reference"):
+        twin = porting.torch_to_flax(model)
+        twin.eval()
+        return twin
+    if state is None:
+        dtype = model.init_kwargs().get("dtype")
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        if (dtype is None or jnp.dtype(dtype) == jnp.float32) and all(
+                p.dtype == jnp.float32 and p.is_fully_addressable and len(p.sharding.device_set) == 1 for p in params):
+            return nnx.view(model, deterministic=True, use_running_average=True, raise_if_not_found=False)
+        state = porting.state_dict(model)
+    twin = checkpoints.build(checkpoints.describe(model))
+    porting.load_state_dict(twin, state, strict=True)
+    twin.eval()  # a copy: the caller's model keeps its mode
+    return twin
+
+
+def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int = INPUTS["batch"],
+            length: int = INPUTS["length"]) -> dict:
+    """{"inputs", "forward", "backward"}: ``flax_model`` against ``torch_model`` on example inputs.
+
+    forward: the largest |torch - flax| over the outputs. backward: the largest parameter
+    gradient error relative to the gradient's scale (``verify.compare(..., grads=True)``). Both in
+    fp32 with matmul precision "highest", against ``verify.TOLERANCE`` and ``BACKWARD_TOLERANCE``."""
+    import jax
+
+    from . import pairs, verify
+
+    if getattr(flax_model, "input_spec", None) is None:  # a sub-module (an attention layer...)
+        reason = f"not measured: {type(flax_model).__name__} is not a whole model (no input_spec() to draw inputs from)"
+        return {"inputs": None, "forward": {"not_measured": reason}, "backward": {"not_measured": reason}}
+    args = pairs.example_inputs(flax_model, seed=seed, batch=batch, length=length)
+    inputs = {"seed": seed, "batch": batch, "length": length,
+              "shapes": [None if a is None else list(np.shape(a)) for a in args],
+              "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
+    with jax.default_matmul_precision("highest"):
+        err, finite, grad_err, grad_finite, worst = _errors(torch_model, flax_model, args, seed)
+    return {"inputs": inputs,
+            "forward": {"max_abs_err": err, "finite": finite, "tolerance": verify.TOLERANCE,
+                        "passed": finite and err <= verify.TOLERANCE},
+            "backward": {"max_rel_err": grad_err, "finite": grad_finite, "worst": worst,
+                         "tolerance": BACKWARD_TOLERANCE, "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE}}
+
+
+def _not_measured(reason: str) -> dict:
+    return {"inputs": dict(INPUTS), "forward": {"not_measured": reason}, "backward": {"not_measured": reason}}
+
+
+def make(written, fmt: str, model, *, name: str | None = None, state: dict | None = None) -> dict:
+    """The certificate of the export just written at ``written`` (a temporary path) of ``model``.
+
+    Raises ``CertificateError`` when the check fails: the caller then writes nothing."""
+    from . import checkpoints
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    written = Path(written)
+    description = checkpoints.describe(model)
+    tensors = read_tensors(written, fmt)
+    record = {"certificate": FORMAT, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "format": fmt, "model": description, "files": file_hashes(written, fmt, name),
+              "tensors": tensor_hashes(tensors),
+              "dtypes": {"tensors": sorted({str(np.asarray(t).dtype) for t in tensors.values()}), "compute": "float32"},
+              "matmul_precision": "highest", "versions": versions(), "platform": platform_info()}
+    if _torch() is None:
+        record |= _not_measured("not measured: torch not installed")
+    else:
+        torch_model = _torch_model(written, fmt, description, tensors if fmt != "hf" else None)
+        record |= measure(fp32_twin(model, state), torch_model)
+    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g})" for k in ("forward", "backward")
+              if not (v := record[k]).get("passed", True)]
+    if failed:
+        raise CertificateError(f"{name or written.name}: the export check failed: {', '.join(failed)} between the "
+                               "model and what was written, reloaded in torch; nothing was written "
+                               "(certify=False writes without the check)")
+    return record
+
+
+def _value(entry: dict) -> str:
+    if "not_measured" in entry:
+        return entry["not_measured"]
+    value = entry.get("max_abs_err", entry.get("max_rel_err"))
+    return f"{value:.2e}" + ("" if entry["finite"] else " (NaN/inf)")
+
+
+def to_json(record: dict) -> str:
+    return json.dumps(record, indent=1) + "\n"
+
+
+# ---------------------------------------------------------------------- writing hooks
+
+
+def write_file(path, write, fmt: str, model, *, overwrite: bool, certify: bool) -> Path:
+    """Write a single-file export with ``write(tmp)`` and its certificate beside it.
+
+    The weights are written and checked under a temporary name; then the certificate goes in,
+    then the weights. Should the weights' swap fail, the previous certificate is put back. A
+    ``kill -9`` between the two renames leaves the old weights under the new certificate, which
+    ``recheck`` reports (the recorded file hash does not match). ``certify=False`` writes the
+    weights alone and removes a certificate left beside by an earlier export: it would not match.
+    """
+    path = files.check_target(path, kind="file", overwrite=overwrite)
+    cert = path_for(path)
+    files.check_target(cert, kind="file", overwrite=True)  # a folder or link there is refused before any work
+    if not certify:
+        files.write_file(path, write, overwrite=overwrite)
+        if cert.is_file():
+            cert.unlink()
+        return path
+    previous, swapped = None, False
+    try:
+        with files.atomic_path(path, kind="file", overwrite=overwrite) as tmp:
+            write(tmp)
+            text = to_json(make(tmp, fmt, model, name=path.name))
+            previous = cert.read_bytes() if cert.is_file() else None
+            files.write_text(cert, text, overwrite=True)
+            swapped = True
+    except BaseException:
+        if swapped:  # the weights did not go in: the certificate must not describe them
+            if previous is None:
+                cert.unlink(missing_ok=True)
+            else:
+                files.write_bytes(cert, previous, overwrite=True)
+        raise
+    return path
+
+
+def write_into(folder, fmt: str, model, *, state: dict | None = None) -> None:
+    """Certify a folder export that ``folder`` (the temporary folder, before its swap) holds."""
+    folder = Path(folder)
+    name = folder.name[1:].split(files.TMP_MARK)[0] if files.TMP_MARK in folder.name else folder.name  # for errors
+    (folder / FOLDER_NAME).write_text(to_json(make(folder, fmt, model, name=name, state=state)), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- re-check
+
+
+def read(path) -> dict:
+    """The certificate of ``path``, checked to be one (``CertificateError`` otherwise)."""
+    cert = path_for(path)
+    if not cert.is_file():
+        raise CertificateError(f"{path} has no certificate ({cert.name})")
+    try:
+        record = json.loads(cert.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CertificateError(f"{cert} is not valid JSON: {error}") from None
+    if not isinstance(record, dict) or record.get("certificate") != FORMAT or record.get("format") not in FORMATS:
+        raise CertificateError(f"{cert} is not a {FORMAT!r}")
+    for key, kind in (("model", dict), ("files", dict), ("tensors", dict), ("forward", dict), ("backward", dict),
+                      ("versions", dict), ("platform", dict)):
+        if not isinstance(record.get(key), kind):
+            raise CertificateError(f"{cert}: {key!r} is missing or not a JSON {kind.__name__}")
+    return record
+
+
+@dataclass
+class Report:
+    """The re-check of one certificate. ``failures`` make ``passed`` False; ``notes`` do not.
+
+    Fails: a changed, missing or added tensor or file; an error above the tolerance; an error
+    larger than the recorded one while versions and platform are unchanged (the measurement is
+    then deterministic, so any growth is a change). Notes: changed versions or platform (and an
+    error that grew with them but stays within the tolerance), a measurement that cannot run.
+    """
+
+    path: Path
+    certificate: Path
+    passes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def format(self) -> str:
+        lines = [f"certificate {self.certificate}"]
+        lines += [f"  pass  {t}" for t in self.passes] + [f"  FAIL  {t}" for t in self.failures]
+        lines += [f"  note  {t}" for t in self.notes]
+        lines.append(f"certificate: {len(self.passes)} passed, {len(self.failures)} failed, {len(self.notes)} notes")
+        return "\n".join(lines)
+
+
+def _short(digest) -> str:
+    return str(digest)[:12]
+
+
+def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
+    fmt = record["format"]
+    if fmt in ("safetensors", "torch"):  # the one weights file, whatever it is called now (renamed with its certificate)
+        found = {name: files.sha256_file(path) for name in record["files"]}
+    else:
+        found = file_hashes(path, fmt)
+    for fname, digest in record["files"].items():
+        shown = fname if fname == path.name or fmt in ("orbax", "hf") else f"{path.name} (certified as {fname})"
+        if fname not in found:
+            report.failures.append(f"file {shown} is missing")
+        elif found[fname] != digest:
+            report.failures.append(f"file {shown} changed (sha256 {_short(digest)}… at export, "
+                                   f"{_short(found[fname])}… now)")
+    try:
+        tensors = read_tensors(path, fmt)
+    except (OSError, ValueError) as error:
+        report.failures.append(f"cannot read the tensors: {error}")
+        return None
+    now, recorded = tensor_hashes(tensors), record["tensors"]
+    for key in sorted(set(recorded) | set(now)):
+        if key not in now:
+            report.failures.append(f"tensor {key!r} is missing")
+        elif key not in recorded:
+            report.failures.append(f"tensor {key!r} is not in the certificate")
+        elif now[key] != recorded[key]:
+            was, new = recorded[key], now[key]
+            detail = (f"sha256 {_short(was.get('sha256'))}… at export, {_short(new['sha256'])}… now"
+                      if (was.get("dtype"), was.get("shape")) == (new["dtype"], new["shape"]) else
+                      f"{was.get('dtype')} {was.get('shape')} at export, {new['dtype']} {new['shape']} now")
+            report.failures.append(f"tensor {key!r} changed ({detail})")
+    if not report.failures:
+        report.passes.append(f"{len(recorded)} tensors and {len(record['files'])} files unchanged (sha256)")
+    return tensors
+
+
+def _compare_errors(report: Report, record: dict, measured: dict, same_environment: bool) -> None:
+    for key, label in (("forward", "forward max abs err"), ("backward", "backward max relative gradient err")):
+        was, now = record[key], measured[key]
+        if "not_measured" in now:
+            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {_value(was)})"
+            report.notes.append(f"{key}: {now['not_measured']}{at_export}")
+            continue
+        value = now.get("max_abs_err", now.get("max_rel_err"))
+        tolerance = float(was.get("tolerance", now["tolerance"]))
+        if "not_measured" in was:
+            report.notes.append(f"{key}: {was['not_measured']} at export; measured now")
+            recorded = None
+        else:
+            recorded = float(was.get("max_abs_err", was.get("max_rel_err")))
+        both = f"{label} {_value(now)} now, " + (f"{recorded:.2e} at export" if recorded is not None else
+                                                 "none recorded") + f" (tolerance {tolerance:g})"
+        if not now["finite"] or value > tolerance:
+            report.failures.append(both)
+        elif recorded is not None and value > recorded:
+            (report.notes if not same_environment else report.failures).append(
+                both + ("; larger than recorded, with the versions or platform changed" if not same_environment
+                        else "; larger than recorded, with the same versions and platform"))
+        else:
+            report.passes.append(both)
+
+
+def recheck(path) -> Report:
+    """Re-check an export against its certificate: hashes, the measurement on the recorded
+    inputs, versions and platform. Raises ``CertificateError`` when there is no readable one."""
+    path = Path(path)
+    record = read(path)
+    report = Report(path, path_for(path))
+    if not path.exists():
+        report.failures.append(f"{path} is missing (an export interrupted before its weights went in?)")
+        return report
+    tensors = _check_hashes(report, path, record)
+    now_versions, now_platform = versions(), platform_info()
+    changed = [f"{k} {record['versions'].get(k)} at export, {now_versions.get(k)} now"
+               for k in sorted(set(record["versions"]) | set(now_versions))
+               if record["versions"].get(k) != now_versions.get(k)]
+    changed += [f"platform {k}: {record['platform'].get(k)!r} at export, {now_platform.get(k)!r} now"
+                for k in sorted(set(record["platform"]) | set(now_platform))
+                if record["platform"].get(k) != now_platform.get(k)]
+    report.notes.extend(changed)
+    if _torch() is None:
+        measured = _not_measured("not re-measured: torch not installed")
+    elif record.get("inputs") is None:  # a sub-module: no inputs to draw, nothing to run
+        measured = {k: record[k] for k in ("forward", "backward")}
+    else:
+        fmt, description = record["format"], record["model"]
+        inputs = record.get("inputs") or INPUTS
+        try:
+            torch_model = _torch_model(path, fmt, description, tensors if fmt != "hf" else None)
+            flax_model = _flax_model(path, fmt, description, tensors if fmt != "hf" else None)
+        except (OSError, ValueError, TypeError, RuntimeError) as error:  # RuntimeError: torch's load_state_dict
+            report.failures.append(f"cannot load the export to re-measure it: {str(error).splitlines()[0]}")
+            return report
+        measured = measure(flax_model, torch_model, seed=int(inputs.get("seed", 0)),
+                           batch=int(inputs.get("batch", 2)), length=int(inputs.get("length", 9)))
+    _compare_errors(report, record, measured, same_environment=not changed)
+    return report
+

@@ -1,0 +1,407 @@
+"""Checkpoint files read and written one tensor at a time: safetensors (single or sharded), torch pickles.
+
+A checkpoint larger than you want to copy is never held twice on the host:
+
+* reading, ``open_weights`` gives every tensor as a ``Lazy`` (its shape and dtype from the
+  file's header, its data read when asked, from the memory-mapped file, which is opened
+  for that one read and closed again); ``fill`` checks every name and shape against the
+  model first (all or nothing, as ``porting.load_state_dict``) and then reads, converts
+  and places the tensors one by one, each straight onto its devices when a sharding is
+  given (``jax.device_put(array, sharding)``);
+* writing, ``write_safetensors`` writes the header from the shapes alone and then each
+  tensor's bytes as it is read off the model; ``write_checkpoint`` splits the tensors
+  into shards of at most ``max_shard_size`` bytes with a ``model.safetensors.index.json``,
+  as transformers' ``save_pretrained`` does.
+
+So peak host memory is the model plus one tensor (the largest), plus the interpreter and
+libraries (``bench/memory.py`` measures it). Torch pickles cannot be read piecewise
+and are read whole, only with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ._shared import StateDictError
+
+# safetensors' dtype codes <-> numpy (bfloat16 and the float8s are ml_dtypes')
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+class Lazy:
+    """A tensor known by its shape and dtype, whose data is read only by ``read()``.
+
+    ``rows(start, stop)`` is a lazy slice along the first axis (read alone from a
+    safetensors file); ``astype`` a lazy cast.
+    """
+
+    def __init__(self, shape, dtype, read, read_rows=None):
+        self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        self._read, self._read_rows = read, read_rows
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        array = np.asarray(self._read())
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise ValueError(f"a tensor read back as {array.dtype}{list(array.shape)}, its header says "
+                             f"{self.dtype}{list(self.shape)} (the file changed while it was read?)")
+        return array
+
+    def rows(self, start: int, stop: int) -> Lazy:
+        if self._read_rows is not None:
+            return Lazy((stop - start, *self.shape[1:]), self.dtype, lambda: self._read_rows(start, stop))
+        return Lazy((stop - start, *self.shape[1:]), self.dtype, lambda: self.read()[start:stop])
+
+    def astype(self, dtype) -> Lazy:
+        return Lazy(self.shape, dtype, lambda: self.read().astype(dtype))
+
+    def __repr__(self):
+        return f"Lazy({self.dtype}{list(self.shape)})"
+
+
+def read(value) -> np.ndarray:
+    """A ``Lazy`` read, or an array as it is."""
+    return value.read() if isinstance(value, Lazy) else np.asarray(value)
+
+
+def split_rows(value, parts: int) -> list:
+    """``np.split(value, parts)`` along the first axis, lazily for a ``Lazy``."""
+    if not isinstance(value, Lazy):
+        return np.split(value, parts, axis=0)
+    step = value.shape[0] // parts
+    return [value.rows(i * step, (i + 1) * step) for i in range(parts)]
+
+
+def join_rows(parts: list):
+    """``np.concatenate(parts)`` along the first axis, lazily when any part is a ``Lazy``."""
+    if not any(isinstance(p, Lazy) for p in parts):
+        return np.concatenate(parts, axis=0)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    dtype = np.result_type(*[p.dtype for p in parts])
+    return Lazy(shape, dtype, lambda: np.concatenate([read(p) for p in parts], axis=0))
+
+
+# ------------------------------------------------------------------ reading
+
+
+def open_safetensors(file) -> dict[str, Lazy]:
+    """Every tensor of a safetensors file as a ``Lazy`` (the header is read and checked now)."""
+    from safetensors import SafetensorError, safe_open
+
+    file = str(file)
+
+    def reader(name):
+        def read_all():
+            try:
+                with safe_open(file, framework="np") as f:
+                    return f.get_tensor(name)
+            except SafetensorError as error:
+                raise ValueError(f"{file}: cannot read {name}: {error}") from None
+
+        def read_rows(start, stop):
+            try:
+                with safe_open(file, framework="np") as f:
+                    return f.get_slice(name)[start:stop]
+            except SafetensorError as error:
+                raise ValueError(f"{file}: cannot read {name}: {error}") from None
+        return read_all, read_rows
+
+    out = {}
+    try:
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                code = piece.get_dtype()
+                if code not in _DTYPES:
+                    raise ValueError(f"{file}: tensor {name} has dtype {code}, which numpy cannot hold")
+                out[name] = Lazy(piece.get_shape(), _numpy_dtype(_DTYPES[code]), *reader(name))
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupted?): {error}") from None
+    return out
+
+
+def _torch_pickle(file: Path) -> dict[str, np.ndarray]:
+    import pickle
+
+    import torch
+
+    from .porting import _to_numpy
+
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"refusing to load {file}: torch.load(weights_only=True) rejected it, so unpickling it would run "
+            f"code from the file. Convert it to safetensors where you trust it. ({str(error).splitlines()[0]})"
+        ) from None
+    except Exception as error:  # a corrupted pickle fails in many ways (KeyError, IndexError, EOFError...)
+        raise ValueError(f"{file} is not a readable torch checkpoint (truncated or corrupted?): "
+                         f"{type(error).__name__}: {error}") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{file} does not hold a state_dict (a mapping of names to tensors)")
+    return {k: _to_numpy(v) for k, v in state.items()}
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded-checkpoint index: tensor name -> shard file in the same folder."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a sharded-checkpoint index (not valid JSON: {error})") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise ValueError(f"{path} is not a sharded-checkpoint index (a JSON object with a 'weight_map')")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{path}: 'weight_map' must map tensor names to shard file names, "
+                         f"got {type(weight_map).__name__}")
+    for shard in set(weight_map.values()):
+        # a shard lies in the index's folder: no absolute path, no '..'
+        if not shard or "\\" in shard or "\x00" in shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(f"{path}: shard {shard!r} is not a file name in the index's own folder")
+        if Path(shard).suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+            raise ValueError(f"{path}: shard {shard!r} is not a .safetensors or torch (.bin/.pt/.pth) file")
+        if not (path.parent / shard).is_file():
+            raise FileNotFoundError(f"{path}: shard {shard!r} does not exist in {path.parent}")
+    return weight_map
+
+
+def open_weights(path) -> dict:
+    """Every tensor of a checkpoint file or HF folder: a ``Lazy`` for safetensors, else a numpy array.
+
+    Files: ``.safetensors``; ``.bin``/``.pt``/``.pth`` (torch, ``weights_only=True``);
+    ``*.index.json`` (sharded, either kind). A folder: the first of ``WEIGHT_FILES``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint: {path}")
+    if path.is_dir():
+        for name in WEIGHT_FILES:
+            if (path / name).is_file():
+                return open_weights(path / name)
+        raise FileNotFoundError(f"{path} holds no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+    if path.name.endswith(".index.json"):
+        weight_map = read_index(path)
+        out = {}
+        for shard in sorted(set(weight_map.values())):
+            part = open_weights(path.parent / shard)
+            out.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise ValueError(f"{path} lists tensors its shards do not hold: {', '.join(missing[:10])}")
+        return out
+    if path.suffix == ".safetensors":
+        return open_safetensors(path)
+    if path.suffix in (".bin", ".pt", ".pth"):
+        return _torch_pickle(path)
+    raise ValueError(f"unknown checkpoint format: {path} (expected .safetensors, .bin/.pt/.pth or *.index.json)")
+
+
+# ------------------------------------------------------------------ a model's tensors
+
+
+def _torch_names(model) -> dict[str, tuple]:
+    """{flax path: (torch name, layout rule, Param)} of every parameter of a flax_transformer model."""
+    from . import porting
+
+    family, out = porting._family(model), {}
+    for path, param in porting._flax_params(model).items():
+        mapped = porting.flax_path_to_torch(family, path)
+        if mapped is None:
+            raise StateDictError(unexpected=[f"{path} (no porting rule in the {family!r} table)"])
+        out[path] = (*mapped, param)
+    return out
+
+
+def model_tensors(model) -> dict[str, Lazy]:
+    """A flax_transformer or torch_reference model's parameters under torch names and layouts, as
+    ``Lazy``s: each is copied to the host (and transposed) only when read."""
+    from . import porting
+    from .layer_kinds import to_torch, torch_shape
+
+    if type(model).__module__.startswith("torch_reference"):
+        return {k: Lazy(tuple(v.shape), porting._to_numpy(v.detach().reshape(-1)[:0]).dtype,
+                        lambda v=v: porting._to_numpy(v)) for k, v in model.state_dict().items()}
+    return {key: Lazy(torch_shape(rule, tuple(param.shape)), np.dtype(param.dtype),
+                      lambda p=param, r=rule: np.ascontiguousarray(to_torch(r, np.asarray(p[...]))))
+            for key, rule, param in _torch_names(model).values()}
+
+
+def _placement(sharding, path: str, shape: tuple, dtype):
+    """The ``jax.sharding.Sharding`` of the parameter at ``path`` (None: JAX's default device)."""
+    import jax
+
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.Mesh):  # FSDP over the mesh's "fsdp" axis, as training places it
+        from jax.sharding import NamedSharding
+
+        from .training.distributed import _param_spec
+
+        fsdp = dict(sharding.shape).get("fsdp", 1)
+        return NamedSharding(sharding, _param_spec(jax.ShapeDtypeStruct(shape, dtype), fsdp))
+    if callable(sharding):
+        return sharding(path, shape)
+    raise TypeError(f"sharding must be a jax.sharding.Sharding, a Mesh or a function (path, shape) -> Sharding, "
+                    f"got {type(sharding).__name__}")
+
+
+def fill(model, state: dict, *, sharding=None) -> None:
+    """Load torch-named tensors (``Lazy`` or arrays) into a model built with ``porting.build_unfilled``.
+
+    Every name and shape is checked first, from the headers alone; missing, unexpected and
+    mis-shaped keys are raised together (``StateDictError``). Then each tensor is read,
+    changed to the model's layout, checked (``porting._check_value``), cast to its
+    parameter's dtype and put on its devices, one at a time: the host never holds more
+    than one tensor besides the model. A failure part-way leaves a model that nobody
+    holds (``from_pretrained`` returns nothing), so the load stays all or nothing.
+
+    Args:
+        sharding: None (JAX's default device), one ``Sharding`` for every parameter, a
+            ``Mesh`` (each parameter split over its "fsdp" axis as training places it), or
+            a function ``(flax path, shape) -> Sharding``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from . import porting
+    from .layer_kinds import to_flax, torch_shape
+
+    by_name = {key: (path, rule, param) for path, (key, rule, param) in _torch_names(model).items()}
+    plan, seen, unexpected, mismatched = [], set(), [], []
+    for key, value in state.items():
+        if key not in by_name:
+            unexpected.append(key)
+            continue
+        path, rule, param = by_name[key]
+        seen.add(key)
+        shape, expected = tuple(np.shape(value)), torch_shape(rule, tuple(param.shape))  # both in torch's layout
+        if shape != expected:
+            mismatched.append((key, shape, expected))
+            continue
+        dtype = np.dtype(value.dtype)
+        if not (np.issubdtype(dtype, np.integer) or jnp.issubdtype(dtype, jnp.floating)):
+            raise TypeError(f"state_dict[{key!r}] has dtype {dtype}; parameters take real numbers; nothing was loaded")
+        plan.append((key, path, rule, param, value))
+    missing = [key for key in by_name if key not in seen]
+    if missing or unexpected or mismatched:
+        raise StateDictError(missing, unexpected, mismatched)
+    for key, path, rule, param, value in plan:
+        array = to_flax(rule, read(value))
+        porting._check_value(key, array, param.dtype)
+        array = np.asarray(array, dtype=param.dtype)  # host-side cast: one tensor (e.g. bf16 file -> fp32)
+        placement = _placement(sharding, path, array.shape, array.dtype)
+        if placement is None:
+            param.set_value(jnp.array(array))  # a copy: jnp.asarray may alias a caller's numpy array on CPU
+        elif jax.process_count() == 1:
+            param.set_value(jax.device_put(array, placement))
+        else:  # every process reads the same file; each puts the slices its own devices hold
+            param.set_value(jax.make_array_from_process_local_data(placement, array, array.shape))
+        del array, value
+
+
+# ------------------------------------------------------------------ writing
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or transformers' ``max_shard_size`` spelling: "500MB", "2GB", "1.5GiB"."""
+    if isinstance(size, bool):
+        raise ValueError(f"max_shard_size must be a number of bytes or a size such as '500MB', got {size!r}")
+    if isinstance(size, (int, np.integer)):
+        value = int(size)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '500MB', '2GB', '1GiB'")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
+    return value
+
+
+def write_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """A safetensors file written tensor by tensor: the header from the shapes, then each tensor's
+    bytes as it is read (``Lazy``) or given. The format is safetensors' own: an 8-byte little-endian
+    header length, the JSON header (padded to 8 bytes), the data in header order."""
+    header, offset = {}, 0
+    codes = {v: k for k, v in _DTYPES.items()}
+    for name, value in tensors.items():
+        dtype = np.dtype(value.dtype)
+        if dtype.name not in codes:
+            raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
+        size = int(np.prod(np.shape(value), dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": codes[dtype.name], "shape": list(np.shape(value)), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, value in tensors.items():
+            array = np.ascontiguousarray(read(value))
+            if array.shape != tuple(header[name]["shape"]) or array.dtype != np.dtype(value.dtype):
+                raise ValueError(f"{name}: read as {array.dtype}{list(array.shape)}, declared "
+                                 f"{value.dtype}{header[name]['shape']}")
+            f.write(array.reshape(-1).view(np.uint8).data)
+            del array
+
+
+def shard(tensors: dict, max_shard_size) -> list[dict]:
+    """Tensors in order, a new shard whenever the next one would pass ``max_shard_size`` bytes (a
+    tensor larger than that gets a shard of its own), as transformers shards."""
+    limit, shards, size = parse_size(max_shard_size), [{}], 0
+    for name, value in tensors.items():
+        nbytes = int(np.prod(np.shape(value), dtype=np.int64)) * np.dtype(value.dtype).itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(tensors: dict, folder, *, max_shard_size=None, metadata: dict | None = None) -> list[str]:
+    """``model.safetensors``, or with ``max_shard_size`` shards ``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``) when more than one
+    is needed, in ``folder`` (a temporary folder that ``files.write_dir`` swaps in). Returns the names."""
+    folder = Path(folder)
+    shards = [tensors] if max_shard_size is None else shard(tensors, max_shard_size)
+    if len(shards) == 1:
+        write_safetensors(tensors, folder / "model.safetensors", metadata)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for name, part in zip(names, shards):
+        write_safetensors(part, folder / name, metadata)
+        weight_map |= {k: name for k in part}
+        total += sum(int(np.prod(np.shape(v), dtype=np.int64)) * np.dtype(v.dtype).itemsize for v in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [*names, "model.safetensors.index.json"]

@@ -1,0 +1,484 @@
+"""A training run as a PyTorch training checkpoint, and back: Adam moments, step, schedule, decay mask.
+
+    optimizer, step = import_torch_state("ckpt.pt", model, optim)   # fills model; optax state at step N
+    torch_export.save_torch_state("ckpt.pt", model, optimizer, optim)   # the way back, the same layout
+
+The file is the usual torch layout (``torch.save``; read with ``torch.load(weights_only=True)``)::
+
+    {"model": model.state_dict(),           # torch_reference names and layouts
+     "optimizer": optimizer.state_dict(),   # torch.optim.Adam or AdamW
+     "scheduler": scheduler.state_dict(),   # LambdaLR; None or absent for a constant learning rate
+     "step": N,                             # optimizer updates done
+     "config": {...},                       # optional: the model's constructor arguments (JSON-like)
+     "class": "gpt.GPTTransformer",         # written by the export: the family and class
+     "jax": {"rng": {path: int64 tensor}}}  # written by the export: the Flax model's dropout streams
+
+How the states map. torch's Adam keeps, per parameter, ``step`` (a float tensor), ``exp_avg``
+and ``exp_avg_sq``; optax's ``scale_by_adam`` keeps ``count``, ``mu`` and ``nu`` over the
+parameter tree, and ``scale_by_schedule`` its own ``count``. Both count updates from 0 and
+bias-correct with the count, so after N updates torch's step = optax's counts = N, exp_avg = mu
+and exp_avg_sq = nu (in torch's layouts: a Linear's moments are transposed like its weight, by
+``porting``'s tables), and the next update uses ``lr * lambda(N)`` in both. LambdaLR saves no
+function, so the schedule comes from the ``OptimConfig``; it is checked against the file's base
+and current learning rates and the scheduler's ``last_epoch``, which fix the schedule position.
+The weight-decay mask is read from the groups: the parameters of the groups with weight decay.
+
+Which optimizer entry is which parameter: torch numbers parameters by position within its
+groups, so the file must say, in one of three ways:
+
+* every group carries ``"param_names"``: torch (>= 2.6) writes them when the optimizer was built
+  from named parameters, ``AdamW(model.named_parameters())`` or groups of (name, parameter)
+  pairs, as ``torch_optimizer`` does;
+* one group of ``model.parameters()`` (the notebooks' ``Adam(model.parameters())``);
+* ``torch_optimizer``'s two groups without names: the parameters ``decay_mask`` decays (2-D
+  projection weights), then the rest, each in ``model.parameters()`` order.
+
+Anything else is refused (``TorchStateError``, before anything is changed), as are optimizers
+other than Adam/AdamW, ``amsgrad``, ``maximize``, Adam's coupled (L2) weight decay, scheduler
+types other than LambdaLR, a model or optimizer state for another model, and a step that
+disagrees with the optimizer's or the scheduler's own count.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import porting
+from .optim import OptimConfig, decay_mask, make_optimizer
+
+# the group settings of torch's Adam/AdamW that this module reads or must see at their defaults
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+class TorchStateError(ValueError):
+    """A torch training checkpoint that cannot continue as this run (or be written); nothing was changed."""
+
+
+# ----------------------------------------------------------------------------- the torch side
+
+
+def lr_factor(optim: OptimConfig, step: int) -> float:
+    """``optim``'s learning rate at update ``step`` (from 0) over its peak: the ``LambdaLR`` lambda of
+    ``torch_optimizer``, in plain Python (``optim.schedule`` is the same curve in optax)."""
+    if step < optim.warmup_steps:
+        return step / optim.warmup_steps
+    if optim.decay == "constant":
+        return 1.0
+    if optim.total_steps is None:
+        raise ValueError(f"decay={optim.decay!r} needs total_steps (the run's length), got None")
+    steps = optim.total_steps - optim.warmup_steps
+    done = min(step - optim.warmup_steps, steps) / steps
+    if optim.decay == "cosine":
+        return (1 - optim.end_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)) + optim.end_lr_ratio
+    return 1.0 + (optim.end_lr_ratio - 1.0) * done
+
+
+def _dotted(path) -> str:
+    """The dotted parameter path of a tree path (dict keys and sequence indices; attributes skipped)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+    return ".".join(parts)
+
+
+def _holder(model, values):
+    """A model sharing ``model``'s structure whose parameters are ``values`` (a tree like the
+    parameters', or a function of each parameter): ``porting`` then gives them torch names and
+    layouts both ways, through its tables, without touching ``model``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if callable(values):
+        values = jax.tree_util.tree_map_with_path(values, nnx.as_pure(params))
+    return nnx.merge(graphdef, values, rest)
+
+
+def _flax_twin(model):
+    """``model`` if it is a Flax model, else the unfilled Flax twin of a torch_reference one."""
+    if type(model).__module__.startswith("torch_reference"):
+        return porting.build_unfilled(porting.flax_class(model), dict(model.init_kwargs()))
+    return model
+
+
+def library_decayed(model) -> frozenset[str]:
+    """The torch names of the parameters ``decay_mask`` decays, for a Flax or torch_reference model
+    (one definition: the mask's own rule, read through the porting tables)."""
+    model = _flax_twin(model)
+    flags = decay_mask(nnx.state(model, nnx.Param))
+    flags = {_dotted(path): flag for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]}
+    holder = _holder(model, lambda path, p: np.full(p.shape, float(flags[_dotted(path)]), np.float32))
+    return frozenset(k for k, v in porting.state_dict(holder).items() if np.all(v == 1.0))
+
+
+def torch_optimizer(torch_model, optim: OptimConfig, *, decayed=None):
+    """(optimizer, scheduler): the notebooks' torch setup that ``make_optimizer(optim)`` reproduces.
+
+    ``torch.optim.AdamW`` (or ``Adam``) over two named groups, the decayed parameters (by default
+    ``decay_mask``'s: 2-D projection weights; ``decayed`` = a set of torch names) with
+    ``optim.weight_decay``, then the rest with none, each in ``model.parameters()`` order, and
+    ``LambdaLR(lambda i: lr_factor(optim, i))``. Clip with ``clip_grad_norm_(model.parameters(),
+    optim.clip_norm)`` before each ``optimizer.step()``, and call ``scheduler.step()`` after it.
+    """
+    import torch
+
+    named = list(torch_model.named_parameters())
+    if decayed is None:
+        decayed = library_decayed(torch_model)
+    wd = optim.weight_decay if optim.optimizer == "adamw" else 0.0
+    groups = [{"params": [(n, p) for n, p in named if n in decayed], "weight_decay": wd},
+              {"params": [(n, p) for n, p in named if n not in decayed], "weight_decay": 0.0}]
+    cls = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
+    optimizer = cls([g for g in groups if g["params"]], lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(optim, i))
+    return optimizer, scheduler
+
+
+def _torch_twin_on_meta(model):
+    """The torch_reference twin of a Flax model with no memory behind it: its parameter names, order, shapes."""
+    import torch
+
+    from ..checkpoints import build, describe
+
+    with torch.device("meta"):
+        return build(describe(model), framework="torch")
+
+
+def _config_json(model) -> dict:
+    from ..checkpoints import describe
+
+    return describe(model)["init_kwargs"]
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def load_torch_state(source) -> dict:
+    """A torch training checkpoint as a dict: ``source`` is a path, a binary file, or the dict itself.
+
+    Read with ``torch.load(weights_only=True)``: a pickle that carries code (any object other than
+    tensors and plain containers) is refused, never run.
+    """
+    if isinstance(source, Mapping):
+        return dict(source)
+    import torch
+
+    name = source if isinstance(source, (str, Path)) else getattr(source, "name", "the checkpoint")
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise FileNotFoundError(f"no such torch checkpoint file: {source}")
+    try:
+        loaded = torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise TorchStateError(f"{name}: refused: it carries Python objects other than tensors and plain containers, "
+                              f"which would run code when unpickled (torch.load(weights_only=True): {first})") from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise TorchStateError(f"{name}: not a readable torch file ({type(error).__name__}: {first})") from None
+    if not isinstance(loaded, Mapping):
+        raise TorchStateError(f"{name} holds a {type(loaded).__name__}, not a training checkpoint (a dict with "
+                              '"model", "optimizer", "scheduler" and "step")')
+    return dict(loaded)
+
+
+@dataclass(frozen=True)
+class TorchState:
+    """A torch training checkpoint checked against a model and ``OptimConfig``; torch names and layouts.
+
+    ``params``, ``exp_avg`` and ``exp_avg_sq`` map each torch parameter name to an array of the
+    parameter's torch shape; ``decayed`` holds the names of the parameters with weight decay;
+    ``rng`` the Flax dropout streams an export wrote (dotted path -> int64 array), else None.
+    """
+
+    step: int
+    params: dict
+    exp_avg: dict
+    exp_avg_sq: dict
+    decayed: frozenset
+    rng: dict | None
+
+
+def _numpy(value, what: str) -> np.ndarray:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TorchStateError(f"{what} is a {type(value).__name__}, not a tensor")
+    # a copy: JAX on CPU may keep a view of a numpy array, and torch updates its tensors in place
+    return np.array(porting._to_numpy(value))
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=1e-12)
+
+
+def _group_names(groups: list, torch_names: list[str], library: frozenset) -> list[list[str]]:
+    """The parameter name of every position of every group (see the module docstring), or refused."""
+    sizes = [len(g["params"]) for g in groups]
+    if all("param_names" in g for g in groups):
+        names = [list(g["param_names"]) for g in groups]
+        if [len(n) for n in names] != sizes:
+            raise TorchStateError("the optimizer's param_names and params differ in length")
+        return names
+    if len(groups) == 1 and sizes[0] == len(torch_names):
+        return [list(torch_names)]
+    two = [[n for n in torch_names if n in library], [n for n in torch_names if n not in library]]
+    if len(groups) == 2 and sizes == [len(two[0]), len(two[1])]:
+        return two
+    raise TorchStateError(
+        f"cannot tell which parameter each optimizer entry is: {len(groups)} group(s) of {sizes} parameters without "
+        f"param_names, for a model of {len(torch_names)} parameters. Build the optimizer from named parameters "
+        "(AdamW(model.named_parameters()), or torch_state.torch_optimizer) so that its state_dict names them, or use "
+        "one group of model.parameters()")
+
+
+def check_torch_state(source, optim: OptimConfig, *, total_steps: int | None = None) -> dict:
+    """The checks that need no model: the entries, the optimizer's kind and settings, the scheduler, the
+    step (below ``total_steps`` when given: a run that continues must have updates left). Returns the
+    checkpoint as a dict. The entry points run it before they create anything."""
+    ckpt = load_torch_state(source)
+    if "optimizer" not in ckpt:
+        raise TorchStateError('the checkpoint has no "optimizer" entry, so it cannot continue a run (Adam moments, '
+                              "step, schedule). To start from its weights alone, load them as a fresh run's initial "
+                              "weights: porting.load_state_dict(model, ckpt['model']), or convert the file with "
+                              "`flax-transformer port FILE.pt OUT.safetensors --family F --class C --config JSON`")
+    if not isinstance(ckpt.get("model"), Mapping):
+        raise TorchStateError('the checkpoint has no "model" entry (the model.state_dict())')
+    step = ckpt.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise TorchStateError(f'the checkpoint\'s "step" must be a count of optimizer updates >= 0, got {step!r}')
+    step = int(step)
+    opt = ckpt["optimizer"]
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("param_groups"), list) or not isinstance(
+            opt.get("state"), Mapping):
+        raise TorchStateError('"optimizer" is not an optimizer.state_dict() (a dict with "state" and "param_groups")')
+    groups = opt["param_groups"]
+    for i, g in enumerate(groups):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
+            raise TorchStateError(f"optimizer group {i} is not a parameter group")
+        if not all(k in g for k in _ADAM_KEYS):  # only Adam and AdamW have amsgrad
+            others = sorted(k for k in g if k not in ("params", "param_names", "initial_lr"))
+            raise TorchStateError(f"the optimizer is not torch.optim.Adam or AdamW (its group settings are "
+                                  f"{', '.join(others)}): only Adam/AdamW states map to the optax chain")
+        if g["amsgrad"]:
+            raise TorchStateError("the optimizer uses amsgrad=True, which the optax chain (adam/adamw) does not have")
+        if g.get("maximize"):
+            raise TorchStateError("the optimizer uses maximize=True, which the optax chain does not have")
+    # what kind of optimizer and scheduler first: it explains any difference in their numbers
+    _check_scheduler(ckpt.get("scheduler"), optim, step, len(groups))
+    for i, g in enumerate(groups):
+        if tuple(g["betas"]) != (optim.b1, optim.b2) or not _close(g["eps"], optim.eps):
+            raise TorchStateError(f"optimizer group {i} has betas={tuple(g['betas'])}, eps={g['eps']}; the run's "
+                                  f"are betas=({optim.b1}, {optim.b2}), eps={optim.eps}")
+        base = g.get("initial_lr", g["lr"])
+        if not _close(base, optim.lr):
+            raise TorchStateError(f"optimizer group {i} has the peak learning rate {base}; the run's is {optim.lr}")
+        if not _close(g["lr"], optim.lr * lr_factor(optim, step)):
+            raise TorchStateError(f"optimizer group {i}'s learning rate is {g['lr']} at step {step}; the run's "
+                                  f"schedule gives {optim.lr * lr_factor(optim, step)} (another warmup or decay?)")
+    if total_steps is not None and step >= total_steps:
+        raise TorchStateError(f"the checkpoint is at step {step}, and the run ends at step {total_steps} (--steps is "
+                              "the run's total): nothing is left to train")
+    return ckpt
+
+
+def read_torch_state(source, model, optim: OptimConfig) -> TorchState:
+    """Check a torch training checkpoint against ``model`` (a flax_transformer model, only read) and
+    ``optim``; every refusal of the module docstring is raised here, before anything is changed."""
+    ckpt = check_torch_state(source, optim)
+    step, opt = int(ckpt["step"]), ckpt["optimizer"]
+    groups = opt["param_groups"]
+    if ckpt.get("config") is not None:
+        ours, theirs = _config_json(model), ckpt["config"]
+        if not isinstance(theirs, Mapping):
+            raise TorchStateError(f'the checkpoint\'s "config" is a {type(theirs).__name__}, not constructor arguments')
+        differ = [f"{k}={theirs[k]!r} (this model: {ours.get(k)!r})" for k in theirs if ours.get(k) != theirs[k]]
+        if differ:
+            raise TorchStateError("the checkpoint is for another model: its config has " + ", ".join(differ[:4]))
+    twin = _torch_twin_on_meta(model)
+    shapes = {n: tuple(p.shape) for n, p in twin.named_parameters()}
+    torch_names = list(shapes)
+    params = {}
+    problems = [f"{k} missing" for k in torch_names if k not in ckpt["model"]]
+    problems += [f"{k} unexpected" for k in ckpt["model"] if k not in shapes]
+    for k in torch_names:
+        if k in ckpt["model"]:
+            params[k] = _numpy(ckpt["model"][k], f'"model"[{k!r}]')
+            if params[k].shape != shapes[k]:
+                problems.append(f"{k} has shape {params[k].shape}, the model's is {shapes[k]}")
+    if problems:
+        raise TorchStateError(f'the "model" entry is for another model ({type(model).__name__}): '
+                              + "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))
+
+    names = _group_names(groups, torch_names, library_decayed(model))
+    flat = [n for group in names for n in group]
+    if sorted(flat) != sorted(torch_names):
+        unknown = sorted(set(flat) - set(torch_names))
+        raise TorchStateError(f"the optimizer is for another model: it holds {len(flat)} parameters"
+                              + (f" (unknown: {', '.join(unknown[:3])})" if unknown else "")
+                              + f", the model {len(torch_names)}")
+
+    decayed = set()
+    coupled = [g for g in groups if not g.get("decoupled_weight_decay", optim.optimizer == "adamw")]
+    for group, group_names in zip(groups, names):
+        if group["weight_decay"] == 0:
+            continue
+        if coupled:
+            raise TorchStateError("the optimizer is Adam with weight_decay (an L2 term added to the gradient), "
+                                  "which the optax chain does not have; AdamW's decoupled decay it has")
+        if optim.optimizer != "adamw" or not _close(group["weight_decay"], optim.weight_decay):
+            raise TorchStateError(f"the optimizer decays weights by {group['weight_decay']}; the run's "
+                                  f"{optim.optimizer} decays them by "
+                                  f"{optim.weight_decay if optim.optimizer == 'adamw' else 0}")
+        decayed.update(group_names)
+
+    exp_avg, exp_avg_sq = {}, {}
+    index = {p: n for group, group_names in zip(groups, names) for p, n in zip(group["params"], group_names)}
+    for position, name in index.items():
+        state = opt["state"].get(position)
+        if state is None and step == 0:
+            exp_avg[name] = exp_avg_sq[name] = np.zeros(shapes[name], np.float32)
+            continue
+        if state is None:
+            raise TorchStateError(f"the optimizer has no state for {name} after {step} steps (a parameter that got "
+                                  "no gradient): the optax chain updates every parameter")
+        if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
+            raise TorchStateError(f"the optimizer's state for {name} has {sorted(state)}, not Adam's "
+                                  f"{sorted(_STATE_KEYS)}")
+        own = state["step"]
+        own = float(own.item() if hasattr(own, "item") else own)
+        if own != step:
+            raise TorchStateError(f'the checkpoint\'s "step" is {step}, but the optimizer has taken {own:g} steps '
+                                  f"for {name}")
+        for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            out[name] = _numpy(state[key], f"the optimizer's {key} of {name}")
+            if out[name].shape != shapes[name]:
+                raise TorchStateError(f"the optimizer is for another model: {key} of {name} has shape "
+                                      f"{out[name].shape}, the parameter {shapes[name]}")
+
+    rng = (ckpt.get("jax") or {}).get("rng") if isinstance(ckpt.get("jax"), Mapping) else None
+    if rng is not None:
+        rng = {k: _numpy(v, f"the dropout stream {k}").astype(np.int64) for k, v in rng.items()}
+    return TorchState(step, params, exp_avg, exp_avg_sq, frozenset(decayed), rng)
+
+
+def _check_scheduler(sched, optim: OptimConfig, step: int, n_groups: int) -> None:
+    constant = optim.warmup_steps == 0 and optim.decay == "constant"
+    if sched is None:
+        if not constant:
+            raise TorchStateError('the checkpoint has no "scheduler", but the run\'s learning rate follows a schedule '
+                                  f"(warmup {optim.warmup_steps}, decay {optim.decay})")
+        return
+    if not isinstance(sched, Mapping) or "lr_lambdas" not in sched or "last_epoch" not in sched:
+        kind = sorted(sched) if isinstance(sched, Mapping) else type(sched).__name__
+        raise TorchStateError(f"the scheduler is not a LambdaLR (its state has {kind}); the library represents "
+                              "LambdaLR warmups and its own warmup + decay (torch_state.torch_optimizer)")
+    if int(sched["last_epoch"]) != step:
+        raise TorchStateError(f'the checkpoint\'s "step" is {step}, but the scheduler has taken '
+                              f"{sched['last_epoch']} steps")
+    for base in sched.get("base_lrs", []):
+        if not _close(base, optim.lr):
+            raise TorchStateError(f"the scheduler's base learning rate is {base}; the run's is {optim.lr}")
+    for last in sched.get("_last_lr", []):
+        if not _close(last, optim.lr * lr_factor(optim, step)):
+            raise TorchStateError(f"the scheduler's learning rate at step {step} is {last}; the run's schedule gives "
+                                  f"{optim.lr * lr_factor(optim, step)}")
+
+
+# ----------------------------------------------------------------------------- the optax side
+
+
+def _field_and_param(path) -> tuple[str | None, str]:
+    """(namedtuple field, dotted parameter path after it) of a leaf of an optax state."""
+    for i, key in enumerate(path):
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            return key.name, _dotted(path[i + 1:])
+    return None, ""
+
+
+def _to_flax_tree(model, arrays: dict) -> dict:
+    """{dotted Flax path: array in Flax layout} of torch-named arrays (``porting.load_state_dict``)."""
+    holder = _holder(model, lambda path, p: np.zeros(p.shape, np.float32))  # numpy: no compilation per shape
+    porting.load_state_dict(holder, arrays, strict=True)
+    return {_dotted(path): leaf for path, leaf in
+            jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(holder, nnx.Param)))[0]}
+
+
+def import_torch_state(source, model, optim: OptimConfig, *, tx=None, optimizer: nnx.Optimizer | None = None
+                       ) -> tuple[nnx.Optimizer, int]:
+    """Continue a torch training checkpoint in JAX: ``(optimizer, step)``.
+
+    Args:
+        source: a ``.pt`` path, binary file or dict with the module docstring's layout.
+        model: the flax_transformer model to continue (built with the checkpoint's constructor
+            arguments; dropout streams from ``nnx.Rngs``); its parameters are replaced.
+        optim: the run's ``OptimConfig``: the schedule (checked against the file), betas, eps,
+            clipping.
+        tx: the chain to continue with, ``make_optimizer(optim)`` built once for several runs (their
+            compiled train step is shared); then the file's groups must decay what ``decay_mask``
+            decays. Default: ``make_optimizer(optim, mask=<the file's decayed parameters>)``.
+        optimizer: instead, an ``nnx.Optimizer`` over ``model`` and ``make_optimizer(optim)`` to fill
+            in place (``fit`` does: the run's own optimizer continues).
+
+    Returns:
+        An ``nnx.Optimizer`` over ``make_optimizer(optim, mask=<the file's decayed parameters>)``
+        whose Adam moments, counts and ``step`` are the file's (fp32, the parameters' dtype), and
+        the step N. Train it with ``make_steps``' step: update N+1 uses ``lr * lr_factor(optim, N)``.
+    """
+    state = read_torch_state(source, model, optim)
+    flax_of = {"mu": _to_flax_tree(model, state.exp_avg), "nu": _to_flax_tree(model, state.exp_avg_sq)}
+    flags = _to_flax_tree(model, {k: np.full(v.shape, float(k in state.decayed), np.float32)
+                                  for k, v in state.params.items()})
+    decayed = frozenset(path for path, flag in flags.items() if bool(np.all(np.asarray(flag) == 1.0)))
+    rng_vars = _rng_variables(model)
+    if state.rng is not None and set(state.rng) != set(rng_vars):
+        raise TorchStateError("the checkpoint's dropout streams (\"jax\" entry) are for another model: "
+                              f"{sorted(state.rng)[:3]} vs {sorted(rng_vars)[:3]}")
+    same = state.decayed == library_decayed(model) or optim.optimizer == "adam"
+    if (tx is not None or optimizer is not None) and not same:
+        raise TorchStateError("the checkpoint's optimizer decays other parameters than the library's chain (decay_mask: "
+                              "2-D projection weights only), which the training entry points run; continue it in "
+                              "your own loop with import_torch_state(FILE, model, optim), whose chain follows the file")
+    porting.load_state_dict(model, state.params, strict=True)  # checks everything, then writes
+    if state.rng is not None:
+        for path, variable in rng_vars.items():
+            value = state.rng[path]
+            if isinstance(variable, nnx.RngKey):
+                variable.set_value(jax.random.wrap_key_data(jnp.asarray(value, jnp.uint32),
+                                                            impl=jax.random.key_impl(variable.get_value())))
+            else:
+                variable.set_value(jnp.asarray(value, variable.get_value().dtype))
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: _dotted(path) in decayed, params)
+
+    if optimizer is None:
+        optimizer = nnx.Optimizer(model, tx or make_optimizer(optim, mask=None if same else mask), wrt=nnx.Param)
+
+    def fill(path, leaf):
+        field, param = _field_and_param(path)
+        if field == "count":
+            return jnp.asarray(state.step, leaf.dtype)
+        if field in ("mu", "nu"):
+            return jnp.asarray(flax_of[field][param], leaf.dtype)
+        raise TorchStateError(f"the optax chain has state the torch optimizer does not: {field} at {param}")
+
+    pure = jax.tree_util.tree_map_with_path(fill, nnx.as_pure(optimizer.opt_state))
+    nnx.update(optimizer.opt_state, nnx.state(pure))
+    optimizer.step[...] = state.step
+    return optimizer, state.step
+
+
+def _rng_variables(model) -> dict:
+    """{dotted path: RngKey/RngCount variable} of a model's dropout streams."""
+    return {".".join(str(p) for p in path): v for path, v in nnx.iter_graph(model)
+            if isinstance(v, (nnx.RngKey, nnx.RngCount))}

@@ -1,0 +1,211 @@
+"""``verify.bisect``: defects real ports get wrong, each planted on the Flax side after porting,
+must be named at the exact module with nothing flagged upstream; correct ports flag nothing.
+
+Small models (width 16-24, two blocks), run eagerly where the test is about what bisect finds
+(no compile per model); the CLI and gradient tests take the default path, under ``nnx.jit``.
+"""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import torch_reference.encoder as te
+import torch_reference.former as tf
+from flax_transformer import bisect, porting, verify
+from flax_transformer.configs import EncoderConfig
+from flax_transformer.former import _self_attention
+
+IDS = np.random.default_rng(0).integers(0, 20, (2, 8))
+
+
+def _former(cls=tf.CTransformer, **kw):
+    torch_model = (cls(16, 4, 2, 8, 20, 3, **kw) if cls is tf.CTransformer else cls(16, 4, 2, 8, 20, **kw)).eval()
+    verify.perturb_torch(torch_model, 0)  # fresh LayerNorms are ones and zeros: noise makes them matter
+    return torch_model, porting.torch_to_flax(torch_model)
+
+
+def _bert():
+    cfg = EncoderConfig.tiny(vocab_size=20, hidden_size=24, num_attention_heads=4, max_position_embeddings=16)
+    torch_model = te.TransformerEncoder(EncoderConfig.bert(dataclasses.asdict(cfg))).eval()  # post-LN, eps 1e-12
+    verify.perturb_torch(torch_model, 0)
+    return torch_model, porting.torch_to_flax(torch_model)
+
+
+def _replace_call(module, call):
+    """Give one module instance its own ``__call__`` (Python looks calls up on the type)."""
+    cls = type(module)
+    module.__class__ = type(cls)(f"Broken{cls.__name__}", (cls,), {"__call__": call})
+
+
+def _assert_named(report, path):
+    assert report.first_divergent == path, str(report)
+    rows = [r.path for r in report.rows]
+    row = report.rows[rows.index(path)]
+    assert row.status == "introduced", str(report)
+    # what ran before it, apart from its own submodules (inside it: they may carry its error)
+    upstream = [r for r in report.rows[:rows.index(path)] if not r.path.startswith(path + ".")]
+    assert all(r.status == "ok" or r.status.startswith("skipped") for r in upstream), str(report)
+
+
+def test_transposed_square_kernel():
+    torch_model, flax_model = _former()
+    kernel = flax_model.tblocks[1].mhattention.tokeys.kernel
+    kernel.set_value(kernel[...].T)
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "tblocks.1.mhattention.tokeys")
+
+
+def test_two_heads_query_weights_swapped():
+    torch_model, flax_model = _bert()
+    heads = flax_model.layers[1].attention.heads
+    q0, q1 = heads[0].q.kernel[...], heads[1].q.kernel[...]
+    heads[0].q.kernel.set_value(q1)
+    heads[1].q.kernel.set_value(q0)
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "layers.1.attention")
+
+
+def test_layer_norm_eps_1e5_instead_of_1e12():
+    torch_model, flax_model = _bert()
+    assert flax_model.layers[1].layer_norm_1.eps == 1e-12
+    flax_model.layers[1].layer_norm_1.eps = 1e-5
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "layers.1.layer_norm_1")
+
+
+def test_tanh_gelu_instead_of_exact():
+    torch_model, flax_model = _bert()
+    flax_model.layers[0].feed_forward.hidden_act = "gelu_new"
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "layers.0.feed_forward")
+
+
+def test_off_by_one_causal_mask():
+    torch_model, flax_model = _former(tf.GTransformer)
+    attention = flax_model.tblocks[1].mhattention
+
+    def call(self, x, mask=None, **_):
+        b, t, _ = x.shape
+        sees_next = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool), k=1), (b, t, t))  # one future token too
+        return _self_attention(self, x, sees_next, self.emb // self.heads, self.emb)
+
+    attention.causal = False  # the broken mask replaces the causal one
+    _replace_call(attention, call)
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "tblocks.1.mhattention")
+
+
+def test_missing_residual():
+    torch_model, flax_model = _former()
+
+    def call(self, x, mask=None, **_):
+        x = self.do(self.norm1(self.mhattention(x, mask)))  # "+ x" forgotten
+        return self.do(self.norm2(self.ff(x) + x))
+
+    _replace_call(flax_model.tblocks[1], call)
+    report = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False)
+    _assert_named(report, "tblocks.1")
+    # its norm1 is the first output to go wrong, but it computes right on the right input
+    assert next(r for r in report.rows if r.path == "tblocks.1.norm1").status == "inherited"
+
+
+def test_wrong_attention_scale():
+    torch_model, flax_model = _former()
+    flax_model.tblocks[0].mhattention.scale = "head"  # sqrt of the head width, not of emb
+    _assert_named(bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False), "tblocks.0.mhattention")
+
+
+@pytest.mark.parametrize("name", ["CTransformer(max)", "TransformerForSequenceClassification(BERT)", "GPTTransformer",
+                                  "Transformer"])
+def test_a_correct_port_of_every_family_flags_nothing(name):
+    spec = next(s for s in verify.specs() if s.name == name)
+    torch_model, args, kwargs = verify.case_inputs(spec, spec.cases[1], 0)  # padding (GPT: causal+padding)
+    verify.perturb_torch(torch_model, 0)
+    report = bisect.bisect(torch_model, porting.torch_to_flax(torch_model), args, kwargs, use_jit=False)
+    assert report.first_divergent is None, str(report)
+    assert sum(r.status == "ok" for r in report.rows) >= 10  # it did compare modules, not skip them all
+    # torch modules the Flax twin does not call (embeddings it reads as tables) are listed, skipped
+    assert any(r.status.startswith("skipped") for r in report.rows)
+
+
+def test_grads_name_the_transposed_parameter():
+    torch_model, flax_model = _former()
+    kernel = flax_model.tblocks[1].mhattention.tokeys.kernel
+    kernel.set_value(kernel[...].T)
+    report = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False)
+    assert report.first_divergent_grad == "tblocks.1.mhattention.tokeys.weight", str(report)
+    data = json.loads(report.to_json())
+    assert data["first_divergent"] == "tblocks.1.mhattention.tokeys" and len(data["gradients"]) == 30
+    assert "tblocks.1.mhattention.tokeys" in report.tree()
+
+
+PAIR = '''
+import numpy as np
+import torch_reference.former as tf
+from flax_transformer import porting
+
+def make():
+    model = tf.CTransformer(16, 4, 1, 8, 20, 3).eval()
+    flax_model = porting.torch_to_flax(model)
+    flax_model.toprobs.bias.set_value(flax_model.toprobs.bias[...].at[0].add(1e-3))  # one class's bias
+    return model, flax_model, (np.random.default_rng(0).integers(0, 20, (2, 8)),)
+
+def wrong():
+    return 1, 2
+'''
+
+
+def test_cli_pair(tmp_path, capsys):
+    from flax_transformer.cli import main
+
+    (tmp_path / "pair.py").write_text(PAIR)
+    out = tmp_path / "report.json"
+    assert main(["verify", "--pair", f"{tmp_path}/pair.py:make", "--bisect", "--json", str(out)]) == 1
+    assert "error introduced in toprobs (Linear)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["first_divergent"] == "toprobs"
+    assert main(["verify", "--pair", f"{tmp_path}/pair.py:make", "--json", str(out)]) == 2  # exists: no --overwrite
+    assert "exists" in capsys.readouterr().err
+    # without --bisect: verify.compare's table, one row for the outputs and one per gradient
+    assert main(["verify", "--pair", f"{tmp_path}/pair.py:make", "--grads", "--json", str(out), "--overwrite"]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["direction"] == "torch vs flax" and not rows[0]["passed"] and len(rows) == 1 + 17
+    assert "toprobs.bias" in capsys.readouterr().out
+    for spec, message in ((f"{tmp_path}/pair.py:wrong", "must return (torch_model, flax_model, args)"),
+                          (f"{tmp_path}/pair.py:nothing", "has no function 'nothing'"),
+                          ("no_such_module_here:make", "cannot import 'no_such_module_here'"),
+                          ("pair.py", "must be MODULE:FACTORY")):
+        assert main(["verify", "--pair", spec]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_checkpoint_bisect_json(tmp_path, capsys):
+    from flax_transformer import checkpoints
+    from flax_transformer.cli import main
+
+    torch_model, flax_model = _former()
+    checkpoints.save_safetensors(flax_model, tmp_path / "model.safetensors")
+    out = tmp_path / "bisect.json"
+    assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--json", str(out),
+                 "--no-jit"]) == 0
+    data = json.loads(out.read_text())
+    assert data["first_divergent"] is None and data["passed"]
+    assert {"tblocks.1.mhattention.tokeys", ""} <= {m["path"] for m in data["modules"]}
+    assert "every module within budget" in capsys.readouterr().out
+    assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--text", "hi"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_tuple_outputs_and_repeated_calls():
+    """A layer returning (output, attention weights) is compared leaf by leaf; a module called
+    twice (the block's dropout) gets a row per call; a defect in the weights alone is found."""
+    cfg = EncoderConfig.tiny(vocab_size=20, hidden_size=24, num_attention_heads=4, max_position_embeddings=16)
+    torch_layer = te.TransformerEncoderLayer(cfg).eval()
+    verify.perturb_torch(torch_layer, 0)
+    flax_layer = porting.torch_to_flax(torch_layer)
+    x = np.random.default_rng(0).standard_normal((2, 5, 24)).astype(np.float32)
+    report = bisect.bisect(torch_layer, flax_layer, (x,), {"return_weights": True}, use_jit=False)
+    assert report.first_divergent is None, str(report)
+    assert {"", "attention"} <= {r.path for r in report.rows if r.status == "ok"}
+    assert {"tblocks.0.do", "tblocks.0.do#1"} <= {r.path for r in bisect.bisect(*_former(), (IDS,), use_jit=False).rows}
+    heads = flax_layer.attention.heads  # one head's key weights 1% off
+    heads[1].k.kernel.set_value(heads[1].k.kernel[...] * 1.01)
+    _assert_named(bisect.bisect(torch_layer, flax_layer, (x,), {"return_weights": True}, use_jit=False), "attention")

@@ -66,7 +66,6 @@ def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, t
                               "--data-dir", fake_data, "--export-hf", export, "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "test accuracy" in captured.out and "no missing or unexpected keys" in captured.err
-    assert certificate.recheck(export).passed  # export/verification.json
     saved = json.loads((run / "run.json").read_text())
     assert saved["model"] == "hf" and saved["train_limit"] - saved["val_size"] == 64
     train = records(run, "train")

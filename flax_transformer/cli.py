@@ -136,7 +136,7 @@ def _port_torch_state(args, dst: Path) -> int:
     if args.family or args.cls or args.config:
         raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
     from . import files
-    from .training import torch_export, torch_state
+    from .training import torch_export
 
     files.check_target(dst, kind="file", overwrite=args.overwrite)
     model, optimizer, optim, step = torch_export.restore_run(args.src)
@@ -144,15 +144,13 @@ def _port_torch_state(args, dst: Path) -> int:
     print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
     if not args.verify:
         return 0
-    # read back what was written, with every check an import makes, and compare it with the run's state
-    import torch
-
-    again = torch_state.read_torch_state(dst, model, optim)
-    expected = torch_export.torch_training_state(model, optimizer, optim)
-    same = again.step == step and all(torch.equal(torch.from_numpy(again.params[k]), v)
-                                      for k, v in expected["model"].items())
-    print(f"verify: {dst} reads back as step {again.step} with the run's parameters -> {'pass' if same else 'FAIL'}")
-    return 0 if same else 1
+    # read it back as torch does and as the import does, and compare with the run's own state
+    problems = torch_export.check_export(args.src, dst, step=step)
+    for problem in problems:
+        print(f"  {problem}")
+    print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "
+          f"parameters, Adam moments and counts at step {step} -> {'FAIL' if problems else 'pass'}")
+    return 1 if problems else 0
 
 
 def _port(args) -> int:

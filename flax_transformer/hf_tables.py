@@ -157,6 +157,9 @@ def normalise_hf_names(kind: str, weights: dict) -> dict:
         if kind in ENCODERS:
             spec = ENCODERS[kind]
             key = key[len(spec.prefix):] if key.startswith(spec.prefix) else key
+            # the hub's bert-base-uncased (and other TF-era BERTs) say LayerNorm.gamma/beta; transformers
+            # renames them on load, and so do we
+            key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
             if any(re.fullmatch(p, key) for p in spec.buffers):
                 continue
         else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer import certificate, hf
+from flax_transformer import hf
 from flax_transformer.configs import EncoderConfig
 from flax_transformer.encoder import TransformerEncoder
 from flax_transformer.training import classify, loop

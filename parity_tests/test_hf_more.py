@@ -250,3 +250,26 @@ def test_classify_fine_tunes_a_roberta_folder_and_exports_it(tmp_path, capsys, m
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["RobertaForSequenceClassification"] and config["pad_token_id"] == 1
 
+
+def test_tf_era_layer_norm_names_load(tmp_path):
+    """The hub's bert-base-uncased names LayerNorm parameters gamma/beta (transformers renames them on
+    load); a folder with those names loads, with the same outputs."""
+    from safetensors.numpy import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=24, max_position_embeddings=20)
+    reference = transformers.BertModel(config).eval()
+    reference.save_pretrained(tmp_path / "bert")
+    weights = load_file(tmp_path / "bert" / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in weights.items()}
+    assert sum("gamma" in k for k in renamed) == 3
+    save_file(renamed, tmp_path / "bert" / "model.safetensors", metadata={"format": "pt"})
+    ours = hf.from_pretrained(tmp_path / "bert")
+    ids = np.array([[2, 5, 7, 9]])
+    with torch.no_grad():
+        want = reference(torch.from_numpy(ids)).last_hidden_state.numpy()
+    out = ours(ids)
+    got = np.asarray(out[0] if isinstance(out, tuple) else out)
+    np.testing.assert_allclose(got, want, atol=1e-5)

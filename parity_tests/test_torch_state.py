@@ -202,6 +202,10 @@ def test_refusals_change_nothing(tmp_path):
     torch.save(dict(ckpt, extra=Code()), tmp_path / "code.pt")
     _refused(tmp_path / "code.pt", "carries Python objects other than tensors")
     assert not (tmp_path / "ran").exists()
+    (tmp_path / "notes.pt").write_text("hello world\n")  # torch's loader raises KeyError on text
+    _refused(tmp_path / "notes.pt", "not a readable torch file")
+    (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 4)
+    _refused(tmp_path / "noise.pt", "not a readable torch file")
 
 
 # ----------------------------------------------------------------------------- JAX -> file -> JAX, bf16
@@ -332,6 +336,13 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
         assert torch.equal(ours["model"][key], value), key
     for i, state in theirs["optimizer"]["state"].items():
         assert all(torch.equal(ours["optimizer"]["state"][i][m], state[m]) for m in state), i
+    # --verify reads the file back as torch and as the import do: a changed moment is caught
+    from flax_transformer.training import torch_export
+
+    theirs["optimizer"]["state"][0]["exp_avg"] *= 1.5
+    torch.save(theirs, tmp_path / "tampered.pt")
+    problems = torch_export.check_export(whole, tmp_path / "tampered.pt")
+    assert problems and all("optimizer state" in p for p in problems), problems
     capsys.readouterr()
 
     bad = tmp_path / "weights-only.pt"

@@ -153,6 +153,49 @@ def export_run(run_dir, path, *, step: int | None = None, optim: OptimConfig | N
     return save_torch_state(path, model, optimizer, optim, overwrite=overwrite)
 
 
+def check_export(run_dir, path, *, step: int | None = None) -> list[str]:
+    """Read a torch training checkpoint written from ``run_dir`` back both ways and list what differs
+    (``port ... --to torch-state --verify``; an empty list means it checks out):
+
+    * torch: the torch_reference twin, ``torch_optimizer``'s AdamW/Adam and ``LambdaLR`` load it
+      with their own ``load_state_dict`` (what a plain torch loop does);
+    * JAX: ``import_torch_state`` into a second copy of the run's model gives the run's parameters,
+      Adam moments and counts again, bit for bit.
+    """
+    from .torch_state import import_torch_state, load_torch_state
+
+    model, optimizer, optim, step = restore_run(run_dir, step=step)
+    data = load_torch_state(path)
+    problems = []
+    twin = porting.flax_to_torch(model)
+    torch_opt, torch_sched = torch_optimizer(twin, optim)
+    for what, target, value in (("model", twin, data.get("model")), ("optimizer", torch_opt, data.get("optimizer")),
+                                ("scheduler", torch_sched, data.get("scheduler"))):
+        try:
+            target.load_state_dict(value)
+        except Exception as error:  # torch raises RuntimeError, ValueError, KeyError, TypeError
+            problems.append(f"torch's {type(target).__name__}.load_state_dict refuses its {what!r}: "
+                            f"{str(error).splitlines()[0][:200]}")
+    fresh, _, _, _ = restore_run(run_dir, step=step)
+    again, again_step = import_torch_state(data, fresh, optim)
+    if again_step != step:
+        problems.append(f"the file continues at step {again_step}, the run's checkpoint is step {step}")
+    pairs = (("parameter", nnx.state(model, nnx.Param), nnx.state(fresh, nnx.Param)),
+             ("optimizer state", nnx.state(optimizer.opt_state), nnx.state(again.opt_state)))
+    for what, want, got in pairs:
+        want, got = nnx.to_flat_state(want), nnx.to_flat_state(got)
+        want = {"/".join(map(str, k)): v for k, v in want}
+        got = {"/".join(map(str, k)): v for k, v in got}
+        if want.keys() != got.keys():
+            problems.append(f"{what}: other entries after the round trip: {sorted(set(want) ^ set(got))[:3]}")
+            continue
+        for key in want:
+            a, b = np.asarray(want[key].get_value()), np.asarray(got[key].get_value())
+            if a.shape != b.shape or not np.array_equal(a, b):
+                problems.append(f"{what} {key} differs after the round trip")
+    return problems
+
+
 # ----------------------------------------------------------------------------- the entry points' flags
 
 

@@ -178,12 +178,12 @@ def load_torch_state(source) -> dict:
         raise FileNotFoundError(f"no such torch checkpoint file: {source}")
     try:
         loaded = torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
+    except Exception as error:  # torch raises many kinds for a file that is not one of its own (KeyError for text)
         first = (str(error).strip().splitlines() or [""])[0][:200]
-        raise TorchStateError(f"{name}: refused: it carries Python objects other than tensors and plain containers, "
-                              f"which would run code when unpickled (torch.load(weights_only=True): {first})") from None
-    except (RuntimeError, EOFError, ValueError) as error:
-        first = (str(error).strip().splitlines() or [""])[0][:200]
+        if isinstance(error, pickle.UnpicklingError) and "global" in str(error).lower():
+            raise TorchStateError(f"{name}: refused: it carries Python objects other than tensors and plain "
+                                  f"containers, which would run code when unpickled (torch.load(weights_only=True): "
+                                  f"{first})") from None
         raise TorchStateError(f"{name}: not a readable torch file ({type(error).__name__}: {first})") from None
     if not isinstance(loaded, Mapping):
         raise TorchStateError(f"{name} holds a {type(loaded).__name__}, not a training checkpoint (a dict with "

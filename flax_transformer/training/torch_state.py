@@ -448,15 +448,21 @@ def import_torch_state(source, model, optim: OptimConfig, *, tx=None, optimizer:
         raise TorchStateError("the checkpoint's optimizer decays other parameters than the library's chain (decay_mask: "
                               "2-D projection weights only), which the training entry points run; continue it in "
                               "your own loop with import_torch_state(FILE, model, optim), whose chain follows the file")
-    porting.load_state_dict(model, state.params, strict=True)  # checks everything, then writes
-    if state.rng is not None:
-        for path, variable in rng_vars.items():
-            value = state.rng[path]
+    # everything that can refuse runs before the first write: the dropout streams' values, the chain's state
+    rng_values = {}
+    for path, variable in (rng_vars.items() if state.rng is not None else ()):
+        value = state.rng[path]
+        try:
             if isinstance(variable, nnx.RngKey):
-                variable.set_value(jax.random.wrap_key_data(jnp.asarray(value, jnp.uint32),
-                                                            impl=jax.random.key_impl(variable.get_value())))
+                rng_values[path] = jax.random.wrap_key_data(jnp.asarray(value, jnp.uint32),
+                                                            impl=jax.random.key_impl(variable.get_value()))
             else:
-                variable.set_value(jnp.asarray(value, variable.get_value().dtype))
+                rng_values[path] = jnp.asarray(value, variable.get_value().dtype)
+        except (TypeError, ValueError) as error:
+            raise TorchStateError(f"the checkpoint's dropout stream {path} does not fit the model: {error}") from None
+        if rng_values[path].shape != variable.get_value().shape:
+            raise TorchStateError(f"the checkpoint's dropout stream {path} has shape {rng_values[path].shape}, the "
+                                  f"model's {variable.get_value().shape}")
 
     def mask(params):
         return jax.tree_util.tree_map_with_path(lambda path, _: _dotted(path) in decayed, params)
@@ -473,6 +479,9 @@ def import_torch_state(source, model, optim: OptimConfig, *, tx=None, optimizer:
         raise TorchStateError(f"the optax chain has state the torch optimizer does not: {field} at {param}")
 
     pure = jax.tree_util.tree_map_with_path(fill, nnx.as_pure(optimizer.opt_state))
+    porting.load_state_dict(model, state.params, strict=True)  # checks everything, then writes
+    for path, value in rng_values.items():
+        rng_vars[path].set_value(value)
     nnx.update(optimizer.opt_state, nnx.state(pure))
     optimizer.step[...] = state.step
     return optimizer, state.step

@@ -108,14 +108,29 @@ class BisectReport:
     first_divergent_grad: str | None = None
 
     @property
+    def unverified(self) -> str | None:
+        """Why the forward pass was not verified (the whole model's row skipped, or no row
+        compared), None when it was: a report that compared nothing must not pass."""
+        root = self._row("")
+        if root is None:
+            return "the whole model's output was not compared (no call of the model itself)"
+        if root.status.startswith("skipped"):
+            return f"the whole model's output was not compared ({root.status})"
+        if all(r.status.startswith("skipped") for r in self.rows):
+            return "no module's output was compared"
+        return None
+
+    @property
     def passed(self) -> bool:
-        return self.first_divergent is None and self.first_divergent_grad is None
+        return self.first_divergent is None and self.first_divergent_grad is None and self.unverified is None
 
     def _row(self, path: str) -> ModuleRow | None:
         return next((r for r in self.rows if r.path == path), None)
 
     def summary(self) -> str:
-        if self.first_divergent is None:
+        if self.first_divergent is None and self.unverified is not None:
+            line = f"forward: NOT VERIFIED: {self.unverified}"
+        elif self.first_divergent is None:
             line = "forward: every module within budget"
         else:
             row = self._row(self.first_divergent)
@@ -155,7 +170,7 @@ class BisectReport:
         grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
         rule = {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
         return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
-                "passed": self.passed, "budget_rule": rule, "modules": rows, "gradients": grads}
+                "passed": self.passed, "unverified": self.unverified, "budget_rule": rule, "modules": rows, "gradients": grads}
 
     def to_json(self, path=None, *, overwrite: bool = False) -> str:
         """The report as JSON text; also written to ``path`` (through ``files``) when given."""
@@ -198,23 +213,32 @@ def _floats(tree) -> list[np.ndarray]:
     out = []
     for leaf in frameworks.leaves(list(tree.values()) if isinstance(tree, dict) else tree):
         a = frameworks.to_numpy(leaf)
-        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+        if isinstance(a, np.ndarray) and jnp.issubdtype(a.dtype, jnp.floating):  # bfloat16 too (kind "V")
             out.append(a)
     return out
 
 
 def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
-    """max |got - want| in float64; NaN where the reference has none counts as infinite."""
+    """max |got - want| in float64; equal values (equal infinities too) count as 0, NaN on both
+    sides as 0, NaN on one side as infinite."""
     err = 0.0
     for a, b in zip(got, want, strict=True):
-        d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-        d[np.isnan(a) & np.isnan(b)] = 0.0
-        err = max(err, float(np.nan_to_num(d, nan=np.inf).max(initial=0.0)))
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        with np.errstate(invalid="ignore"):  # inf - inf
+            d = np.atleast_1d(np.abs(a64 - b64))  # 0-d outputs give a numpy scalar, which takes no assignment
+        d[np.atleast_1d(a64 == b64)] = 0.0  # inf - inf is NaN: equal infinities agree
+        d[np.atleast_1d(np.isnan(a64) & np.isnan(b64))] = 0.0
+        err = max(err, float(np.nan_to_num(d, nan=np.inf, posinf=np.inf).max(initial=0.0)))
     return err
 
 
 def _scale(arrays: list[np.ndarray]) -> float:
-    return max((float(np.nanmax(np.abs(a), initial=0.0)) for a in arrays), default=0.0)
+    """max |finite value|: an infinity in the reference would make the budget infinite."""
+    def finite_max(a):
+        a = np.atleast_1d(np.abs(np.asarray(a, np.float64)))
+        return float(a[np.isfinite(a)].max(initial=0.0))
+
+    return max(map(finite_max, arrays), default=0.0)
 
 
 def _cast(tree, dtype):
@@ -225,6 +249,22 @@ def _cast(tree, dtype):
         return type(tree)(_cast(x, dtype) for x in tree)
     if isinstance(tree, dict):
         return {k: _cast(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def fp32_inputs(tree):
+    """Every floating array (numpy, JAX or torch) in a structure as float32, ids and masks kept:
+    the float32 runs take float32 inputs whatever the caller gave (float64 numpy, say)."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(fp32_inputs(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: fp32_inputs(v) for k, v in tree.items()}
+    if frameworks._is_torch(tree):
+        import torch
+
+        return _cast(tree, torch.float32)
+    if isinstance(tree, (np.ndarray, jax.Array)) and jnp.issubdtype(tree.dtype, jnp.floating):
+        return tree.astype(np.float32) if isinstance(tree, np.ndarray) else tree.astype(jnp.float32)
     return tree
 
 
@@ -281,7 +321,9 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool) -> lis
             continue
         got_t, got_j = _floats(t32.output), _floats(jx.output)
         if len(got_j) != len(want) or any(a.shape != b.shape for a, b in zip(got_j, want)):
-            rows.append(ModuleRow(name, kind, status="skipped: the Flax output has another structure or shape"))
+            shapes = lambda xs: [tuple(x.shape) for x in xs]  # noqa: E731
+            rows.append(ModuleRow(name, kind, status=f"skipped: the Flax output has another structure or shape "
+                                                     f"({shapes(got_j)} vs torch {shapes(want)})"))
             continue
         torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
         local = (None, None)
@@ -321,6 +363,7 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     torch_model.eval()
     flax_model.eval()
     reference = copy.deepcopy(torch_model).double()
+    args, kwargs = fp32_inputs(tuple(args)), fp32_inputs(kwargs)  # the fp64 reference casts them back up
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     with torch.no_grad():

@@ -99,7 +99,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
-    from . import bisect, files, pairs, verify
+    from . import bisect, certificate, files, pairs, verify
 
     if args.pair and args.checkpoint:
         raise ValueError("--pair and --checkpoint exclude each other")
@@ -115,19 +115,30 @@ def run(args) -> int:
     if args.pair:
         torch_model, flax_model, call_args, call_kwargs = call_factory(args.pair)
     else:
-        flax_model, torch_model = pairs.load_pair(args.checkpoint)
+        bare = Path(args.checkpoint).suffix in (".pt", ".bin", ".pth")  # its certificate says its model, as in verify
+        flax_model, torch_model = (certificate.load_pair(args.checkpoint)
+                                   if bare and certificate.find(args.checkpoint) else pairs.load_pair(args.checkpoint))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
                      else pairs.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}
+    call_args, call_kwargs = bisect.fp32_inputs(tuple(call_args)), bisect.fp32_inputs(call_kwargs)
+    what = args.pair or args.checkpoint
+    try:
+        if args.bisect:
+            report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                                   use_jit=not args.no_jit, seed=args.seed)
+        else:
+            report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                                    use_jit=not args.no_jit, seed=args.seed)
+    except (AssertionError, RuntimeError, TypeError) as error:  # the user's models, run: one line, not a traceback
+        message = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None
+    print(report)
     if args.bisect:
-        report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
-                               use_jit=not args.no_jit, seed=args.seed)
-        print(report)
         failed = not report.passed
+        if report.unverified:
+            print(f"\nFAIL: not verified: {report.unverified}")
     else:
-        report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
-                                use_jit=not args.no_jit, seed=args.seed)
-        print(report)
         failed = not report.passed
         print(f"\n{'FAIL' if failed else 'pass'} (tolerance {verify.TOLERANCE:g})")
     if args.json:

@@ -192,6 +192,9 @@ def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     assert "every module within budget" in capsys.readouterr().out
     assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--text", "hi"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+    pt = checkpoints.save_torch(flax_model, tmp_path / "m.pt")  # a bare .pt: its certificate says its model
+    assert main(["verify", "--checkpoint", str(pt), "--bisect", "--no-jit"]) == 0
+    assert "every module within budget" in capsys.readouterr().out
 
 
 def test_tuple_outputs_and_repeated_calls():
@@ -209,3 +212,80 @@ def test_tuple_outputs_and_repeated_calls():
     heads = flax_layer.attention.heads  # one head's key weights 1% off
     heads[1].k.kernel.set_value(heads[1].k.kernel[...] * 1.01)
     _assert_named(bisect.bisect(torch_layer, flax_layer, (x,), {"return_weights": True}, use_jit=False), "attention")
+
+
+def _linears(out_flax=3, dtype=None):
+    """A torch Linear(4, 3) and a Flax Linear(4, out_flax) holding its weights (where they fit)."""
+    import torch
+    from flax import nnx
+
+    torch.manual_seed(0)
+    torch_model = torch.nn.Linear(4, 3).eval()
+    flax_model = nnx.Linear(4, out_flax, dtype=dtype, rngs=nnx.Rngs(0))
+    if out_flax == 3:
+        flax_model.kernel.set_value(jnp.asarray(torch_model.weight.detach().numpy().T))
+        flax_model.bias.set_value(jnp.asarray(torch_model.bias.detach().numpy()))
+    return torch_model, flax_model
+
+
+X64 = np.random.default_rng(0).standard_normal((2, 4))  # float64: the float32 runs take it as float32
+
+
+def test_err_zero_d_infinities_and_nan():
+    inf, nan = np.inf, np.nan
+    assert bisect._err([np.float32(1.5)], [np.float64(1.0)]) == 0.5  # 0-d outputs
+    assert bisect._err([np.array(2.0)], [np.array(2.0)]) == 0.0
+    assert bisect._err([np.array([[-inf, 5.0]])], [np.array([[-inf, 1.0]])]) == 4.0  # equal infinities agree
+    assert bisect._err([np.array([inf])], [np.array([-inf])]) == inf
+    assert bisect._err([np.array([nan, 1.0])], [np.array([nan, 1.0])]) == 0.0
+    assert bisect._err([np.array([nan])], [np.array([1.0])]) == inf
+    assert bisect._scale([np.array([-inf, 2.0, nan])]) == 2.0  # an infinity must not make the budget infinite
+    assert bisect._err([jnp.ones(3, jnp.bfloat16)], [np.full(3, 1.25)]) == 0.25
+
+
+def test_bfloat16_outputs_are_compared():
+    report = bisect.bisect(*_linears(dtype=jnp.bfloat16), (X64.astype(np.float32),), use_jit=False)
+    root = report.rows[0]
+    assert root.path == "" and root.jax_err is not None and not root.status.startswith("skipped"), str(report)
+    assert not report.passed  # bf16 rounding is beyond the float32 budget
+
+
+def test_nothing_compared_fails():
+    report = bisect.bisect(*_linears(out_flax=2), (X64,), use_jit=False)
+    assert report.rows[0].status.startswith("skipped") and "(2, 2)" in report.rows[0].status
+    assert report.first_divergent is None and not report.passed and report.to_dict()["unverified"]
+    assert "NOT VERIFIED" in str(report) and "every module within budget" not in str(report)
+
+
+LINEAR_PAIR = '''
+import numpy as np
+import torch
+from flax import nnx
+
+def make(out=3):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).eval()
+    flax_model = nnx.Linear(4, out, rngs=nnx.Rngs(0))
+    if out == 3:
+        flax_model.kernel.set_value(model.weight.detach().numpy().T)
+        flax_model.bias.set_value(model.bias.detach().numpy())
+    return model, flax_model, (np.random.default_rng(0).standard_normal((2, 4)),)  # float64 inputs
+
+def narrow():
+    return make(2)
+'''
+
+
+def test_cli_pair_float64_inputs_and_mismatched_shapes(tmp_path, capsys):
+    from flax_transformer.cli import main
+
+    (tmp_path / "lin.py").write_text(LINEAR_PAIR)
+    assert main(["verify", "--pair", f"{tmp_path}/lin.py:make", "--no-jit"]) == 0  # float64 numpy inputs run
+    assert main(["verify", "--pair", f"{tmp_path}/lin.py:make", "--bisect", "--no-jit"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--pair", f"{tmp_path}/lin.py:narrow", "--bisect", "--no-jit"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT VERIFIED" in out and "every module within budget" not in out
+    assert main(["verify", "--pair", f"{tmp_path}/lin.py:narrow", "--no-jit"]) == 2  # compare: shapes differ
+    err = capsys.readouterr().err
+    assert "shapes differ" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

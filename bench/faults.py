@@ -829,6 +829,47 @@ def kill_training(folder: Path, fx: Path):
     return again, unclean, lost, "train.lm --preset tiny --out run; kill -9 at the first checkpoint; --resume"
 
 
+# ------------------------------------------------------------------ issues 14-16: bisect, certificates, torch state
+
+
+def tamper_certified(folder: Path, fx: Path):
+    """The certified tiny GPT-2 folder with one tensor changed after the export."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(fx / "gpt2", folder / "gpt2")
+    weights = load_file(folder / "gpt2" / "model.safetensors")
+    key = sorted(weights)[0]
+    weights[key] = weights[key] + 1.0
+    save_file(weights, folder / "gpt2" / "model.safetensors", metadata={"format": "pt"})
+
+
+def names_tensor(folder, call):
+    return [] if "differs" in call.stdout or "changed" in call.stdout else ["the re-check did not name the tensor"]
+
+
+cli_case("train.seq2seq --init-from-torch a text file", "15 torch state", "train.seq2seq",
+         ["--preset", "tiny", "--steps", "10", "--init-from-torch", "notes.pt", "--out", "run", "--no-progress"],
+         prepare=touch("notes.pt", b"hello world\n"), new_run="run")
+cli_case("train.seq2seq --init-from-torch a pickle carrying code", "15 torch state, 16 pickles", "train.seq2seq",
+         ["--preset", "tiny", "--steps", "10", "--init-from-torch", "evil.pt", "--out", "run", "--no-progress"],
+         prepare=copy("evil.pt"), check=no_marker, new_run="run")
+cli_case("port --to torch-state of a file, not a run", "15 torch state", FT,
+         ["port", "ct.safetensors", "out.pt", "--to", "torch-state"], prepare=copy("ct.safetensors"))
+cli_case("verify --pair of a module that does not exist", "14 bisect", FT, ["verify", "--pair", "nope_nope:make"])
+cli_case("verify --bisect with nothing to bisect", "14 bisect", FT, ["verify", "--bisect"])
+@case("verify --checkpoint of a folder changed after its certificate", "14 certificate")
+def tampered_certificate(folder: Path, fx: Path):
+    """Not a user mistake but a failed check: exit 1 and the tensor named on stdout; stderr may hold
+    transformers' own loading messages (the table compares with it), but no traceback."""
+    tamper_certified(folder, fx)
+    before = snapshot(folder)
+    call = run(folder, FT, "verify", "--checkpoint", "gpt2")
+    unclean = ["traceback on stderr"] if "Traceback" in call.stderr else []
+    unclean += [] if call.rc == 1 else [f"exit status {call.rc}, expected 1"]
+    unclean += names_tensor(folder, call)
+    return call, unclean, lost_data(folder, before, call), f"{FT} verify --checkpoint gpt2"
+
+
 # ------------------------------------------------------------------ the sweep
 
 def run_case(item: Case, fx: Path, base: Path) -> Result:

@@ -1,0 +1,153 @@
+"""The re-check of a verification certificate (``certificate.recheck``): the tensors and files
+hashed again, the check measured again with the recorded inputs, and what changed since the export.
+
+``certificate`` writes a certificate; this module reads one back and judges it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import certificate as cert
+from . import files
+
+
+@dataclass
+class Report:
+    """The re-check of one certificate. ``failures`` make ``passed`` False; ``notes`` do not.
+
+    Fails: a changed, missing or added tensor or file (an added file: one of those the
+    certificate hashes, a weights file, ``config.json`` or an index); an error above the
+    tolerance; an error above ``max(2 x recorded, recorded + 1e-7)`` while versions and platform
+    are unchanged (the margin absorbs thread counts and reduction order; a real change moves the
+    error by orders of magnitude). Notes: changed versions or platform (and an error that grew
+    past that margin with them but stays within the tolerance), a measurement that cannot run.
+    """
+
+    path: Path
+    certificate: Path
+    passes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def format(self) -> str:
+        lines = [f"certificate {self.certificate}"]
+        lines += [f"  pass  {t}" for t in self.passes] + [f"  FAIL  {t}" for t in self.failures]
+        lines += [f"  note  {t}" for t in self.notes]
+        lines.append(f"certificate: {len(self.passes)} passed, {len(self.failures)} failed, {len(self.notes)} notes")
+        return "\n".join(lines)
+
+
+def _short(digest) -> str:
+    return str(digest)[:12]
+
+
+def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
+    fmt = record["format"]
+    if fmt in ("safetensors", "torch"):  # the one weights file, whatever it is called now (renamed with its certificate)
+        found = {name: files.sha256_file(path) for name in record["files"]}
+    else:
+        found = cert.file_hashes(path, fmt)
+    for fname, digest in record["files"].items():
+        shown = fname if fname == path.name or fmt in ("orbax", "hf") else f"{path.name} (certified as {fname})"
+        if fname not in found:
+            report.failures.append(f"file {shown} is missing")
+        elif found[fname] != digest:
+            report.failures.append(f"file {shown} changed (sha256 {_short(digest)}… at export, "
+                                   f"{_short(found[fname])}… now)")
+    for fname in sorted(set(found) - set(record["files"])):
+        report.failures.append(f"file {fname} is not in the certificate (added after the export)")
+    try:
+        tensors = cert.read_tensors(path, fmt)
+    except (OSError, ValueError) as error:
+        report.failures.append(f"cannot read the tensors: {error}")
+        return None
+    now, recorded = cert.tensor_hashes(tensors), record["tensors"]
+    for key in sorted(set(recorded) | set(now)):
+        if key not in now:
+            report.failures.append(f"tensor {key!r} is missing")
+        elif key not in recorded:
+            report.failures.append(f"tensor {key!r} is not in the certificate")
+        elif now[key] != recorded[key]:
+            was, new = recorded[key], now[key]
+            detail = (f"sha256 {_short(was.get('sha256'))}… at export, {_short(new['sha256'])}… now"
+                      if (was.get("dtype"), was.get("shape")) == (new["dtype"], new["shape"]) else
+                      f"{was.get('dtype')} {was.get('shape')} at export, {new['dtype']} {new['shape']} now")
+            report.failures.append(f"tensor {key!r} changed ({detail})")
+    if not report.failures:
+        report.passes.append(f"{len(recorded)} tensors and {len(record['files'])} files unchanged (sha256)")
+    return tensors
+
+
+def _compare_errors(report: Report, record: dict, measured: dict, same_environment: bool) -> None:
+    for key in ("forward", "backward"):
+        was, now = record[key], measured[key]
+        if "not_measured" in now:
+            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {cert._value(was)})"
+            report.notes.append(f"{key}: {now['not_measured']}{at_export}")
+            continue
+        value = cert._error(now)  # held to the tolerance: relative to the outputs' / gradients' scale
+        tolerance = float(was.get("tolerance", now["tolerance"]))
+        # like with like: a forward entry from before the relative error has the absolute one alone
+        relative = "not_measured" in was or "max_rel_err" in was
+        recorded = None if "not_measured" in was else cert._error(was, relative)
+        if recorded is None:
+            report.notes.append(f"{key}: {was['not_measured']} at export; measured now")
+        label = ("backward max relative gradient err" if key == "backward" else
+                 "forward max relative err" if relative else "forward max abs err")
+        shown = cert._value(now, relative)
+        both = f"{label} {shown} now, " + (f"{recorded:.2e} at export" if recorded is not None else
+                                           "none recorded") + f" (tolerance {tolerance:g})"
+        compared = cert._error(now, relative)
+        if not now["finite"] or value > tolerance:
+            report.failures.append(both)
+        elif recorded is not None and compared > max(cert.RECHECK_FACTOR * recorded, recorded + cert.RECHECK_SLACK):
+            (report.notes if not same_environment else report.failures).append(
+                both + ("; larger than recorded, with the versions or platform changed" if not same_environment
+                        else f"; larger than recorded (beyond the re-check margin, max({cert.RECHECK_FACTOR:g} x "
+                             f"recorded, recorded + {cert.RECHECK_SLACK:g})), with the same versions and platform"))
+        else:
+            report.passes.append(both)
+
+
+def recheck(path) -> Report:
+    """Re-check an export against its certificate: hashes, the measurement on the recorded
+    inputs, versions and platform. Raises ``CertificateError`` when there is no readable one."""
+    path = Path(path)
+    record = cert.read(path)
+    report = Report(path, cert.path_for(path))
+    if not path.exists():
+        report.failures.append(f"{path} is missing (an export interrupted before its weights went in?)")
+        return report
+    tensors = _check_hashes(report, path, record)
+    now_versions, now_platform = cert.versions(), cert.platform_info()
+    changed = [f"{k} {record['versions'].get(k)} at export, {now_versions.get(k)} now"
+               for k in sorted(set(record["versions"]) | set(now_versions))
+               if record["versions"].get(k) != now_versions.get(k)]
+    changed += [f"platform {k}: {record['platform'].get(k)!r} at export, {now_platform.get(k)!r} now"
+                for k in sorted(set(record["platform"]) | set(now_platform))
+                if record["platform"].get(k) != now_platform.get(k)]
+    report.notes.extend(changed)
+    if cert._torch() is None:
+        measured = cert._not_measured("not re-measured: torch not installed")
+    elif record.get("inputs") is None:  # a sub-module: no inputs to draw, nothing to run
+        measured = {k: record[k] for k in ("forward", "backward")}
+    else:
+        fmt, description = record["format"], record["model"]
+        inputs = record.get("inputs") or cert.INPUTS
+        try:
+            torch_model = cert._torch_model(path, fmt, description, tensors if fmt != "hf" else None)
+            flax_model = cert._flax_model(path, fmt, description, tensors if fmt != "hf" else None)
+        except (OSError, ValueError, TypeError, RuntimeError) as error:  # RuntimeError: torch's load_state_dict
+            report.failures.append(f"cannot load the export to re-measure it: {str(error).splitlines()[0]}")
+            return report
+        measured = cert.measure(flax_model, torch_model, seed=int(inputs.get("seed", 0)),
+                           batch=int(inputs.get("batch", 2)), length=int(inputs.get("length", 9)))
+    _compare_errors(report, record, measured, same_environment=not changed)
+    return report
+

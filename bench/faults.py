@@ -242,7 +242,7 @@ import gzip, json, os, random, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from flax_transformer import checkpoints, hf, porting
-from flax_transformer.configs import GPTConfig
+from flax_transformer.models.configs import GPTConfig
 from torch_reference.former import CTransformer
 from torch_reference.gpt import GPT2LMHeadModel
 
@@ -610,7 +610,7 @@ except FileExistsError as error:
 """, prepare=touch("out.safetensors"))
 snippet_case("hf.save_pretrained into an existing empty folder", "6 outputs", """
 from flax_transformer import hf
-from flax_transformer.configs import GPTConfig
+from flax_transformer.models.configs import GPTConfig
 from torch_reference.gpt import GPT2LMHeadModel
 hf.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny()), "out")
 import os
@@ -620,7 +620,7 @@ snippet_case("generate temperature=1e-39 equals greedy", "17 generate", """
 import numpy as np
 from torch_reference.gpt import GPTTransformer
 from flax_transformer import porting
-from flax_transformer.generate import generate
+from flax_transformer.models.generate import generate
 model = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
                                              max_length=32, dropout=0.0).eval())
 prompt = np.array([[1, 2, 3, 4]])
@@ -633,8 +633,8 @@ import numpy as np
 from torch_reference.gpt import GPTTransformer
 from torch_reference.encoder import TransformerEncoder
 from flax_transformer import porting
-from flax_transformer.configs import EncoderConfig
-from flax_transformer.generate import generate
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.generate import generate
 gpt = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
                                            max_length=32, dropout=0.0).eval())
 enc = porting.torch_to_flax(TransformerEncoder(EncoderConfig.tiny()).eval())
@@ -659,8 +659,8 @@ for label, code, words in [
 import numpy as np
 from flax import nnx
 from flax_transformer import former, porting
-from flax_transformer.configs import EncoderConfig, GPTConfig
-from flax_transformer.generate import generate
+from flax_transformer.models.configs import EncoderConfig, GPTConfig
+from flax_transformer.models.generate import generate
 from torch_reference.gpt import GPTTransformer
 gpt = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
                                            max_length=32, dropout=0.0).eval())

@@ -5,11 +5,11 @@
 
 The model: a random GPT-2 of notebook 002's recommended size (4 layers, n_embd 256, inner
 1024, 4 heads, 10k vocabulary), written as a transformers folder and read back by
-``flax_transformer.hf`` (Flax and the torch_reference twin), so every contender runs the same
+``flax_transformer.interop.hf`` (Flax and the torch_reference twin), so every contender runs the same
 weights on the same prompt: greedy, ``--new`` new tokens, no eos (so transformers cannot stop
 early). Contenders:
 
-  * jax, kv cache: ``flax_transformer.generate.generate`` (one compiled loop);
+  * jax, kv cache: ``flax_transformer.models.generate.generate`` (one compiled loop);
   * transformers.generate: ``GPT2LMHeadModel.generate(do_sample=False)`` with its default
     key/value cache (``DynamicCache``);
   * jax, no cache and torch loop (no cache): rerun the whole prefix per token (``--slow-reps``
@@ -43,9 +43,9 @@ import transformers
 from benchlib import exec_with_env, interleaved_seconds, load_average, load_line, paired_ratio, record, spread
 from speed import settings
 
-from flax_transformer import hf
-from flax_transformer.generate import bucket_shape, count_compiles
-from flax_transformer.generate import generate as flax_generate
+from flax_transformer.interop import hf
+from flax_transformer.models.generate import bucket_shape, count_compiles
+from flax_transformer.models.generate import generate as flax_generate
 from flax_transformer.training.malloc import keep_freed_memory
 from torch_reference.generate import generate as torch_generate
 

@@ -60,8 +60,8 @@ def _child(case: str, folder: str, out: str, shard_size: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from flax_transformer import hf, porting
-    from flax_transformer.encoder import TransformerEncoder
+    from flax_transformer.interop import hf, porting
+    from flax_transformer.models.encoder import TransformerEncoder
 
     jax.block_until_ready(jnp.zeros(8) + 1)  # XLA's CPU client started: part of the baseline
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -81,7 +81,7 @@ from benchlib import (
 )
 from flax import nnx
 
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.training.malloc import keep_freed_memory
 from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy
@@ -91,7 +91,7 @@ WAIT_POLICIES = {"passive": "PASSIVE", "active": "ACTIVE", "default": None}  # N
 
 
 def _configs():
-    from flax_transformer.configs import EncoderConfig
+    from flax_transformer.models.configs import EncoderConfig
     from torch_reference.encoder import TransformerEncoder
     from torch_reference.former import CTransformer
     from torch_reference.gpt import GPTTransformer

@@ -55,7 +55,7 @@ def entry_point_figure(args) -> int:
     import numpy as np
     import torch
 
-    from flax_transformer import files, porting
+    from flax_transformer.interop import files, porting
     from flax_transformer.training import seq2seq
     from flax_transformer.training.optim import from_task
     from flax_transformer.training.torch_state import torch_optimizer
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    from flax_transformer import files
+    from flax_transformer.interop import files
     from flax_transformer.training import parity
 
     files.check_target(args.out, overwrite=args.overwrite)

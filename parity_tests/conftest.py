@@ -22,7 +22,7 @@ def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, 
     Eager Flax runs op by op (each op compiled for its shapes), so it costs more than
     jit on small inputs; the tests ask for it where masks are hardest and at model level.
     """
-    from flax_transformer import verify
+    from flax_transformer.verification import verify
 
     for use_jit in (True, False) if eager_too else (True,):
         results = verify.both_directions(torch_module, args, kwargs, seed=seed, use_jit=use_jit)
@@ -37,7 +37,8 @@ def assert_parameter_gradients_match(torch_model, args, rng):
     W is a fixed random tensor of the output's shape (``verify.compare(..., grads=True)``).
     Tolerance: TOL relative to the gradient's scale (max(1, max |g|)).
     """
-    from flax_transformer import porting, verify
+    from flax_transformer.interop import porting
+    from flax_transformer.verification import verify
 
     torch_model.eval()
     report = verify.compare(torch_model, porting.torch_to_flax(torch_model), tuple(args), grads=True, tol=TOL,

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer import porting, set_attention, verify
+from flax_transformer.interop import porting
+from flax_transformer.models.attention import set_attention
+from flax_transformer.verification import verify
 
 from .conftest import TOL
 
@@ -30,8 +32,8 @@ def test_fused_attention_matches_torch(spec):
 
 
 def test_the_switch_reaches_every_attention_module_and_retraces():
-    from flax_transformer.configs import GPTConfig
-    from flax_transformer.gpt import GPT2LMHeadModel
+    from flax_transformer.models.configs import GPTConfig
+    from flax_transformer.models.gpt import GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPTConfig.tiny(vocab_size=40, n_positions=16, n_embd=16, n_head=2), rngs=nnx.Rngs(0))
     model.eval()
@@ -57,8 +59,8 @@ def test_the_switch_reaches_every_attention_module_and_retraces():
 
 def test_training_mode_with_attention_dropout_keeps_the_reference_path():
     """Fused kernels have no attention dropout: in train mode with dropout the reference path runs."""
-    from flax_transformer.configs import EncoderConfig
-    from flax_transformer.encoder import MultiHeadAttention
+    from flax_transformer.models.configs import EncoderConfig
+    from flax_transformer.models.encoder import MultiHeadAttention
 
     config = EncoderConfig.tiny(hidden_size=16, num_attention_heads=2, attention_probs_dropout_prob=0.5)
     module = MultiHeadAttention(config, rngs=nnx.Rngs(params=0, dropout=1))
@@ -86,7 +88,7 @@ def _plain_attend(q, k, v, mask, scale):
 def test_attend_custom_backward_equals_autodiff(case):
     """``attention.attend``'s custom VJPs (fast on XLA CPU) give autodiff's gradients of the same math,
     for the output and the weights, with fully masked rows (zero gradient there, no NaN)."""
-    from flax_transformer.attention import attend
+    from flax_transformer.models.attention import attend
 
     rng = np.random.default_rng(0)
     b, h, t, d = 3, 2, 7, 5
@@ -129,7 +131,7 @@ def test_attend_custom_backward_equals_autodiff(case):
 
 
 def test_linear_custom_backward_equals_autodiff():
-    from flax_transformer.layers import Linear
+    from flax_transformer.models.layers import Linear
 
     layer = Linear(6, 4, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 6)), jnp.float32)

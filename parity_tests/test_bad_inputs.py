@@ -13,17 +13,18 @@ import torch
 from flax import nnx
 from safetensors.numpy import save_file
 
-import flax_transformer.classic as fc
-import flax_transformer.encoder as fe
-import flax_transformer.former as ff
-import flax_transformer.gpt as fg
+import flax_transformer.models.classic as fc
+import flax_transformer.models.encoder as fe
+import flax_transformer.models.former as ff
+import flax_transformer.models.gpt as fg
 import torch_reference.classic as tc
 import torch_reference.encoder as te
 import torch_reference.former as tf
 import torch_reference.gpt as tg
-from flax_transformer import checkpoints, configs, hf, porting
-from flax_transformer.configs import EncoderConfig, GPTConfig
-from flax_transformer.generate import generate as flax_generate
+from flax_transformer.interop import checkpoints, hf, porting
+from flax_transformer.models import configs
+from flax_transformer.models.configs import EncoderConfig, GPTConfig
+from flax_transformer.models.generate import generate as flax_generate
 from torch_reference.generate import generate as torch_generate
 
 # ------------------------------------------------------------------ configs
@@ -256,7 +257,7 @@ def test_metadata_can_name_only_the_library_model_classes_and_configs(tmp_path, 
 def test_model_class_table_lists_every_model_class_of_both_packages():
     import inspect
 
-    from flax_transformer._shared import RecordsInit
+    from flax_transformer.models._shared import RecordsInit
 
     for family, names in checkpoints.MODEL_CLASSES.items():
         for package in PACKAGES.values():

@@ -14,9 +14,10 @@ import pytest
 
 import torch_reference.encoder as te
 import torch_reference.former as tf
-from flax_transformer import bisect, porting, verify
-from flax_transformer.configs import EncoderConfig
-from flax_transformer.former import _self_attention
+from flax_transformer.interop import porting
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.former import _self_attention
+from flax_transformer.verification import bisect, verify
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 8))
 
@@ -154,7 +155,7 @@ def wrong():
 
 
 def test_cli_pair(tmp_path, capsys):
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     (tmp_path / "pair.py").write_text(PAIR)
     out = tmp_path / "report.json"
@@ -178,8 +179,8 @@ def test_cli_pair(tmp_path, capsys):
 
 
 def test_cli_checkpoint_bisect_json(tmp_path, capsys):
-    from flax_transformer import checkpoints
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
+    from flax_transformer.interop import checkpoints
 
     torch_model, flax_model = _former()
     checkpoints.save_safetensors(flax_model, tmp_path / "model.safetensors")
@@ -277,7 +278,7 @@ def narrow():
 
 
 def test_cli_pair_float64_inputs_and_mismatched_shapes(tmp_path, capsys):
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     (tmp_path / "lin.py").write_text(LINEAR_PAIR)
     assert main(["verify", "--pair", f"{tmp_path}/lin.py:make", "--no-jit"]) == 0  # float64 numpy inputs run

@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from flax_transformer import certificate, checkpoints, files, hf, porting
-from flax_transformer.cli import main
-from flax_transformer.configs import GPTConfig
+from flax_transformer.cli.commands import main
+from flax_transformer.interop import checkpoints, files, hf, porting
+from flax_transformer.models.configs import GPTConfig
+from flax_transformer.verification import certificate
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from flax import nnx
 
-import flax_transformer.classic as fc
+import flax_transformer.models.classic as fc
 import torch_reference.classic as tc
-from flax_transformer import porting
-from flax_transformer.verify import MASK_CASES, _mask_for, full_mask, padding_mask
+from flax_transformer.interop import porting
+from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
 
 from . import notebook_classes as nb
 from .conftest import TOL, assert_both_directions

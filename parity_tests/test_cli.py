@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from flax_transformer import verify
+from flax_transformer.verification import verify
 
 
 def test_verify_command_passes_and_covers_every_module_of_a_family():
@@ -23,7 +23,7 @@ def test_verify_command_passes_and_covers_every_module_of_a_family():
 
 def test_verify_grads_covers_every_full_model(capsys):
     """``verify --grads``: every full model of a family, every mask case, both directions."""
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     assert main(["verify", "--grads", "--family", "gpt"]) == 0
     out = capsys.readouterr().out
@@ -41,7 +41,7 @@ def test_gradient_check_fails_on_a_wrong_gradient():
     import torch
 
     import torch_reference.former as tf
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
 
     model = tf.CTransformer(8, 2, 1, 8, 20, 2).eval()
     flax_model = porting.torch_to_flax(model)
@@ -54,10 +54,10 @@ def test_gradient_check_fails_on_a_wrong_gradient():
 
 def test_every_module_of_every_family_has_a_verify_spec():
     """verify's table covers each public model class (so the README's main job checks them all)."""
-    import flax_transformer.classic as fc
-    import flax_transformer.encoder as fe
-    import flax_transformer.former as ff
-    import flax_transformer.gpt as fg
+    import flax_transformer.models.classic as fc
+    import flax_transformer.models.encoder as fe
+    import flax_transformer.models.former as ff
+    import flax_transformer.models.gpt as fg
 
     covered = {(s.family, s.name.split("(")[0]) for s in verify.specs()}
     for family, module in (("former", ff), ("encoder", fe), ("gpt", fg), ("classic", fc)):
@@ -70,7 +70,7 @@ def test_every_module_of_every_family_has_a_verify_spec():
 
 def test_verify_reports_a_broken_port(monkeypatch):
     """A wrong layout rule (no transpose) must show up as failures, not pass silently."""
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
 
     monkeypatch.setitem(porting.LEAF_RULES, "linear", {"weight": ("kernel", porting.AS_IS), "bias": ("bias", porting.AS_IS)})
     import numpy as np
@@ -86,7 +86,7 @@ def test_verify_reports_a_broken_port(monkeypatch):
 
 
 def _cli(*args):
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     return main([str(a) for a in args])
 
@@ -172,8 +172,9 @@ def test_attention_map_png_and_html(tmp_path, capsys):
 def test_every_whole_model_says_what_it_reads():
     """``input_spec()`` replaces the tools' class-name tables: the same in both frameworks, and the
     example inputs drawn from it run the model and stay in range."""
-    from flax_transformer import pairs, porting
-    from flax_transformer.generate import generate
+    from flax_transformer.interop import porting
+    from flax_transformer.models.generate import generate
+    from flax_transformer.verification import pairs
 
     whole = [s for s in verify.specs() if s.name in verify.MODELS and (s.family, s.name) != ("classic",
                                                                                              "TransformerEncoder")]

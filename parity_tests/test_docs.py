@@ -198,7 +198,7 @@ def _capture_parser(main) -> argparse.ArgumentParser:
 def parser_of(program: str) -> argparse.ArgumentParser | None:
     """The real parser of ``flax-transformer`` or ``train.<task>``; None for a bench script."""
     if program == "flax-transformer":
-        from flax_transformer.cli import main
+        from flax_transformer.cli.commands import main
     elif program.startswith("train."):
         main = importlib.import_module(program).main
     else:

@@ -16,11 +16,11 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flax_transformer.encoder as fe
+import flax_transformer.models.encoder as fe
 import torch_reference.encoder as te
-from flax_transformer import porting
-from flax_transformer.configs import EncoderConfig
-from flax_transformer.verify import MASK_CASES, _mask_for, full_mask, padding_mask
+from flax_transformer.interop import porting
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
 
 from . import notebook_classes as nb
 from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer import hf
-from flax_transformer.configs import EncoderConfig
-from flax_transformer.encoder import TransformerEncoder
+from flax_transformer.interop import hf
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.encoder import TransformerEncoder
 from flax_transformer.training import classify, loop
 from flax_transformer.training.batching import Rows
 
@@ -185,8 +185,8 @@ def _refused(argv, tmp_path, capsys):
 
 
 def test_an_init_folder_that_is_not_bert_is_refused(tmp_path, fake_data, capsys):
-    from flax_transformer.configs import GPTConfig
-    from flax_transformer.gpt import GPT2LMHeadModel
+    from flax_transformer.models.configs import GPTConfig
+    from flax_transformer.models.gpt import GPT2LMHeadModel
 
     gpt2 = hf.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "gpt2")
     err = _refused(["--model", "hf", "--preset", "tiny", "--init", gpt2, "--data-dir", fake_data], tmp_path, capsys)

@@ -14,10 +14,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flax_transformer.former as ff
+import flax_transformer.models.former as ff
 import torch_reference.former as tf
-from flax_transformer import porting
-from flax_transformer.verify import MASK_CASES, _mask_for, padding_mask
+from flax_transformer.interop import porting
+from flax_transformer.verification.verify import MASK_CASES, _mask_for, padding_mask
 
 from . import notebook_classes as nb
 from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match
@@ -238,7 +238,7 @@ def test_max_pooling_gradients_under_jit(padded):
     """Max pooling's backward under jit: JAX's equality-based max gradient went wrong (relative
     error 0.25, NaN in places) when XLA recomputed the max in another fusion; the gather at the
     arg-max gives torch's gradient exactly."""
-    from flax_transformer import verify
+    from flax_transformer.verification import verify
 
     torch.manual_seed(0)
     model = tf.CTransformer(24, 4, 2, 16, 50, 3, max_pool=True).eval()

@@ -9,8 +9,8 @@ import torch
 import torch_reference.classic as tc
 import torch_reference.former as tf
 import torch_reference.gpt as tg
-from flax_transformer import porting
-from flax_transformer.generate import generate as flax_generate
+from flax_transformer.interop import porting
+from flax_transformer.models.generate import generate as flax_generate
 from torch_reference.generate import generate as torch_generate
 
 from .conftest import TOL
@@ -20,7 +20,7 @@ MASK = (np.arange(6)[None] < np.array([[6], [3], [1]])).astype(np.int64)
 
 
 def _models():
-    from flax_transformer.configs import GPTConfig
+    from flax_transformer.models.configs import GPTConfig
 
     torch.manual_seed(0)
     return {
@@ -107,7 +107,7 @@ def test_sampling_is_reproducible_with_a_seed(framework):
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
-    from flax_transformer.generate import sample_logits
+    from flax_transformer.models.generate import sample_logits
 
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 200)

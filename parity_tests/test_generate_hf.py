@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer import hf
-from flax_transformer.generate import bucket_shape, count_compiles, generate
+from flax_transformer.interop import hf
+from flax_transformer.models.generate import bucket_shape, count_compiles, generate
 
 from .conftest import TOL
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from flax import nnx
 
-import flax_transformer.gpt as fg
+import flax_transformer.models.gpt as fg
 import torch_reference.gpt as tg
-from flax_transformer import porting
-from flax_transformer.verify import padding_mask
+from flax_transformer.interop import porting
+from flax_transformer.verification.verify import padding_mask
 
 from . import notebook_classes as nb
 from .conftest import TOL, assert_both_directions, assert_parameter_gradients_match

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer import verify
+from flax_transformer.verification import verify
 
 # ---------------------------------------------------------------- 1. generation: eos on ragged prompts
 # Row 0 reads its 6-token prompt while rows 1 and 2 (3 and 1 tokens) already generate. eos is
@@ -40,7 +40,7 @@ GEN_NEW = 10
 @pytest.fixture(scope="module")
 def gpt_pair():
     import torch_reference.gpt as tg
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
 
     torch.manual_seed(0)
     torch_model = tg.GPTTransformer(2, 16, 32, 4, 40, 24).eval()
@@ -85,7 +85,7 @@ def _torch_generate(torch_model, how, seed, eos_id, monkeypatch):
 
 
 def _flax_generate(flax_model, how, **kw):
-    from flax_transformer.generate import generate
+    from flax_transformer.models.generate import generate
 
     tokens, logits = generate(flax_model, jnp.asarray(GEN_PROMPTS), GEN_NEW, attention_mask=jnp.asarray(GEN_MASK),
                               return_logits=True, **SAMPLING[how], **kw)
@@ -174,7 +174,7 @@ def _bf16_statistics(jaxpr, found):
 def test_softmax_norm_and_pooling_statistics_are_float32_under_bf16(name):
     from flax import nnx
 
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
 
     spec = next(s for s in verify.specs() if s.name == name)
     torch_module, args, kwargs = verify.case_inputs(spec, "padding" if "padding" in spec.cases else spec.cases[0], 0)

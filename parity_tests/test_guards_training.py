@@ -202,8 +202,8 @@ def _classifier(kind):
     Built in torch and ported: built in JAX, every initialiser would compile eagerly."""
     import torch_reference.encoder as te
     import torch_reference.former as tf
-    from flax_transformer import porting
-    from flax_transformer.configs import EncoderConfig
+    from flax_transformer.interop import porting
+    from flax_transformer.models.configs import EncoderConfig
 
     torch.manual_seed(0)
     if kind.startswith("former"):
@@ -217,7 +217,7 @@ def _classifier(kind):
 
 def _seq2seq_model(config):
     import torch_reference.classic as tc
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
     from flax_transformer.training import seq2seq
 
     torch.manual_seed(0)
@@ -347,8 +347,8 @@ DECAYED_PROJECTIONS = {"former": 7, "encoder": 7, "bert": 8, "gpt": 6, "gpt2": 4
 def _one_layer_model(family):
     from flax import nnx
 
-    from flax_transformer import classic, encoder, former, gpt
-    from flax_transformer.configs import EncoderConfig, GPTConfig
+    from flax_transformer.models import classic, encoder, former, gpt
+    from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
     enc = EncoderConfig.tiny(vocab_size=20, hidden_size=8, num_attention_heads=1, num_hidden_layers=1,
                              intermediate_size=16, max_position_embeddings=6, num_labels=2)
@@ -570,8 +570,8 @@ def test_exported_bert_classifier_config_round_trips(tmp_path):
     import json
 
     import torch_reference.encoder as te
-    from flax_transformer import hf
-    from flax_transformer.configs import EncoderConfig
+    from flax_transformer.interop import hf
+    from flax_transformer.models.configs import EncoderConfig
 
     config = dataclasses.replace(EncoderConfig.bert(dict(
         vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,

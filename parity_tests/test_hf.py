@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer import hf
-from flax_transformer.porting import StateDictError
+from flax_transformer.interop import hf
+from flax_transformer.interop.porting import StateDictError
 
 from .conftest import TOL
 
@@ -124,8 +124,8 @@ def test_gpt2_from_transformers_and_back(tied, tmp_path):
 def test_fresh_flax_gpt2_loads_in_transformers(tmp_path):
     from flax import nnx
 
-    from flax_transformer.configs import GPTConfig
-    from flax_transformer.gpt import GPT2LMHeadModel
+    from flax_transformer.models.configs import GPTConfig
+    from flax_transformer.models.gpt import GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPTConfig.tiny(n_layer=2, vocab_size=77), rngs=nnx.Rngs(3))
     model.eval()
@@ -245,7 +245,7 @@ def test_save_into_a_missing_folder_leaves_nothing(tmp_path):
 
 def test_key_table_round_trip():
     """HF -> ours -> HF gives the same names, for every tensor of both families."""
-    from flax_transformer.configs import EncoderConfig, GPTConfig
+    from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
     config = EncoderConfig.bert(dict(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=12, max_position_embeddings=10))
@@ -260,7 +260,7 @@ def test_key_table_round_trip():
 
 
 def test_verify_checkpoint_command_compares_with_transformers(tmp_path, capsys):
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     reference, folder = _small_bert(tmp_path)
     assert main(["verify", "--checkpoint", str(folder)]) == 0
@@ -285,6 +285,6 @@ def test_more_bad_input_gets_clear_errors(tmp_path):
     gpt2 = transformers.GPT2Config(vocab_size=30, n_positions=8, n_embd=8, n_layer=1, n_head=2,
                                    scale_attn_weights=False)
     with pytest.raises(ValueError, match="scale_attn_weights=False is not supported"):
-        from flax_transformer.configs import GPTConfig
+        from flax_transformer.models.configs import GPTConfig
 
         GPTConfig.from_any(gpt2)

@@ -19,9 +19,10 @@ import pytest
 import torch
 from flax import nnx
 
-from flax_transformer import certificate, hf
-from flax_transformer.safetensors_io import Lazy, open_weights
+from flax_transformer.interop import hf
+from flax_transformer.interop.safetensors_io import Lazy, open_weights
 from flax_transformer.training.pretrained import Probe
+from flax_transformer.verification import certificate
 
 from .conftest import TOL
 
@@ -194,7 +195,7 @@ def test_bf16_export_and_import(tmp_path):
 
 def test_verify_checkpoint_and_port_on_each(tmp_path, capsys):
     """``verify --checkpoint`` on a sharded DistilBERT and a RoBERTa classifier folder; ``port`` to a sharded bf16 folder."""
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     def verified(folder):
         assert main(["verify", "--checkpoint", str(folder)]) == 0

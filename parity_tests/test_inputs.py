@@ -10,15 +10,15 @@ import pytest
 import torch
 from flax import nnx
 
-import flax_transformer.classic as fc
-import flax_transformer.encoder as fe
-import flax_transformer.former as ff
-import flax_transformer.gpt as fg
+import flax_transformer.models.classic as fc
+import flax_transformer.models.encoder as fe
+import flax_transformer.models.former as ff
+import flax_transformer.models.gpt as fg
 import torch_reference.classic as tc
 import torch_reference.encoder as te
 import torch_reference.former as tf
 import torch_reference.gpt as tg
-from flax_transformer.configs import EncoderConfig
+from flax_transformer.models.configs import EncoderConfig
 
 VOCAB, SEQ = 20, 8
 
@@ -155,8 +155,8 @@ def test_package_boundaries():
             "torch_reference.classic, torch_reference.generate; "
             "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'torch_reference imported jax'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    code = ("import sys, flax_transformer.former, flax_transformer.encoder, flax_transformer.gpt, "
-            "flax_transformer.classic, flax_transformer.generate, flax_transformer.porting, flax_transformer.cli; "
+    code = ("import sys, flax_transformer.models.former, flax_transformer.models.encoder, flax_transformer.models.gpt, "
+            "flax_transformer.models.classic, flax_transformer.models.generate, flax_transformer.interop.porting, flax_transformer.cli.commands; "
             "assert 'torch' not in sys.modules, 'flax_transformer imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

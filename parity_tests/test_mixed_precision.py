@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer import porting, verify
+from flax_transformer.interop import porting
+from flax_transformer.verification import verify
 
 MODEL_SPECS = [s for s in verify.specs() if s.name in verify.MODELS]
 BOUND = 3e-2

@@ -10,12 +10,12 @@ import pytest
 import torch
 from flax import nnx
 
-import flax_transformer.former as ff
+import flax_transformer.models.former as ff
 import torch_reference.encoder as te
 import torch_reference.former as tf
-from flax_transformer import porting
-from flax_transformer.configs import EncoderConfig
-from flax_transformer.porting import StateDictError
+from flax_transformer.interop import porting
+from flax_transformer.interop.porting import StateDictError
+from flax_transformer.models.configs import EncoderConfig
 
 
 def _models():

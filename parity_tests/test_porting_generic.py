@@ -7,10 +7,11 @@ import pytest
 import torch
 from flax import nnx
 
-import flax_transformer.former as ff
+import flax_transformer.models.former as ff
 import torch_reference.former as tf
-from flax_transformer import porting, verify
-from flax_transformer.porting import StateDictError
+from flax_transformer.interop import porting
+from flax_transformer.interop.porting import StateDictError
+from flax_transformer.verification import verify
 from parity_tests.conftest import TOL
 from parity_tests.user_models import FlaxConvTagger, FlaxPostCTransformer, TorchConvTagger, TorchPostCTransformer
 
@@ -44,9 +45,9 @@ def test_own_model_ports_by_layer_type_into_the_given_module():
 
 def test_every_layer_type_ports_on_its_own():
     """Each known Flax layer type, as the root of a model, takes its torch layer's state_dict bit-exactly."""
-    import flax_transformer.gpt as fg
+    import flax_transformer.models.gpt as fg
     import torch_reference.gpt as tg
-    from flax_transformer import layers
+    from flax_transformer.models import layers
 
     pairs = [  # Flax layers built abstract (nnx.eval_shape): loading fills them, no random init to compile
         (lambda: layers.Linear(4, 3, rngs=nnx.Rngs(0)), torch.nn.Linear(4, 3)),
@@ -183,7 +184,7 @@ def test_ported_weights_do_not_share_memory_with_the_torch_tensors():
     memory: an in-place torch update (an optimizer step) must not reach the Flax weights."""
     import torch
 
-    from flax_transformer.former import CTransformer as FlaxCTransformer
+    from flax_transformer.models.former import CTransformer as FlaxCTransformer
     from torch_reference.former import CTransformer
 
     torch_model = CTransformer(32, 4, 1, 16, 100, 2)

@@ -75,7 +75,7 @@ def _loss(m, batch):
 
 def _tiny_fit(run_dir, *, steps=10, resume=False):
     """10 steps, a checkpoint every 5, an evaluation every 5 and at the end, a log line every 5."""
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     model = CTransformer(8, 2, 1, 8, VOCAB, 2, rngs=nnx.Rngs(params=0, dropout=1))
     evaluate = loop.batch_evaluator(_loss, lambda: [Batches().batch(10**6)])
@@ -131,7 +131,7 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
     _flip_bytes_silently(tmp_path / "run" / "checkpoints" / "10")
 
     checkpoints = loop.Checkpoints(tmp_path / "run")
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     with pytest.raises(RunError, match=r"checkpoints/10 is corrupt: .* of its arrays \(\['model'\]"):
         checkpoints.restore_model(CTransformer(8, 2, 1, 8, VOCAB, 2, rngs=nnx.Rngs(0)))

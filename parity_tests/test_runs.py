@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer import certificate
 from flax_transformer.training import classify, lm, loop, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
 from flax_transformer.training.loop import NonFiniteLoss, RunError, create_run_dir, fit
 from flax_transformer.training.optim import OptimConfig
+from flax_transformer.verification import certificate
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -130,7 +130,7 @@ def test_buckets_bound_shapes_and_cover_every_example_once():
 
 def test_bucket_padding_does_not_change_the_classifier_output():
     """Padding is masked in attention and in pooling: a review gives the same log-probs in every bucket."""
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     model = CTransformer(16, 2, 2, 64, 50, 2, max_pool=False, rngs=nnx.Rngs(0))
     ids = np.random.default_rng(1).integers(0, 50, size=11).astype(np.int32)
@@ -197,7 +197,7 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
     import torch
     from safetensors.torch import load_file
 
-    from flax_transformer import checkpoints
+    from flax_transformer.interop import checkpoints
 
     model, tokenizer, config = classify.load_run(run)
     _, description = checkpoints.read_safetensors(export)
@@ -244,8 +244,8 @@ def test_lm_tiny_end_to_end(tmp_path, capsys):
     assert (run / "sample.txt").read_text().startswith("ROMEO:")
 
     # the finished run back: as a model, as a Run, and through `flax-transformer generate`
-    from flax_transformer import checkpoints
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
+    from flax_transformer.interop import checkpoints
 
     loaded = checkpoints.load_run(run)
     assert loaded.task == "lm" and type(checkpoints.load(run)).__name__ == type(loaded.model).__name__
@@ -371,7 +371,7 @@ def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     model = CTransformer(8, 2, 1, 8, 20, 2, rngs=nnx.Rngs(params=0, dropout=1))
 

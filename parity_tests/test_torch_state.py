@@ -16,7 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.training import OptimConfig, make_optimizer, make_steps, parity
 from flax_transformer.training.step import cross_entropy
 from flax_transformer.training.torch_export import save_torch_state, torch_training_state
@@ -214,7 +214,7 @@ def test_refusals_change_nothing(tmp_path):
 def test_bf16_run_exported_and_imported_continues_bit_for_bit(tmp_path):
     """A bf16 run (fp32 parameters and moments) with dropout, exported at step K and imported into a
     fresh model (other initial weights, other dropout seed), continues exactly as the run does."""
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     def build(seed):
         return CTransformer(16, 2, 1, 8, 30, 2, dropout=0.2, max_pool=False, dtype=jnp.bfloat16,
@@ -263,7 +263,7 @@ def test_verify_through_torch_state_prints_both_curves_and_fails_on_a_break(monk
     """``flax-transformer verify --train-steps K --through-torch-state``: the round trip for each family
     and optimizer, the curves side by side, exit 1 when one fails. (The continuity itself is tested
     above; here the real results of one family stand in for each, to spare the compilations.)"""
-    from flax_transformer import cli
+    from flax_transformer.cli.commands import commands as cli
 
     results = _continuity("gpt")
     calls = []
@@ -312,7 +312,7 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
     started again with ``--init-from-torch`` trains steps 5..8 exactly as the run did: the final
     checkpoints are equal bit for bit, and so are the two runs' ``--export-torch-state`` files.
     Refusals come before anything is created."""
-    from flax_transformer import cli
+    from flax_transformer.cli.commands import commands as cli
     from flax_transformer.training import seq2seq
     from flax_transformer.training.torch_export import export_run
     from train.seq2seq import main

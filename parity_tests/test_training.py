@@ -37,7 +37,7 @@ def test_cosine_and_linear_decay_end_where_asked():
 
 
 def test_decay_mask_spares_biases_norms_and_embeddings():
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
 
     model = CTransformer(8, 2, 1, 6, 20, 2, rngs=nnx.Rngs(0))
     mask = decay_mask(nnx.state(model, nnx.Param))
@@ -60,7 +60,7 @@ def standard_promotion():
 
 def test_train_step_learns_compiles_once_and_follows_the_mode(standard_promotion):
     """A tiny classifier learns "does token 1 occur?"; the step is traced once for one batch shape."""
-    from flax_transformer.former import CTransformer
+    from flax_transformer.models.former import CTransformer
     from flax_transformer.training import cross_entropy, make_steps
 
     traces = []

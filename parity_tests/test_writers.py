@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer import checkpoints, files, hf
-from flax_transformer.configs import EncoderConfig
+from flax_transformer.interop import checkpoints, files, hf
+from flax_transformer.models.configs import EncoderConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ WRITERS = {
     "save_torch": (_former, lambda m, p, o: checkpoints.save_torch(m, p, overwrite=o), "torch", "save",
                    lambda a, k: a[1]),
     "hf.save_pretrained": (_bert, lambda m, p, o: hf.save_pretrained(m, p, overwrite=o),  # streams tensor by tensor
-                           "flax_transformer.safetensors_io", "write_safetensors", lambda a, k: a[1]),
+                           "flax_transformer.interop.safetensors_io", "write_safetensors", lambda a, k: a[1]),
 }
 
 
@@ -95,7 +95,7 @@ def test_a_failed_overwrite_leaves_the_old_output_and_no_temp(tmp_path, monkeypa
 def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from flax_transformer import porting
+    from flax_transformer.interop import porting
 
     flax_model = porting.torch_to_flax(_former())
     out = tmp_path / "orbax"
@@ -116,7 +116,8 @@ def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
 
 
 def test_every_writer_refuses_an_existing_output_without_overwrite(tmp_path):
-    from flax_transformer import inspection, porting
+    from flax_transformer.interop import porting
+    from flax_transformer.verification import inspection
 
     former, bert = _former(), _bert()
     cases = [
@@ -164,7 +165,7 @@ def test_wrong_kinds_and_special_files_are_refused(tmp_path):
 
 
 def test_port_refuses_a_device_node_and_a_folder_for_a_file(tmp_path, capsys):
-    from flax_transformer.cli import main
+    from flax_transformer.cli.commands import main
 
     src = tmp_path / "m.safetensors"
     checkpoints.save_safetensors(_former(), src)
@@ -262,7 +263,7 @@ def test_port_on_a_full_disk_keeps_the_old_output(tmp_path, fmt):
     code = textwrap.dedent(f"""
         import resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
-        from flax_transformer.cli import main
+        from flax_transformer.cli.commands import main
         resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
         sys.exit(main(["port", {str(src)!r}, {str(dst)!r}, "--to", {fmt!r}, "--overwrite"]))
     """)

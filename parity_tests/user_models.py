@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from flax import nnx
 from torch import nn
 
-import flax_transformer.former as flax_former
-import flax_transformer.gpt as flax_gpt
+import flax_transformer.models.former as flax_former
+import flax_transformer.models.gpt as flax_gpt
 import torch_reference.former as torch_former
 import torch_reference.gpt as torch_gpt
-from flax_transformer import layers
+from flax_transformer.models import layers
 
 
 class TorchConvTagger(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer._shared import (  # noqa: F401  (re-exported)
+from flax_transformer.models._shared import (  # noqa: F401  (re-exported)
     InputSpec,
     RecordsInit,
     StateDictError,

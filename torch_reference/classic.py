@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from flax_transformer._shared import TensorLoggingLevels, log_size
+from flax_transformer.models._shared import TensorLoggingLevels, log_size
 
 from ._common import InputSpec, Module, attend, check_features, check_length, check_token_ids
 

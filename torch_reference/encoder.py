@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.configs import EncoderConfig
+from flax_transformer.models.configs import EncoderConfig
 
 from ._common import (
     InputSpec,
@@ -242,7 +242,7 @@ class TransformerEncoder(_ConfigModule):
     """Embeddings and ``num_hidden_layers`` encoder layers (and BERT's pooler if configured).
 
     With ``EncoderConfig.bert(...)`` this is BERT's ``BertModel``: post-LN, token types,
-    pooler; ``flax_transformer.hf`` loads HuggingFace checkpoints into it.
+    pooler; ``flax_transformer.interop.hf`` loads HuggingFace checkpoints into it.
     """
 
     def __init__(self, config):

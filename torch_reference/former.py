@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer._shared import attention_variants
+from flax_transformer.models._shared import attention_variants
 
 from ._common import (
     InputSpec,

@@ -1,6 +1,6 @@
 """Autoregressive generation, the reference way: rerun the model on the whole prefix per token.
 
-Same algorithm and arguments as ``flax_transformer.generate.generate`` (see there):
+Same algorithm and arguments as ``flax_transformer.models.generate.generate`` (see there):
 right-padded prompts, each row continues after its own prompt, ``eos_id`` sticks.
 No cache, on purpose: this is the plain loop the notebook leaves as an exercise, and
 the yardstick the cached JAX loop is checked and timed against.
@@ -11,7 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flax_transformer._shared import check_generate_args, check_padding_mask, input_spec, is_greedy, prompt_lengths
+from flax_transformer.models._shared import (
+    check_generate_args,
+    check_padding_mask,
+    input_spec,
+    is_greedy,
+    prompt_lengths,
+)
 
 from ._common import check_length, check_token_ids
 

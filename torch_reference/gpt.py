@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.configs import GPTConfig
+from flax_transformer.models.configs import GPTConfig
 
 from ._common import InputSpec, Module, attend, check_divisible, check_features, check_length, check_token_ids
 

@@ -14,8 +14,8 @@ Flag parsing only; the run is ``flax_transformer.training.classify.train_and_eva
 import sys
 from pathlib import Path
 
+from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main
 from flax_transformer.training import classify
-from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:

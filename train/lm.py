@@ -9,8 +9,8 @@ Prints the validation loss and a sample at the end. Flag parsing only; the run i
 
 import sys
 
+from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main
 from flax_transformer.training import lm
-from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:

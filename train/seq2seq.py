@@ -7,8 +7,8 @@ accuracy on held-out strings. Flag parsing only; the run is
 
 import sys
 
+from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main
 from flax_transformer.training import seq2seq
-from flax_transformer.training.cli import common_parser, make_config, mesh_of, run_main
 
 
 def main(argv=None) -> int:

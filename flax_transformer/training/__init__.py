@@ -6,8 +6,8 @@ presets and a ``train_and_evaluate(config, run_dir)``; ``train/`` holds their th
 command-line entry points.
 """
 
-from .batching import Bucketed, Windows, default_buckets
-from .loop import (
+from flax_transformer.training.batching import Bucketed, Windows, default_buckets
+from flax_transformer.training.loop import (
                    Checkpoints,
                    FitResult,
                    NonFiniteLoss,
@@ -18,8 +18,8 @@ from .loop import (
                    plot_curves,
                    prepare_run_dir,
 )
-from .optim import OptimConfig, decay_mask, make_optimizer, schedule
-from .step import cross_entropy, make_steps
+from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
+from flax_transformer.training.step import cross_entropy, make_steps
 
 __all__ = ["Bucketed", "Windows", "default_buckets", "Checkpoints", "FitResult", "NonFiniteLoss", "RunError",
            "batch_evaluator", "create_run_dir", "fit", "plot_curves", "prepare_run_dir", "OptimConfig", "decay_mask", "make_optimizer",

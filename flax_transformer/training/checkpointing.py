@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .rundir import BROKEN, RunError, _quiet_absl, barrier, is_main_process
+from flax_transformer.training.rundir import BROKEN, RunError, _quiet_absl, barrier, is_main_process
 
 # ----------------------------------------------------------------------------- checkpoints
 
@@ -161,7 +161,7 @@ class Checkpoints:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Write checkpoint ``step`` (``meta`` gains the arrays' checksums); ``RunError`` if it cannot be
         written (a full disk), after removing the unfinished checkpoint."""
-        from ..checkpoints import orbax_errors_raised_not_logged
+        from flax_transformer.interop.checkpoints import orbax_errors_raised_not_logged
 
         _drop_closed_loop_noise()  # again: a test runner may have put its own hook back
         ocp = self._ocp
@@ -192,7 +192,7 @@ class Checkpoints:
                            "with it")
 
     def _read(self, step: int, state_args):
-        from ..checkpoints import orbax_errors_raised_not_logged
+        from flax_transformer.interop.checkpoints import orbax_errors_raised_not_logged
 
         _drop_closed_loop_noise()  # again: a test runner may have put its own hook back
         ocp = self._ocp

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import checkpoints as ckpt
-from .. import files
-from ..configs import EncoderConfig
-from . import data, tokenizers, torch_export
-from .batching import Bucketed, Rows, default_buckets
-from .limits import BIG, check_config, check_memory, step_bytes
-from .loop import (
+from flax_transformer.interop import checkpoints as ckpt
+from flax_transformer.interop import files
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.training import data, tokenizers, torch_export
+from flax_transformer.training.batching import Bucketed, Rows, default_buckets
+from flax_transformer.training.limits import BIG, check_config, check_memory, step_bytes
+from flax_transformer.training.loop import (
     Checkpoints,
     RunError,
     batch_evaluator,
@@ -46,9 +46,9 @@ from .loop import (
     plot_curves,
     prepare_run_dir,
 )
-from .optim import OptimConfig, compute_dtype, from_task
-from .run_config import RunConfig, replace
-from .rundir import append_metrics, config_of_run, read_tokenizer
+from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.run_config import RunConfig, replace
+from flax_transformer.training.rundir import append_metrics, config_of_run, read_tokenizer
 
 LABELS = ("negative", "positive")
 
@@ -241,9 +241,9 @@ def encode(tokenizer, rows):
 
 
 def build_model(config: ClassifyConfig, vocab_size: int, *, seed: int | None = None):
-    from .. import set_attention
-    from ..encoder import TransformerForSequenceClassification
-    from ..former import CTransformer
+    from flax_transformer.models.attention import set_attention
+    from flax_transformer.models.encoder import TransformerForSequenceClassification
+    from flax_transformer.models.former import CTransformer
 
     seed = config.run.seed if seed is None else seed
     kw = dict(rngs=nnx.Rngs(params=seed, dropout=seed + 1), dtype=compute_dtype(config.run.dtype))
@@ -276,7 +276,7 @@ def loss_fn(model, batch):
     return (nll * weight).sum() / n, {"accuracy": accuracy, "count": count}
 
 
-from .pretrained import (  # noqa: E402,F401  (re-exported: they used to live here)
+from flax_transformer.training.pretrained import (  # noqa: E402,F401  (re-exported: they used to live here)
     Probe,
     _check_export_target,
     build_pretrained,
@@ -341,7 +341,7 @@ def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
         return  # the head trains on cached features; the encoder runs without gradients
     sizes = dict(width=config.emb, heads=config.heads, layers=config.depth, vocab=config.num_classes)
     if folder is not None:
-        from .. import hf
+        from flax_transformer.interop import hf
 
         encoder = hf.config_of(hf.read_config(folder))[1]  # BERT's, DistilBERT's or RoBERTa's names
         sizes = dict(width=encoder.hidden_size, heads=encoder.num_attention_heads, layers=encoder.num_hidden_layers,

@@ -30,7 +30,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-from .. import files
+from flax_transformer.interop import files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"

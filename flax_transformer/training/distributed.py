@@ -13,8 +13,8 @@ import sys
 import jax
 import numpy as np
 
-from .checkpointing import _is_key
-from .rundir import RunError
+from flax_transformer.training.checkpointing import _is_key
+from flax_transformer.training.rundir import RunError
 
 
 def initialize_distributed(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 300) -> None:

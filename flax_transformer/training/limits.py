@@ -15,8 +15,8 @@ import dataclasses
 import math
 import os
 
-from .. import files
-from .rundir import RunError
+from flax_transformer.interop import files
+from flax_transformer.training.rundir import RunError
 
 BIG = 10**9
 # field: (lowest, highest, lowest excluded): the same wherever a task config has the field

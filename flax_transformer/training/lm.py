@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import checkpoints as ckpt
-from .. import files
-from . import data, tokenizers, torch_export
-from .batching import Windows
-from .limits import check_config, check_memory, step_bytes
-from .loop import (
+from flax_transformer.interop import checkpoints as ckpt
+from flax_transformer.interop import files
+from flax_transformer.training import data, tokenizers, torch_export
+from flax_transformer.training.batching import Windows
+from flax_transformer.training.limits import check_config, check_memory, step_bytes
+from flax_transformer.training.loop import (
     Checkpoints,
     RunError,
     batch_evaluator,
@@ -36,10 +36,10 @@ from .loop import (
     open_run,
     prepare_run_dir,
 )
-from .optim import OptimConfig, compute_dtype, from_task
-from .run_config import RunConfig, replace
-from .rundir import config_of_run, read_tokenizer
-from .step import cross_entropy
+from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.run_config import RunConfig, replace
+from flax_transformer.training.rundir import config_of_run, read_tokenizer
+from flax_transformer.training.step import cross_entropy
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,9 @@ def decode(config: LMConfig, tokenizer, ids) -> str:
 
 
 def build_model(config: LMConfig, vocab_size: int):
-    from .. import set_attention
-    from ..former import GTransformer
-    from ..gpt import GPTTransformer
+    from flax_transformer.models.attention import set_attention
+    from flax_transformer.models.former import GTransformer
+    from flax_transformer.models.gpt import GPTTransformer
 
     kw = dict(rngs=nnx.Rngs(params=config.run.seed, dropout=config.run.seed + 1), dtype=compute_dtype(config.run.dtype))
     if config.model == "gpt":
@@ -176,7 +176,7 @@ def continue_text(config: LMConfig, model, tokenizer, prompt: str, *, max_new_to
     """``prompt`` and its continuation by up to ``max_new_tokens`` (default: the run's ``sample_tokens``)
     tokens, within the model's context. Sampling settings default to the run's; ``RunError`` for a
     prompt the tokenizer cannot encode or that leaves no room in the context."""
-    from ..generate import generate
+    from flax_transformer.models.generate import generate
 
     ids = prompt_ids(dataclasses.replace(config, prompt=prompt), tokenizer)
     room = config.context - len(ids)

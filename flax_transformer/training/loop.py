@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ..checkpoints import describe
-from .checkpointing import Checkpoints, check_disk_space
-from .distributed import (  # noqa: F401  (re-exported: these used to live here)
+from flax_transformer.interop.checkpoints import describe
+from flax_transformer.training.checkpointing import Checkpoints, check_disk_space
+from flax_transformer.training.distributed import (  # noqa: F401  (re-exported: these used to live here)
     batch_sharding,
     check_batch_size,
     initialize_distributed,
@@ -54,9 +54,9 @@ from .distributed import (  # noqa: F401  (re-exported: these used to live here)
     put_batch,
     state_shardings,
 )
-from .limits import check_output  # noqa: F401  (re-exported)
-from .optim import OptimConfig, make_optimizer, schedule
-from .rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
+from flax_transformer.training.limits import check_output  # noqa: F401  (re-exported)
+from flax_transformer.training.optim import OptimConfig, make_optimizer, schedule
+from flax_transformer.training.rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
     MetricsLog,
     RunError,
     _NoLog,
@@ -70,7 +70,7 @@ from .rundir import (  # noqa: F401  (re-exported: the run directory's functions
     prepare_run_dir,
     read_metrics,
 )
-from .step import compiled_train_step, eval_step
+from flax_transformer.training.step import compiled_train_step, eval_step
 
 
 class NonFiniteLoss(RunError):
@@ -209,7 +209,7 @@ def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh,
     optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param)
     start = 0
     if init_from_torch is not None and not resume:
-        from .torch_state import import_torch_state
+        from flax_transformer.training.torch_state import import_torch_state
 
         start = import_torch_state(init_from_torch, model, optim, optimizer=optimizer)[1]
         print(f"Starting {run_dir} from {init_from_torch} at step {start}", file=sys.stderr)

@@ -57,7 +57,9 @@ class OptimConfig:
     clip_norm: float | None = 1.0
 
     def __post_init__(self):
-        from .limits import check_config  # types and bounds (lr > 0, 0 <= b1 < 1, ...); imported late: no cycle
+        from flax_transformer.training.limits import (
+            check_config,  # types and bounds (lr > 0, 0 <= b1 < 1, ...); imported late: no cycle
+        )
 
         check_config(self)
         if self.optimizer not in ("adam", "adamw"):
@@ -80,7 +82,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16
 
 def check_precision(dtype: str, attention: str) -> None:
     """Validate a task config's ``dtype`` and ``attention`` fields."""
-    from ..attention import ATTENTION_IMPLEMENTATIONS
+    from flax_transformer.models.attention import ATTENTION_IMPLEMENTATIONS
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .optim import OptimConfig, make_optimizer
-from .step import cross_entropy, make_steps
-from .torch_state import torch_optimizer
+from flax_transformer.training.optim import OptimConfig, make_optimizer
+from flax_transformer.training.step import cross_entropy, make_steps
+from flax_transformer.training.torch_state import torch_optimizer
 
 MODELS = ("former", "encoder", "gpt", "classic")
 
@@ -73,9 +73,8 @@ def _setup(name: str, rng: np.random.Generator):
         torch_loss = lambda m, x: F.nll_loss(m(torch.from_numpy(x["ids"]).long()), torch.from_numpy(x["labels"]).long())  # noqa: E731
         flax_loss = lambda m, x: cross_entropy(m(x["ids"]), x["labels"])  # noqa: E731
     elif name == "encoder":
+        from flax_transformer.models.configs import EncoderConfig
         from torch_reference.encoder import TransformerForSequenceClassification
-
-        from ..configs import EncoderConfig
 
         config = EncoderConfig.tiny(vocab_size=vocab, hidden_size=32, num_attention_heads=4, max_position_embeddings=t,
                                     num_labels=3, hidden_dropout_prob=0.0)
@@ -124,7 +123,7 @@ def trajectory(name: str, *, steps: int = 10, optimizer: str = "adamw", lr: floa
     """Run ``steps`` updates of family ``name``'s full model in torch and in JAX and compare."""
     import torch
 
-    from .. import porting
+    from flax_transformer.interop import porting
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -233,9 +232,9 @@ def continuity(name: str, *, steps: int = 3, optimizer: str = "adamw", lr: float
 
     import torch
 
-    from .. import porting
-    from .torch_export import torch_training_state
-    from .torch_state import import_torch_state
+    from flax_transformer.interop import porting
+    from flax_transformer.training.torch_export import torch_training_state
+    from flax_transformer.training.torch_state import import_torch_state
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

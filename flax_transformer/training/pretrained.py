@@ -14,18 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import files
-from . import tokenizers
-from .batching import Bucketed
-from .loop import (
+from flax_transformer.interop import files
+from flax_transformer.training import tokenizers
+from flax_transformer.training.batching import Bucketed
+from flax_transformer.training.loop import (
     RunError,
     check_output,
     is_main_process,
 )
-from .optim import compute_dtype
+from flax_transformer.training.optim import compute_dtype
 
 if TYPE_CHECKING:  # the task config; classify imports this module
-    from .classify import ClassifyConfig
+    from flax_transformer.training.classify import ClassifyConfig
 
 
 def init_folder(config: ClassifyConfig) -> Path:
@@ -46,7 +46,7 @@ def init_folder(config: ClassifyConfig) -> Path:
 def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
     """The folder's own tokenizer (``tokenizer.json``: WordPiece, [CLS] ... [SEP]), truncating to
     ``max_length``, checked against the folder's ``config.json`` before anything runs."""
-    from .. import hf
+    from flax_transformer.interop import hf
 
     hf_config = hf.read_config(folder)
     if hf_config.get("model_type") not in hf.ENCODERS:
@@ -80,7 +80,8 @@ def build_pretrained(config: ClassifyConfig, folder: Path, mesh=None):
     With a ``mesh`` (one process), each tensor goes from the file straight onto its devices, split
     as training places it; with several processes ``fit`` places the model (each process reads it).
     """
-    from .. import hf, set_attention
+    from flax_transformer.interop import hf
+    from flax_transformer.models.attention import set_attention
 
     sharding = mesh if mesh is not None and jax.process_count() == 1 else None
     model = hf.classifier_from_pretrained(folder, num_labels=config.num_classes, pooling=config.pooling,
@@ -97,7 +98,7 @@ class Probe(nnx.Module):
     model's head, so ``attach`` puts the trained head back."""
 
     def __init__(self, model, *, seed: int = 0):
-        from ..layers import Linear
+        from flax_transformer.models.layers import Linear
 
         hidden, classes = model.classifier.kernel.shape
         self.classifier_head = model.classifier_head
@@ -114,7 +115,7 @@ class Probe(nnx.Module):
 
     def __call__(self, features):
         """(b, hidden) float features -> (b, classes) float32 logits, as the full model's head computes them."""
-        from ..encoder import TransformerForSequenceClassification
+        from flax_transformer.models.encoder import TransformerForSequenceClassification
 
         return TransformerForSequenceClassification.classify(self, features)
 
@@ -166,7 +167,7 @@ def check_export(folder, texts, *, max_length: int) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from .. import hf
+    from flax_transformer.interop import hf
 
     theirs, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -201,7 +202,7 @@ def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig,
                       overwrite: bool = False, labels=None) -> dict | None:
     """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
     in transformers on ``texts``: the same logits as this library's model within 1e-4."""
-    from .. import hf
+    from flax_transformer.interop import hf
 
     hf.save_pretrained(model, path, overwrite=overwrite, tokenizer=tokenizer, tokenizer_from=folder,
                        labels=labels)

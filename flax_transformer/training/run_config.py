@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .optim import OptimConfig, check_precision
+from flax_transformer.training.optim import OptimConfig, check_precision
 
 # the sub-configs a task config nests, by field name
 _NESTED = {"run": "RunConfig", "optim": "OptimConfig"}
@@ -45,7 +45,7 @@ class RunConfig:
     attention: str = "reference"
 
     def __post_init__(self):
-        from .limits import check_config  # imported late: limits -> rundir -> this module
+        from flax_transformer.training.limits import check_config  # imported late: limits -> rundir -> this module
 
         check_config(self)
         check_precision(self.dtype, self.attention)

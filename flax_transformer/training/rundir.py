@@ -27,8 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .. import files
-from .run_config import from_dict, nest
+from flax_transformer.interop import files
+from flax_transformer.training.run_config import from_dict, nest
 
 LOCK_NAME = ".lock"
 BROKEN = "broken-checkpoints"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpointing import Checkpoints
-from .rundir import RunError, config_of_run, read_run_config
+from flax_transformer.training.checkpointing import Checkpoints
+from flax_transformer.training.rundir import RunError, config_of_run, read_run_config
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,15 @@ def load_run(run_dir, *, step: int | None = None) -> Run:
         raise RunError(f"{run_dir} is not a run directory (no such folder)")
     task = read_run_config(run_dir).get("task")
     if task == "classify":
-        from . import classify
+        from flax_transformer.training import classify
 
         return Run(task, *classify.load_run(run_dir, step=step))
     if task == "lm":
-        from . import lm
+        from flax_transformer.training import lm
 
         return Run(task, *lm.load_run(run_dir, step=step))
     if task == "seq2seq":
-        from . import seq2seq
+        from flax_transformer.training import seq2seq
 
         config = config_of_run(run_dir, "seq2seq", seq2seq.Seq2SeqConfig)
         checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)

@@ -18,13 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import checkpoints as ckpt
-from . import torch_export
-from .limits import check_config, check_memory, step_bytes
-from .loop import batch_evaluator, check_batch_size, check_output, fit, is_main_process, open_run, prepare_run_dir
-from .optim import OptimConfig, compute_dtype, from_task
-from .run_config import RunConfig, replace
-from .step import cross_entropy
+from flax_transformer.interop import checkpoints as ckpt
+from flax_transformer.training import torch_export
+from flax_transformer.training.limits import check_config, check_memory, step_bytes
+from flax_transformer.training.loop import (
+    batch_evaluator,
+    check_batch_size,
+    check_output,
+    fit,
+    is_main_process,
+    open_run,
+    prepare_run_dir,
+)
+from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.run_config import RunConfig, replace
+from flax_transformer.training.step import cross_entropy
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
 VOCAB = DIGIT0 + 10
@@ -108,8 +116,8 @@ class Examples:
 
 
 def build_model(config: Seq2SeqConfig):
-    from .. import set_attention
-    from ..classic import Transformer
+    from flax_transformer.models.attention import set_attention
+    from flax_transformer.models.classic import Transformer
 
     model = Transformer(VOCAB, VOCAB, config.d_model, config.heads, config.n_blocks, config.d_ff, config.dropout,
                         max_len=config.max_digits + 2, rngs=nnx.Rngs(params=config.run.seed, dropout=config.run.seed + 1),
@@ -128,7 +136,7 @@ def loss_fn(model, batch):
 
 def exact_match(config: Seq2SeqConfig, model, examples: dict) -> float:
     """Fraction of sources whose greedy decoding is exactly the reversed digits then ``<eos>``."""
-    from ..generate import generate
+    from flax_transformer.models.generate import generate
 
     size = len(examples["src"])
     prompt = np.full((size, 1), BOS, np.int32)

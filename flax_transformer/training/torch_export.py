@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .. import files, porting
-from .optim import OptimConfig
-from .torch_state import (
+from flax_transformer.interop import files, porting
+from flax_transformer.training.optim import OptimConfig
+from flax_transformer.training.torch_state import (
     TorchStateError,
     _config_json,
     _dotted,
@@ -104,7 +104,7 @@ def save_torch_state(path, model, optimizer: nnx.Optimizer, optim: OptimConfig, 
 
 def run_optim(config) -> OptimConfig:
     """The ``OptimConfig`` a task config's run trains with (its schedule needs the run's length)."""
-    from .optim import from_task
+    from flax_transformer.training.optim import from_task
 
     steps = config.run.steps
     if steps is None:
@@ -117,9 +117,9 @@ def restore_run(run_dir, *, step: int | None = None, optim: OptimConfig | None =
     """(model, optimizer, optim, step) of a run directory's checkpoint ``step`` (default: the latest),
     the model in train mode with its dropout streams, the optimizer as ``fit`` left it. ``optim``: the
     run's ``OptimConfig`` when the caller knows it (default: from ``run.json``, ``run_optim``)."""
-    from .checkpointing import Checkpoints
-    from .optim import make_optimizer
-    from .runs import load_run
+    from flax_transformer.training.checkpointing import Checkpoints
+    from flax_transformer.training.optim import make_optimizer
+    from flax_transformer.training.runs import load_run
 
     run = load_run(run_dir, step=step)
     if getattr(run.config, "freeze_encoder", False):
@@ -162,7 +162,7 @@ def check_export(run_dir, path, *, step: int | None = None) -> list[str]:
     * JAX: ``import_torch_state`` into a second copy of the run's model gives the run's parameters,
       Adam moments and counts again, bit for bit.
     """
-    from .torch_state import import_torch_state, load_torch_state
+    from flax_transformer.training.torch_state import import_torch_state, load_torch_state
 
     model, optimizer, optim, step = restore_run(run_dir, step=step)
     data = load_torch_state(path)
@@ -206,8 +206,8 @@ def check_entry_flags(config, *, init_from_torch=None, export_torch_state=None, 
     (``torch_state.check_torch_state``: kind, settings, step, updates left before ``--steps``); the
     export target must be writable. The checks that need the model run when ``fit`` starts, where a
     refusal removes the new run directory (as any failure before a run's first checkpoint)."""
-    from .limits import check_output
-    from .torch_state import check_torch_state
+    from flax_transformer.training.limits import check_output
+    from flax_transformer.training.torch_state import check_torch_state
 
     if getattr(config, "freeze_encoder", False) and (init_from_torch or export_torch_state):
         raise TorchStateError("--freeze-encoder trains a linear probe on cached features, which has no torch_reference "

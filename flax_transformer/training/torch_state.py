@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .. import porting
-from .optim import OptimConfig, decay_mask, make_optimizer
+from flax_transformer.interop import porting
+from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer
 
 # the group settings of torch's Adam/AdamW that this module reads or must see at their defaults
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -148,14 +148,14 @@ def _torch_twin_on_meta(model):
     """The torch_reference twin of a Flax model with no memory behind it: its parameter names, order, shapes."""
     import torch
 
-    from ..checkpoints import build, describe
+    from flax_transformer.interop.checkpoints import build, describe
 
     with torch.device("meta"):
         return build(describe(model), framework="torch")
 
 
 def _config_json(model) -> dict:
-    from ..checkpoints import describe
+    from flax_transformer.interop.checkpoints import describe
 
     return describe(model)["init_kwargs"]
 

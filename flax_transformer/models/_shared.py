@@ -52,7 +52,7 @@ def _thaw(value):
 class RecordsInit:
     """Mixin that remembers constructor arguments (minus ``rngs``), for porting.
 
-    ``flax_transformer.porting`` rebuilds a module's twin in the other framework from
+    ``flax_transformer.interop.porting`` rebuilds a module's twin in the other framework from
     them, so porting needs no per-class knowledge of signatures. The arguments are
     stored hashable (lists become tuples) because NNX keeps them in the static graph.
     A class may declare ``_init_converters = {"config": SomeConfig.from_any}`` to record

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._shared import check_divisible, check_length  # noqa: F401  (re-exported)
+from flax_transformer.models._shared import check_divisible, check_length  # noqa: F401  (re-exported)
 
 
 def is_concrete(x) -> bool:

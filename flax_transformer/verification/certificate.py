@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files
+from flax_transformer.interop import files
 
 FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
 FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
@@ -80,7 +80,7 @@ def _sha256(data: bytes) -> str:
 
 def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
     """Every tensor of a written export, under the names it has in the file (numpy; bf16 stays bf16)."""
-    from . import checkpoints, hf
+    from flax_transformer.interop import checkpoints, hf
 
     path = Path(path)
     if fmt == "safetensors":
@@ -156,7 +156,7 @@ def _torch():
 def _output_scale(torch_model, run) -> tuple:
     """(``run()``'s result, max |output| over every torch forward it made): read through a
     forward hook, so the outputs are not recomputed; 0.0 when no forward was seen."""
-    from .frameworks import leaves
+    from flax_transformer.verification.frameworks import leaves
 
     seen = [0.0]
 
@@ -179,7 +179,7 @@ def _errors(torch_model, flax_model, args, seed: int) -> tuple[float, bool, floa
     older ``compare`` without ``grads`` returns ``(err, finite)`` and ``gradient_errors`` the rest."""
     import inspect
 
-    from . import verify
+    from flax_transformer.verification import verify
 
     if "grads" in inspect.signature(verify.compare).parameters:
         report = verify.compare(torch_model, flax_model, args, grads=True, seed=seed)
@@ -192,7 +192,7 @@ def _errors(torch_model, flax_model, args, seed: int) -> tuple[float, bool, floa
 
 def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None):
     """The torch_reference model of what was written at ``path``, built and filled from the file."""
-    from . import checkpoints, hf, porting
+    from flax_transformer.interop import checkpoints, hf, porting
 
     if fmt == "hf":
         if description["class"] == "TransformerForSequenceClassification":
@@ -209,7 +209,7 @@ def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None)
 
 def _flax_model(path, fmt: str, description: dict, tensors: dict | None = None):
     """The Flax model of what was written at ``path`` (for a re-check: the exported model is gone)."""
-    from . import checkpoints, hf, porting
+    from flax_transformer.interop import checkpoints, hf, porting
 
     if fmt == "hf":
         if description["class"] == "TransformerForSequenceClassification":
@@ -243,7 +243,7 @@ def fp32_twin(model, state: dict | None = None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from . import checkpoints, porting
+    from flax_transformer.interop import checkpoints, porting
 
     if state is None and type(model).__module__.startswith("torch_reference"):
         twin = porting.torch_to_flax(model)
@@ -273,7 +273,7 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
     ``verify.TOLERANCE`` and ``BACKWARD_TOLERANCE``."""
     import jax
 
-    from . import pairs, verify
+    from flax_transformer.verification import pairs, verify
 
     if getattr(flax_model, "input_spec", None) is None:  # a sub-module (an attention layer...)
         reason = f"not measured: {type(flax_model).__name__} is not a whole model (no input_spec() to draw inputs from)"
@@ -302,7 +302,7 @@ def make(written, fmt: str, model, *, name: str | None = None, state: dict | Non
     """The certificate of the export just written at ``written`` (a temporary path) of ``model``.
 
     Raises ``CertificateError`` when the check fails: the caller then writes nothing."""
-    from . import checkpoints
+    from flax_transformer.interop import checkpoints
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -418,6 +418,6 @@ def read(path) -> dict:
 def recheck(path):
     """Re-check the certificate of ``path``: a ``certificate_check.Report`` (``passed``, ``failures``,
     ``notes``, ``format()``); see ``certificate_check.recheck``."""
-    from .certificate_check import recheck as check
+    from flax_transformer.verification.certificate_check import recheck as check
 
     return check(path)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import certificate as cert
-from . import files
+from flax_transformer.interop import files
+from flax_transformer.verification import certificate as cert
 
 
 @dataclass

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .bisect import BisectReport, bisect  # noqa: F401  (verify.bisect: the public name)
-from .frameworks import apply as _apply
-from .frameworks import flax_grads as _flax_grads
-from .frameworks import leaves as _leaves
-from .frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
+from flax_transformer.verification.bisect import BisectReport, bisect  # noqa: F401  (verify.bisect: the public name)
+from flax_transformer.verification.frameworks import apply as _apply
+from flax_transformer.verification.frameworks import flax_grads as _flax_grads
+from flax_transformer.verification.frameworks import leaves as _leaves
+from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
 
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
@@ -134,7 +134,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     """
     import torch
 
-    from . import porting
+    from flax_transformer.interop import porting
 
     kwargs = kwargs or {}
     torch_model.eval()
@@ -209,12 +209,11 @@ def _ids(rng, vocab, b, t):
 
 def specs(b: int = 3, t: int = 7) -> list[Spec]:
     """The modules ``verify`` covers, at attention, block and model level."""
+    from flax_transformer.models.configs import EncoderConfig, GPTConfig
     from torch_reference import classic as tc
     from torch_reference import encoder as te
     from torch_reference import former as tf
     from torch_reference import gpt as tg
-
-    from .configs import EncoderConfig, GPTConfig
 
     emb, heads, vocab, seq = 24, 4, 50, 16
     attention_cases = MASK_CASES
@@ -350,7 +349,7 @@ def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, se
     Returns:
         [(direction, max abs err, all finite)] for the two directions.
     """
-    from . import porting
+    from flax_transformer.interop import porting
 
     torch_module.eval()
     perturb_torch(torch_module, seed)
@@ -410,7 +409,7 @@ def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
     """One Row per (full model, mask case, direction): the worst relative parameter-gradient error."""
-    from . import porting
+    from flax_transformer.interop import porting
 
     for i, spec in enumerate(specs()):
         if spec.name not in MODELS or (families and spec.family not in families):
@@ -443,7 +442,7 @@ def checkpoint_rows(path) -> list[Row]:
     transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
     from pathlib import Path
 
-    from . import certificate, pairs
+    from flax_transformer.verification import certificate, pairs
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else

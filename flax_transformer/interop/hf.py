@@ -39,9 +39,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from . import files, porting, safetensors_io
-from ._shared import check_positive_float
-from .hf_tables import (  # noqa: F401  (re-exported: the tables are part of the API)
+from flax_transformer.interop import files, porting, safetensors_io
+from flax_transformer.interop.hf_tables import (  # noqa: F401  (re-exported: the tables are part of the API)
     BERT_KEYS,
     DISTILBERT_KEYS,
     ENCODERS,
@@ -52,7 +51,8 @@ from .hf_tables import (  # noqa: F401  (re-exported: the tables are part of the
     hf_to_ours,
     ours_to_hf,
 )
-from .safetensors_io import _torch_pickle, open_weights, read  # noqa: F401  (re-exported)
+from flax_transformer.interop.safetensors_io import _torch_pickle, open_weights, read  # noqa: F401  (re-exported)
+from flax_transformer.models._shared import check_positive_float
 
 _convert = convert  # the name the tests and older callers use
 
@@ -141,7 +141,7 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
             does) or a function ``(path, shape) -> Sharding``; each tensor is put there
             as it is read (``safetensors_io.fill``).
     """
-    from . import encoder, gpt
+    from flax_transformer.models import encoder, gpt
 
     _, kind, config, weights = _open(path)
     cls = encoder.TransformerEncoder if kind in ENCODERS else gpt.GPT2LMHeadModel
@@ -213,7 +213,7 @@ def classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: 
         seed: for a new head's initialisation (and the model's dropout stream).
         sharding: as for ``from_pretrained``.
     """
-    from . import encoder
+    from flax_transformer.models import encoder
 
     config, state = _classifier_state(path, num_labels, pooling, seed)
     model = porting.build_unfilled(encoder.TransformerForSequenceClassification,
@@ -350,7 +350,7 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
         if certify:  # inside the folder, so it is swapped in with the weights it describes
-            from . import certificate
+            from flax_transformer.verification import certificate
 
             # the weights as written (a bf16 export is certified on its bf16 values)
             certificate.write_into(tmp, "hf", model,

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from .loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
-from .run_config import field_names, from_dict, replace
-from .rundir import read_run_config
+from flax_transformer.training.loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
+from flax_transformer.training.run_config import field_names, from_dict, replace
+from flax_transformer.training.rundir import read_run_config
 
 
 class UsageError(SystemExit):
@@ -161,7 +161,7 @@ def run_main(function):
 
     Before anything computes, malloc is told to keep freed memory (``malloc.keep_freed_memory``:
     each train step would otherwise fault its temporaries' pages in again)."""
-    from .malloc import keep_freed_memory
+    from flax_transformer.training.malloc import keep_freed_memory
 
     keep_freed_memory()
     try:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from flax import nnx
 
-from . import gpt, layers
+from flax_transformer.models import gpt, layers
 
 # ------------------------------------------------------------------ layouts
 

@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import certificate, configs, files, porting
+from flax_transformer.interop import files, porting
+from flax_transformer.models import configs
+from flax_transformer.verification import certificate
 
 METADATA_KEY = "flax_transformer"
 
@@ -75,7 +77,7 @@ def _model_class(family, name, framework: str):
         raise ValueError(f"unknown family {family!r} (families: {', '.join(MODEL_CLASSES)})")
     if not isinstance(name, str) or name not in MODEL_CLASSES[family]:
         raise ValueError(f"{name!r} is not a {family} model class (classes: {', '.join(MODEL_CLASSES[family])})")
-    module = importlib.import_module(f"{'flax_transformer' if framework == 'flax' else 'torch_reference'}.{family}")
+    module = importlib.import_module(f"{'flax_transformer.models' if framework == 'flax' else 'torch_reference'}.{family}")
     return {allowed: getattr(module, allowed) for allowed in MODEL_CLASSES[family]}[name]
 
 
@@ -281,7 +283,7 @@ def jax_tree_cast(tree, like):
 def load_run(run_dir, *, step: int | None = None):
     """A training run directory (``python -m train.*  --out RUN_DIR``) back: a ``Run`` with the
     trained ``model`` (eval mode), its ``tokenizer``, its task ``config`` and ``task``."""
-    from .training.runs import load_run as load
+    from flax_transformer.training.runs import load_run as load
 
     return load(run_dir, step=step)
 
@@ -298,7 +300,7 @@ def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
             return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
         if (path / "run.json").is_file():  # a training run: its model as the run's config built it
             return load_run(path).model
-        from . import hf
+        from flax_transformer.interop import hf
 
         return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)
     tensors, description = read_safetensors(path) if path.suffix == ".safetensors" else (None, None)

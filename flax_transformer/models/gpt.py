@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._shared import InputSpec, RecordsInit
-from .attention import attend, cache_mask, empty_cache, fused_attention, update_cache
-from .checks import check_divisible, check_features, check_length, check_token_ids, is_concrete
-from .configs import GPTConfig
-from .layers import ACTIVATIONS, Embed, gather_rows, lookup
-from .layers import LayerNorm as TorchLayerNorm
-from .layers import Linear as TorchLinear
+from flax_transformer.models._shared import InputSpec, RecordsInit
+from flax_transformer.models.attention import attend, cache_mask, empty_cache, fused_attention, update_cache
+from flax_transformer.models.checks import check_divisible, check_features, check_length, check_token_ids, is_concrete
+from flax_transformer.models.configs import GPTConfig
+from flax_transformer.models.layers import ACTIVATIONS, Embed, gather_rows, lookup
+from flax_transformer.models.layers import LayerNorm as TorchLayerNorm
+from flax_transformer.models.layers import Linear as TorchLinear
 
 INF = 1e20  # the notebook's additive mask constant
 

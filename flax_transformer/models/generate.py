@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._shared import (
+from flax_transformer.models._shared import (
     InputSpec,
     check_flag,
     check_generate_args,
@@ -38,7 +38,7 @@ from ._shared import (
     is_greedy,
     prompt_lengths,
 )
-from .checks import check_length, check_token_ids, is_concrete
+from flax_transformer.models.checks import check_length, check_token_ids, is_concrete
 
 
 def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: float | None, greedy: bool):

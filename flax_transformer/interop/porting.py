@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._shared import StateDictError, check_state_dict_mapping
-from .layer_kinds import (
+from flax_transformer.interop.layer_kinds import (
     AS_IS,
     CONV,
     LEAF_RULES,
@@ -46,6 +45,7 @@ from .layer_kinds import (
     torch_shape,
     why_not_placed,
 )
+from flax_transformer.models._shared import StateDictError, check_state_dict_mapping
 
 __all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
            "flax_class", "flax_to_torch", "load_state_dict", "state_dict", "torch_class", "torch_to_flax"]
@@ -102,7 +102,7 @@ class LoadResult(NamedTuple):
 def _family_or_none(module) -> str | None:
     """The family of a flax_transformer or torch_reference module's class, or None for any other."""
     package, _, family = type(module).__module__.rpartition(".")
-    return family if package in ("flax_transformer", "torch_reference") and family in KEY_MAPS else None
+    return family if package in ("flax_transformer.models", "torch_reference") and family in KEY_MAPS else None
 
 
 def _family(module) -> str:
@@ -347,7 +347,7 @@ def _is_eval(flax_module) -> bool:
 
 def flax_class(torch_module) -> type:
     """The flax_transformer class of the same family and name as a torch_reference module."""
-    module = importlib.import_module(f"flax_transformer.{_family(torch_module)}")
+    module = importlib.import_module(f"flax_transformer.models.{_family(torch_module)}")
     return getattr(module, type(torch_module).__name__)
 
 

@@ -77,7 +77,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
     """(ids, mask) of the texts through the checkpoint's own tokenizer.json, right-padded to one length."""
     from tokenizers import Tokenizer
 
-    from ._shared import input_spec
+    from flax_transformer.models._shared import input_spec
 
     tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
     tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)
@@ -99,7 +99,8 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
-    from . import bisect, certificate, files, pairs, verify
+    from flax_transformer.interop import files
+    from flax_transformer.verification import bisect, certificate, pairs, verify
 
     if args.pair and args.checkpoint:
         raise ValueError("--pair and --checkpoint exclude each other")

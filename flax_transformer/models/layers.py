@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .fast_backward import linear_dot_general
+from flax_transformer.models.fast_backward import linear_dot_general
 
 
 def _uniform_fan_in(fan_in: int):

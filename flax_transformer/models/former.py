@@ -18,10 +18,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._shared import InputSpec, RecordsInit, attention_variants
-from .attention import attend, cache_mask, combine_masks, empty_cache, make_causal_mask, normalize_mask, update_cache
-from .checks import check_divisible, check_features, check_length, check_token_ids
-from .layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, masked_mean
+from flax_transformer.models._shared import InputSpec, RecordsInit, attention_variants
+from flax_transformer.models.attention import (
+    attend,
+    cache_mask,
+    combine_masks,
+    empty_cache,
+    make_causal_mask,
+    normalize_mask,
+    update_cache,
+)
+from flax_transformer.models.checks import check_divisible, check_features, check_length, check_token_ids
+from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, masked_mean
 
 _SCALES = ("emb", "head")
 _VARIANTS = ("narrow", "wide")

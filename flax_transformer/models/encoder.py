@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._shared import InputSpec, RecordsInit
-from .attention import attend, normalize_mask
-from .checks import check_features, check_length, check_token_ids
-from .configs import EncoderConfig
-from .layers import ACTIVATIONS, Embed, LayerNorm, Linear, lookup, masked_mean
+from flax_transformer.models._shared import InputSpec, RecordsInit
+from flax_transformer.models.attention import attend, normalize_mask
+from flax_transformer.models.checks import check_features, check_length, check_token_ids
+from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.layers import ACTIVATIONS, Embed, LayerNorm, Linear, lookup, masked_mean
 
 
 class _ConfigModule(RecordsInit, nnx.Module):
@@ -242,7 +242,7 @@ class TransformerEncoder(_ConfigModule):
     """Embeddings and ``num_hidden_layers`` encoder layers (and BERT's pooler if configured).
 
     With ``EncoderConfig.bert(...)`` this is BERT's ``BertModel``: post-LN, token types,
-    pooler; ``flax_transformer.hf`` loads HuggingFace checkpoints into it.
+    pooler; ``flax_transformer.interop.hf`` loads HuggingFace checkpoints into it.
     """
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):

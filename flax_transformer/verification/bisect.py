@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import capture, frameworks
+from flax_transformer.verification import capture, frameworks
 
 SLACK = 10.0  # JAX may be this many times less accurate than torch fp32 ...
 FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magnitude
@@ -176,7 +176,7 @@ class BisectReport:
         """The report as JSON text; also written to ``path`` (through ``files``) when given."""
         text = json_text(self.to_dict())
         if path is not None:
-            from . import files
+            from flax_transformer.interop import files
 
             files.check_target(path, kind="file", overwrite=overwrite)
             files.write_text(path, text + "\n", overwrite=overwrite)
@@ -399,7 +399,7 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[G
     import torch
     from flax import nnx
 
-    from . import porting
+    from flax_transformer.interop import porting
 
     with torch.no_grad():
         outs = list(frameworks.leaves(torch_model(*args, **kwargs)))

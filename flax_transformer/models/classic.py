@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ._shared import InputSpec, RecordsInit, TensorLoggingLevels, log_size
-from .attention import attend, cache_mask, empty_cache, update_cache
-from .checks import check_features, check_length, check_token_ids, is_concrete
-from .layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup
+from flax_transformer.models._shared import InputSpec, RecordsInit, TensorLoggingLevels, log_size
+from flax_transformer.models.attention import attend, cache_mask, empty_cache, update_cache
+from flax_transformer.models.checks import check_features, check_length, check_token_ids, is_concrete
+from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files, porting
+from flax_transformer.interop import files, porting
 
 # ------------------------------------------------------------------- summary
 
@@ -69,7 +69,7 @@ def bert_attentions(folder, text: str, text_b: str | None = None):
     """
     from tokenizers import Tokenizer
 
-    from . import hf
+    from flax_transformer.interop import hf
 
     folder = Path(folder)
     if not (folder / "tokenizer.json").exists():

@@ -18,9 +18,9 @@ from functools import cache
 
 import numpy as np
 
-from ._shared import StateDictError
-from .configs import EncoderConfig, GPTConfig
-from .safetensors_io import join_rows, read, split_rows
+from flax_transformer.interop.safetensors_io import join_rows, read, split_rows
+from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
 AS_IS, SPLIT_HEADS = "as_is", "split_heads"
 
@@ -145,7 +145,7 @@ def config_of(raw: dict, *, pooler: bool = True):
         return "roberta", EncoderConfig.roberta(raw, pooler=pooler)
     if model_type == "gpt2":
         return "gpt2", GPTConfig.from_any(raw)
-    raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.hf reads 'bert', 'distilbert', "
+    raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.interop.hf reads 'bert', 'distilbert', "
                      "'roberta' and 'gpt2'")
 
 

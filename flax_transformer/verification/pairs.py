@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._shared import input_spec
+from flax_transformer.models._shared import input_spec
 
 
 def load_pair(src, family: str | None = None, cls: str | None = None, config: str | dict | None = None):
@@ -22,7 +22,7 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
     model); a bare torch state_dict (``.pt``/``.bin``/``.safetensors`` without a description)
     needs ``family``, ``cls`` and ``config`` (constructor arguments, a dict or JSON text).
     """
-    from . import checkpoints, hf, porting
+    from flax_transformer.interop import checkpoints, hf, porting
 
     path = Path(src)
     if not path.exists():

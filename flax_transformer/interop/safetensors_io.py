@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._shared import StateDictError
+from flax_transformer.models._shared import StateDictError
 
 # safetensors' dtype codes <-> numpy (bfloat16 and the float8s are ml_dtypes')
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
@@ -146,7 +146,7 @@ def _torch_pickle(file: Path) -> dict[str, np.ndarray]:
 
     import torch
 
-    from .porting import _to_numpy
+    from flax_transformer.interop.porting import _to_numpy
 
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -225,7 +225,7 @@ def open_weights(path) -> dict:
 
 def _torch_names(model) -> dict[str, tuple]:
     """{flax path: (torch name, layout rule, Param)} of every parameter of a flax_transformer model."""
-    from . import porting
+    from flax_transformer.interop import porting
 
     family, out = porting._family(model), {}
     for path, param in porting._flax_params(model).items():
@@ -239,8 +239,8 @@ def _torch_names(model) -> dict[str, tuple]:
 def model_tensors(model) -> dict[str, Lazy]:
     """A flax_transformer or torch_reference model's parameters under torch names and layouts, as
     ``Lazy``s: each is copied to the host (and transposed) only when read."""
-    from . import porting
-    from .layer_kinds import to_torch, torch_shape
+    from flax_transformer.interop import porting
+    from flax_transformer.interop.layer_kinds import to_torch, torch_shape
 
     if type(model).__module__.startswith("torch_reference"):
         return {k: Lazy(tuple(v.shape), porting._to_numpy(v.detach().reshape(-1)[:0]).dtype,
@@ -259,7 +259,7 @@ def _placement(sharding, path: str, shape: tuple, dtype):
     if isinstance(sharding, jax.sharding.Mesh):  # FSDP over the mesh's "fsdp" axis, as training places it
         from jax.sharding import NamedSharding
 
-        from .training.distributed import _param_spec
+        from flax_transformer.training.distributed import _param_spec
 
         fsdp = dict(sharding.shape).get("fsdp", 1)
         return NamedSharding(sharding, _param_spec(jax.ShapeDtypeStruct(shape, dtype), fsdp))
@@ -287,8 +287,8 @@ def fill(model, state: dict, *, sharding=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from . import porting
-    from .layer_kinds import to_flax, torch_shape
+    from flax_transformer.interop import porting
+    from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 
     by_name = {key: (path, rule, param) for path, (key, rule, param) in _torch_names(model).items()}
     plan, seen, unexpected, mismatched = [], set(), [], []

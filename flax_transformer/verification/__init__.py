@@ -1,0 +1,8 @@
+"""Does the Flax model compute what its torch twin computes? ``compare`` (one pair, a report),
+``verify`` (the tables of the ``verify`` command), ``bisect`` (the first module that diverges,
+against float64 torch), ``certificate`` and ``certificate_check`` (what an export records, and its
+re-check), ``export`` (certified writers), ``pairs`` (a checkpoint as a pair, example inputs),
+``inspection`` (``summary``, attention maps).
+
+Imports ``models`` and ``interop`` only; torch lazily.
+"""

@@ -259,10 +259,10 @@ def _placement(sharding, path: str, shape: tuple, dtype):
     if isinstance(sharding, jax.sharding.Mesh):  # FSDP over the mesh's "fsdp" axis, as training places it
         from jax.sharding import NamedSharding
 
-        from flax_transformer.training.distributed import _param_spec
+        from flax_transformer.interop.placement import param_spec
 
         fsdp = dict(sharding.shape).get("fsdp", 1)
-        return NamedSharding(sharding, _param_spec(jax.ShapeDtypeStruct(shape, dtype), fsdp))
+        return NamedSharding(sharding, param_spec(jax.ShapeDtypeStruct(shape, dtype), fsdp))
     if callable(sharding):
         return sharding(path, shape)
     raise TypeError(f"sharding must be a jax.sharding.Sharding, a Mesh or a function (path, shape) -> Sharding, "

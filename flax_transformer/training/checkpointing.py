@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.training.rundir import BROKEN, RunError, _quiet_absl, barrier, is_main_process
+from flax_transformer.interop.placement import is_key as _is_key
+from flax_transformer.training.errors import RunError
+from flax_transformer.training.rundir import BROKEN, _quiet_absl, barrier, is_main_process
 
 # ----------------------------------------------------------------------------- checkpoints
 
@@ -80,10 +82,6 @@ def check_disk_space(run_dir, nbytes: int, keep: int) -> None:
     if free < nbytes * (keep + 1):
         print(f"warning: {_size(free)} free on the disk of {run_dir}; {keep} checkpoints of about {_size(nbytes)} "
               "may not fit", file=sys.stderr)
-
-
-def _is_key(x) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _storable(tree):

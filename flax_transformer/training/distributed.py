@@ -13,8 +13,8 @@ import sys
 import jax
 import numpy as np
 
-from flax_transformer.training.checkpointing import _is_key
-from flax_transformer.training.rundir import RunError
+from flax_transformer.interop.placement import is_key, param_spec
+from flax_transformer.training.errors import RunError
 
 
 def initialize_distributed(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 300) -> None:
@@ -67,25 +67,11 @@ def parse_mesh(spec: str | None):
     return jax.sharding.Mesh(grid, ("data", "fsdp"))
 
 
-def _param_spec(x, fsdp: int):
-    """FSDP: split a parameter (and its Adam moments) along its largest axis that ``fsdp`` divides."""
-    from jax.sharding import PartitionSpec as P
-
-    shape = getattr(x, "shape", ())
-    if fsdp == 1 or not shape or _is_key(x):
-        return P()
-    axes = sorted(range(len(shape)), key=lambda i: -shape[i])
-    for axis in axes:
-        if shape[axis] % fsdp == 0:
-            return P(*[("fsdp" if i == axis else None) for i in range(len(shape))])
-    return P()  # too small to split: replicated
-
-
 def state_shardings(tree, mesh):
     from jax.sharding import NamedSharding
 
     fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
+    return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x, fsdp)), tree)
 
 
 def batch_sharding(batch, mesh):
@@ -112,7 +98,7 @@ def _to_mesh(tree, shardings):
         return jax.device_put(tree, shardings)
 
     def put(x, sharding):  # device_put refuses arrays committed to one process's device
-        if _is_key(x):
+        if is_key(x):
             return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
         value = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, value, value.shape)

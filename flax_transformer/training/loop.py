@@ -54,6 +54,7 @@ from flax_transformer.training.distributed import (  # noqa: F401  (re-exported:
     put_batch,
     state_shardings,
 )
+from flax_transformer.training.errors import NonFiniteLoss
 from flax_transformer.training.limits import check_output  # noqa: F401  (re-exported)
 from flax_transformer.training.optim import OptimConfig, make_optimizer, schedule
 from flax_transformer.training.rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
@@ -71,11 +72,6 @@ from flax_transformer.training.rundir import (  # noqa: F401  (re-exported: the 
     read_metrics,
 )
 from flax_transformer.training.step import compiled_train_step, eval_step
-
-
-class NonFiniteLoss(RunError):
-    """The loss became NaN or infinite; the run stopped before saving the bad state."""
-
 
 # ----------------------------------------------------------------------------- Ctrl-C
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import jax
 import optax
 
+from flax_transformer.training.bounds import check_config
+
 _DECAYED = ("kernel", "matrix")
 
 
@@ -57,11 +59,7 @@ class OptimConfig:
     clip_norm: float | None = 1.0
 
     def __post_init__(self):
-        from flax_transformer.training.limits import (
-            check_config,  # types and bounds (lr > 0, 0 <= b1 < 1, ...); imported late: no cycle
-        )
-
-        check_config(self)
+        check_config(self)  # types and bounds (lr > 0, 0 <= b1 < 1, ...)
         if self.optimizer not in ("adam", "adamw"):
             raise ValueError(f"optimizer must be 'adam' or 'adamw', got {self.optimizer!r}")
         if self.decay not in ("constant", "cosine", "linear"):

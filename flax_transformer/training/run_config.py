@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flax_transformer.training.bounds import check_config
 from flax_transformer.training.optim import OptimConfig, check_precision
 
 # the sub-configs a task config nests, by field name
@@ -45,8 +46,6 @@ class RunConfig:
     attention: str = "reference"
 
     def __post_init__(self):
-        from flax_transformer.training.limits import check_config  # imported late: limits -> rundir -> this module
-
         check_config(self)
         check_precision(self.dtype, self.attention)
 

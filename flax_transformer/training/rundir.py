@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from flax_transformer.interop import files
+from flax_transformer.training.errors import RunDirBusy, RunError  # noqa: F401  (re-exported: they lived here)
 from flax_transformer.training.run_config import from_dict, nest
 
 LOCK_NAME = ".lock"
@@ -35,14 +36,6 @@ BROKEN = "broken-checkpoints"
 # what a run writes into its folder (removed again when a new run fails before its first checkpoint)
 RUN_FILES = ("run.json", "tokenizer.json", "metrics.jsonl", "tensorboard", "checkpoints", "features", "curves.png",
              "sample.txt", BROKEN, LOCK_NAME)
-
-
-class RunError(RuntimeError):
-    """A run cannot start or go on: a clear message, and nothing in the run directory was lost."""
-
-
-class RunDirBusy(RunError):
-    """Another process holds the run directory's lock."""
 
 
 # ----------------------------------------------------------------------------- processes

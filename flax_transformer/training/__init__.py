@@ -4,6 +4,20 @@ length-bucketed batches, and the run loop (orbax checkpoints, exact resume, logs
 The tasks (``classify``, ``lm``, ``seq2seq``) are library modules with frozen configs and
 presets and a ``train_and_evaluate(config, run_dir)``; ``train/`` holds their thin
 command-line entry points.
+
+The modules import one way, each only from the lines above it (and from ``models``,
+``interop``, ``verification``; never from ``cli``)::
+
+    errors, bounds, batching, data, tokenizers, step, malloc   # import nothing of this package
+    optim, limits, distributed, torch_state                    # the optimizer; memory/output checks; the mesh; torch's optimizer state
+    run_config                                                 # RunConfig, and the task configs' nesting
+    rundir                                                     # the run directory: run.json, lock, logs, curves
+    checkpointing                                              # the run's orbax checkpoints
+    loop, torch_write                                          # fit; a model and its optimizer as a torch checkpoint
+    lm, seq2seq, pretrained, parity                            # the tasks; the hf classifier's parts; optimizer parity
+    classify                                                   # the classifier task (uses pretrained)
+    runs                                                       # a run directory back as a model (the task named in run.json)
+    torch_export                                               # a run directory, by its path, as a torch checkpoint
 """
 
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets

@@ -31,7 +31,7 @@ from flax import nnx
 from flax_transformer.interop import checkpoints as ckpt
 from flax_transformer.interop import files
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.training import data, tokenizers, torch_export
+from flax_transformer.training import data, tokenizers, torch_write
 from flax_transformer.training.batching import Bucketed, Rows, default_buckets
 from flax_transformer.training.limits import BIG, check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -47,6 +47,17 @@ from flax_transformer.training.loop import (
     prepare_run_dir,
 )
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.pretrained import (  # noqa: F401  (re-exported: they used to live here)
+    Probe,
+    _check_export_target,
+    build_pretrained,
+    cached_features,
+    check_export,
+    export_pretrained,
+    init_folder,
+    pooled_features,
+    pretrained_tokenizer,
+)
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.rundir import append_metrics, config_of_run, read_tokenizer
 
@@ -275,19 +286,6 @@ def loss_fn(model, batch):
     accuracy = ((logp.argmax(-1) == labels).astype(weight.dtype) * weight).sum() / n  # no bool*float promotion
     return (nll * weight).sum() / n, {"accuracy": accuracy, "count": count}
 
-
-from flax_transformer.training.pretrained import (  # noqa: E402,F401  (re-exported: they used to live here)
-    Probe,
-    _check_export_target,
-    build_pretrained,
-    cached_features,
-    check_export,
-    export_pretrained,
-    init_folder,
-    pooled_features,
-    pretrained_tokenizer,
-)
-
 # ------------------------------------------------------------------------------- the run
 
 
@@ -316,8 +314,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     if export_hf is not None:
         _check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
-                                   overwrite=overwrite, resume=resume)
+    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                  overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     _check_memory(config, folder, mesh)
     train, val, test = load_splits(config, data_dir)
@@ -407,7 +405,8 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
     if export_torch is not None and is_main_process():
         ckpt.save_safetensors(final, export_torch, overwrite=overwrite)
     if export_torch_state is not None and is_main_process():
-        torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, steps), overwrite=overwrite)
+        torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0], from_task(config, steps),
+                                      overwrite=overwrite)
     if export_hf is not None and is_main_process():
         labels = list(LABELS) if config.num_classes == 2 else None
         metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder, labels=labels,

@@ -22,7 +22,7 @@ from flax import nnx
 
 from flax_transformer.interop import checkpoints as ckpt
 from flax_transformer.interop import files
-from flax_transformer.training import data, tokenizers, torch_export
+from flax_transformer.training import data, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
 from flax_transformer.training.limits import check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -212,8 +212,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
-                                   overwrite=overwrite, resume=resume)
+    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                  overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     text = read_corpus(config, data_dir)
     tok_path = run_dir / "tokenizer.json"
@@ -250,8 +250,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
         if export_torch is not None and is_main_process():
             ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
         if export_torch_state is not None and not result.interrupted and is_main_process():
-            torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, config.run.steps),
-                                    overwrite=overwrite)
+            torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0],
+                                          from_task(config, config.run.steps), overwrite=overwrite)
     return metrics
 
 

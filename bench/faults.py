@@ -250,10 +250,10 @@ torch.manual_seed(0)
 config = json.loads(sys.argv[2])
 ct = CTransformer(**config).eval()
 torch.save(ct.state_dict(), "ct.pt")
-checkpoints.save_safetensors(porting.torch_to_flax(ct), "ct.safetensors")
+export.save_safetensors(porting.torch_to_flax(ct), "ct.safetensors")
 big = CTransformer(emb=256, heads=4, depth=4, seq_length=64, num_tokens=40000, num_classes=2).eval()
-checkpoints.save_safetensors(porting.torch_to_flax(big), "big.safetensors")
-hf.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny()), "gpt2")
+export.save_safetensors(porting.torch_to_flax(big), "big.safetensors")
+export.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny()), "gpt2")
 
 class Evil:
     def __reduce__(self):
@@ -604,7 +604,7 @@ from torch_reference.former import CTransformer
 from flax_transformer import checkpoints, porting
 model = porting.torch_to_flax(CTransformer(emb=32, heads=4, depth=2, seq_length=16, num_tokens=100, num_classes=2))
 try:
-    checkpoints.save_safetensors(model, "out.safetensors")
+    export.save_safetensors(model, "out.safetensors")
 except FileExistsError as error:
     print("OK" if "out.safetensors" in str(error) else f"message: {error}")
 """, prepare=touch("out.safetensors"))
@@ -612,7 +612,7 @@ snippet_case("hf.save_pretrained into an existing empty folder", "6 outputs", ""
 from flax_transformer import hf
 from flax_transformer.models.configs import GPTConfig
 from torch_reference.gpt import GPT2LMHeadModel
-hf.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny()), "out")
+export.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny()), "out")
 import os
 print("OK" if os.path.isfile("out/model.safetensors") and os.stat("out/model.safetensors").st_mode & 0o044 else "perm")
 """, prepare=lambda f, fx: (f / "out").mkdir())
@@ -662,6 +662,7 @@ from flax_transformer import former, porting
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.generate import generate
 from torch_reference.gpt import GPTTransformer
+from flax_transformer.verification import export
 gpt = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
                                            max_length=32, dropout=0.0).eval())
 try:

@@ -25,6 +25,7 @@ from flax_transformer.interop import checkpoints, hf, porting
 from flax_transformer.models import configs
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.generate import generate as flax_generate
+from flax_transformer.verification import export
 from torch_reference.generate import generate as torch_generate
 
 # ------------------------------------------------------------------ configs
@@ -73,7 +74,7 @@ def test_hf_config_json_with_bad_field_is_refused_naming_it(tmp_path, model_type
 
 def test_hf_classifier_config_fields_are_checked(tmp_path):
     base = EncoderConfig.bert(EncoderConfig.tiny().__dict__)
-    hf.save_pretrained(fe.TransformerEncoder(base, rngs=nnx.Rngs(0)), tmp_path / "b")
+    export.save_pretrained(fe.TransformerEncoder(base, rngs=nnx.Rngs(0)), tmp_path / "b")
     config = json.loads((tmp_path / "b" / "config.json").read_text())
     for field, value in (("initializer_range", "0.02"), ("id2label", "negative,positive")):
         (tmp_path / "b" / "config.json").write_text(json.dumps({**config, field: value}))
@@ -169,7 +170,7 @@ def test_torch_pickle_with_non_string_keys_is_not_a_state_dict(tmp_path):
 
 @pytest.mark.parametrize("load", [hf.from_pretrained, hf.torch_from_pretrained])
 def test_hf_weights_beyond_float32_are_refused_in_both_frameworks(tmp_path, load):
-    hf.save_pretrained(fg.GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "g")
+    export.save_pretrained(fg.GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "g")
     weights = hf.read_weights(tmp_path / "g")
     wte = weights["transformer.wte.weight"].astype(np.float64)
     wte[0, 0] = 1e300

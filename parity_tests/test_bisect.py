@@ -180,10 +180,10 @@ def test_cli_pair(tmp_path, capsys):
 
 def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     from flax_transformer.cli.commands import main
-    from flax_transformer.interop import checkpoints
+    from flax_transformer.verification import export
 
     torch_model, flax_model = _former()
-    checkpoints.save_safetensors(flax_model, tmp_path / "model.safetensors")
+    export.save_safetensors(flax_model, tmp_path / "model.safetensors")
     out = tmp_path / "bisect.json"
     assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--json", str(out),
                  "--no-jit"]) == 0
@@ -193,7 +193,7 @@ def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     assert "every module within budget" in capsys.readouterr().out
     assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--text", "hi"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
-    pt = checkpoints.save_torch(flax_model, tmp_path / "m.pt")  # a bare .pt: its certificate says its model
+    pt = export.save_torch(flax_model, tmp_path / "m.pt")  # a bare .pt: its certificate says its model
     assert main(["verify", "--checkpoint", str(pt), "--bisect", "--no-jit"]) == 0
     assert "every module within budget" in capsys.readouterr().out
 
@@ -262,6 +262,7 @@ LINEAR_PAIR = '''
 import numpy as np
 import torch
 from flax import nnx
+from flax_transformer.verification import export
 
 def make(out=3):
     torch.manual_seed(0)

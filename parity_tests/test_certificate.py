@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from flax_transformer.cli.commands import main
-from flax_transformer.interop import checkpoints, files, hf, porting
+from flax_transformer.interop import checkpoints, files, porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate
+from flax_transformer.verification import certificate, certificate_check, export
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,10 @@ def _gpt2():
 
 
 EXPORTS = {  # name: (write(model, path), output name, the model to write)
-    "safetensors": (checkpoints.save_safetensors, "m.safetensors", "former"),
-    "torch": (checkpoints.save_torch, "m.pt", "former"),
-    "orbax": (checkpoints.save_orbax, "orbax", "former"),
-    "hf": (lambda m, p: hf.save_pretrained(m, p, max_shard_size="30KB", dtype=jnp.bfloat16), "hf", "gpt2"),
+    "safetensors": (export.save_safetensors, "m.safetensors", "former"),
+    "torch": (export.save_torch, "m.pt", "former"),
+    "orbax": (export.save_orbax, "orbax", "former"),
+    "hf": (lambda m, p: export.save_pretrained(m, p, max_shard_size="30KB", dtype=jnp.bfloat16), "hf", "gpt2"),
 }
 
 
@@ -70,7 +70,7 @@ def test_every_export_writes_a_certificate_that_rechecks(tmp_path, former, fmt):
     assert record["matmul_precision"] == "highest"
     assert {"jax", "flax", "torch", "transformers"} <= {k for k, v in record["versions"].items() if v}
     assert record["platform"]["jax_backend"] and record["platform"]["python"]
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed and not report.notes, report.format()
     assert f"forward max relative err {record['forward']['max_rel_err']:.2e}" in report.format()
 
@@ -85,12 +85,12 @@ def _rewrite_tensor(path, name, change):
 
 
 def test_a_certificate_catches_a_changed_tensor(tmp_path, former, capsys):
-    path = checkpoints.save_safetensors(former, tmp_path / "m.safetensors")
+    path = export.save_safetensors(former, tmp_path / "m.safetensors")
     assert main(["verify", "--checkpoint", str(path)]) == 0
     assert "certificate: 3 passed, 0 failed" in capsys.readouterr().out
     victim = "tblocks.0.ff.0.weight"
     _rewrite_tensor(path, victim, lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, -a, a))
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert not report.passed
     assert [f for f in report.failures if f.startswith("tensor")] == [
         next(f for f in report.failures if f.startswith(f"tensor {victim!r} changed (sha256 "))]  # that one, named
@@ -105,33 +105,33 @@ def test_a_certificate_catches_a_changed_tensor(tmp_path, former, capsys):
 
 
 def test_a_larger_error_and_a_changed_version_are_reported_with_both_values(tmp_path, former, monkeypatch):
-    path = checkpoints.save_torch(former, tmp_path / "m.pt")
+    path = export.save_torch(former, tmp_path / "m.pt")
     cert = certificate.path_for(path)
     record = json.loads(cert.read_text())
     measured = record["backward"]["max_rel_err"]
     assert 0 < measured < 1e-7
     record["backward"]["max_rel_err"] = measured / 100  # the certificate claims a smaller error than re-measured
     cert.write_text(json.dumps(record))
-    report = certificate.recheck(path)  # but the growth stays within the margin's 1e-7: rounding, a pass
+    report = certificate_check.recheck(path)  # but the growth stays within the margin's 1e-7: rounding, a pass
     assert report.passed and not report.notes, report.format()
     monkeypatch.setattr(certificate, "RECHECK_SLACK", 0.0)  # this tiny model's errors are below the slack
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert not report.passed and len(report.failures) == 1, report.format()
     assert f"{measured:.2e} now, {measured / 100:.2e} at export" in report.failures[0]
     record["backward"]["max_rel_err"] = measured / 1.5  # larger, but within the re-check margin (2x): a pass
     cert.write_text(json.dumps(record))
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed and not report.notes, report.format()
     record["backward"]["max_rel_err"] = measured / 100
     record["versions"]["jax"] = "0.0.1"  # after an upgrade a larger error within the tolerance is a note
     cert.write_text(json.dumps(record))
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed, report.format()
     assert f"jax 0.0.1 at export, {certificate.versions()['jax']} now" in report.notes
     assert any("larger than recorded" in n and f"{measured:.2e} now" in n for n in report.notes)
     record["backward"]["tolerance"] = measured / 2  # above the tolerance: a failure whatever changed
     cert.write_text(json.dumps(record))
-    assert not certificate.recheck(path).passed
+    assert not certificate_check.recheck(path).passed
     assert main(["verify", "--checkpoint", str(path)]) == 1
     cert.write_text("{")  # not a certificate: one line, exit 2
     assert main(["verify", "--checkpoint", str(path)]) == 2
@@ -140,18 +140,18 @@ def test_a_larger_error_and_a_changed_version_are_reported_with_both_values(tmp_
 def test_a_certificate_for_other_weights_is_caught(tmp_path, former):
     """What a kill -9 between the certificate's and the weights' renames would leave: the old
     weights under the new certificate."""
-    a = checkpoints.save_safetensors(former, tmp_path / "a.safetensors")
+    a = export.save_safetensors(former, tmp_path / "a.safetensors")
     other = porting.torch_to_flax(porting.flax_to_torch(former))
     porting.load_state_dict(other, {k: v * 2 for k, v in porting.state_dict(former).items()})
-    b = checkpoints.save_safetensors(other, tmp_path / "b.safetensors")
+    b = export.save_safetensors(other, tmp_path / "b.safetensors")
     certificate.path_for(a).write_bytes(certificate.path_for(b).read_bytes())
-    report = certificate.recheck(a)
+    report = certificate_check.recheck(a)
     assert report.failures[0].startswith("file a.safetensors (certified as b.safetensors) changed")
     assert report.failures[1].startswith("tensor ")
 
 
 def test_a_failed_weights_swap_puts_the_old_certificate_back(tmp_path, former, monkeypatch):
-    path = checkpoints.save_safetensors(former, tmp_path / "m.safetensors")
+    path = export.save_safetensors(former, tmp_path / "m.safetensors")
     before = {p: p.read_bytes() for p in tmp_path.iterdir()}
     real = os.replace
 
@@ -161,10 +161,10 @@ def test_a_failed_weights_swap_puts_the_old_certificate_back(tmp_path, former, m
         return real(src, dst)
     monkeypatch.setattr(os, "replace", fail_for_the_weights)
     with pytest.raises(OSError, match="No space"):
-        checkpoints.save_safetensors(former, path, overwrite=True)
+        export.save_safetensors(former, path, overwrite=True)
     monkeypatch.undo()
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before  # both byte-identical, no temp left
-    assert certificate.recheck(path).passed
+    assert certificate_check.recheck(path).passed
 
 
 def test_an_export_that_fails_its_check_writes_nothing(tmp_path, former, monkeypatch):
@@ -175,36 +175,36 @@ def test_an_export_that_fails_its_check_writes_nothing(tmp_path, former, monkeyp
         real({k: v * 1.001 if k == "toprobs.weight" else v for k, v in tensors.items()}, path, metadata)
     monkeypatch.setattr(files, "save_safetensors_file", corrupting)
     with pytest.raises(certificate.CertificateError, match=r"forward \S+ \(tolerance 1e-05\).*nothing was written"):
-        checkpoints.save_safetensors(former, tmp_path / "m.safetensors")
+        export.save_safetensors(former, tmp_path / "m.safetensors")
     assert os.listdir(tmp_path) == []
-    checkpoints.save_safetensors(former, tmp_path / "m.safetensors", certify=False)  # on purpose, unchecked
+    export.save_safetensors(former, tmp_path / "m.safetensors", certify=False)  # on purpose, unchecked
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
 def test_certify_false_writes_none_and_removes_a_stale_one(tmp_path, former):
-    path = checkpoints.save_torch(former, tmp_path / "m.pt")
+    path = export.save_torch(former, tmp_path / "m.pt")
     assert certificate.find(path)
-    checkpoints.save_torch(former, path, overwrite=True, certify=False)
+    export.save_torch(former, path, overwrite=True, certify=False)
     assert os.listdir(tmp_path) == ["m.pt"]
-    checkpoints.save_orbax(former, tmp_path / "o", certify=False)
+    export.save_orbax(former, tmp_path / "o", certify=False)
     assert "verification.json" not in os.listdir(tmp_path / "o")
 
 
 def test_without_torch_the_certificate_records_hashes_and_says_why_errors_are_missing(tmp_path, former, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
-    path = checkpoints.save_safetensors(former, tmp_path / "m.safetensors")
+    path = export.save_safetensors(former, tmp_path / "m.safetensors")
     record = json.loads(certificate.path_for(path).read_text())
     assert record["forward"] == record["backward"] == {"not_measured": "not measured: torch not installed"}
     assert record["versions"]["torch"] is None and record["versions"]["jax"] and len(record["tensors"]) > 10
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed and any("torch not installed" in n for n in report.notes)
     monkeypatch.undo()  # with torch back, the re-check measures what the export could not
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed and any("not measured: torch not installed at export" in n for n in report.notes)
 
 
 def test_cli_port_certifies_and_verify_reads_a_bare_torch_file_by_its_certificate(tmp_path, former, capsys):
-    src = checkpoints.save_safetensors(former, tmp_path / "m.safetensors", certify=False)
+    src = export.save_safetensors(former, tmp_path / "m.safetensors", certify=False)
     assert main(["port", str(src), str(tmp_path / "m.pt")]) == 0
     assert f"certificate {tmp_path / 'm.pt.verification.json'}" in capsys.readouterr().out
     assert main(["verify", "--checkpoint", str(tmp_path / "m.pt")]) == 0  # a bare .pt: its certificate says what
@@ -219,11 +219,11 @@ def test_the_exported_model_keeps_its_mode(tmp_path, former):
     """The check runs an eval-mode view: a model exported mid-training stays in training mode."""
     former.train()
     try:
-        checkpoints.save_safetensors(former, tmp_path / "m.safetensors")
+        export.save_safetensors(former, tmp_path / "m.safetensors")
         assert former.do.deterministic is False
     finally:
         former.eval()
-    assert certificate.recheck(tmp_path / "m.safetensors").passed
+    assert certificate_check.recheck(tmp_path / "m.safetensors").passed
 
 
 def _loud_gpt2():
@@ -244,17 +244,17 @@ def test_the_forward_error_is_relative_to_the_outputs_scale(tmp_path, monkeypatc
     """Large outputs carry larger fp32 rounding: a correct model with logits ~100 exports and
     re-checks; an error of relative size 1e-4 is still refused."""
     model = _loud_gpt2()
-    path = checkpoints.save_safetensors(model, tmp_path / "m.safetensors")
+    path = export.save_safetensors(model, tmp_path / "m.safetensors")
     cert = certificate.path_for(path)
     record = json.loads(cert.read_text())
     forward = record["forward"]
     assert 50 < forward["scale"] < 200 and forward["relative_to"] == "max(1, max|output|)", forward
     assert forward["passed"] and forward["max_rel_err"] == forward["max_abs_err"] / forward["scale"] <= 1e-5
-    assert certificate.recheck(path).passed
+    assert certificate_check.recheck(path).passed
     # a certificate written before the forward error was relative (max_abs_err alone) still re-checks
     record["forward"] = {k: forward[k] for k in ("max_abs_err", "finite", "tolerance", "passed")}
     cert.write_text(json.dumps(record))
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert report.passed and any(p.startswith("forward max abs err") for p in report.passes), report.format()
     # a planted error of relative size 1e-4 on logits ~100 fails, and nothing is written
     real = files.save_safetensors_file
@@ -264,14 +264,14 @@ def test_the_forward_error_is_relative_to_the_outputs_scale(tmp_path, monkeypatc
              path, metadata)
     monkeypatch.setattr(files, "save_safetensors_file", corrupting)
     with pytest.raises(certificate.CertificateError, match=r"forward \S+ \(tolerance 1e-05\)"):
-        checkpoints.save_safetensors(model, tmp_path / "bad.safetensors")
+        export.save_safetensors(model, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
 
 
 def test_a_file_added_to_a_folder_after_export_fails_the_recheck(tmp_path):
-    path = hf.save_pretrained(_gpt2(), tmp_path / "hf")
-    assert certificate.recheck(path).passed
+    path = export.save_pretrained(_gpt2(), tmp_path / "hf")
+    assert certificate_check.recheck(path).passed
     (path / "stray.bin").write_bytes(b"not in the certificate")
-    report = certificate.recheck(path)
+    report = certificate_check.recheck(path)
     assert not report.passed
     assert report.failures == ["file stray.bin is not in the certificate (added after the export)"], report.format()

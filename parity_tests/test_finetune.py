@@ -20,6 +20,7 @@ from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.encoder import TransformerEncoder
 from flax_transformer.training import classify, loop
 from flax_transformer.training.batching import Rows
+from flax_transformer.verification import export
 
 from .test_runs import _interrupt_at, _main, records, tree_of, write_fake_imdb
 
@@ -44,7 +45,7 @@ def make_tiny_bert(folder: Path, *, vocab_size=30522, seed=0) -> Path:
     """A random 2-layer, width-32 BERT folder with MiniLM's tokenizer files."""
     config = EncoderConfig.bert(dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=128))
-    hf.save_pretrained(TransformerEncoder(config, rngs=nnx.Rngs(seed)), folder)
+    export.save_pretrained(TransformerEncoder(config, rngs=nnx.Rngs(seed)), folder)
     for name in TOKENIZER_FILES:
         shutil.copyfile(MINILM / name, folder / name)
     return folder
@@ -188,7 +189,7 @@ def test_an_init_folder_that_is_not_bert_is_refused(tmp_path, fake_data, capsys)
     from flax_transformer.models.configs import GPTConfig
     from flax_transformer.models.gpt import GPT2LMHeadModel
 
-    gpt2 = hf.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "gpt2")
+    gpt2 = export.save_pretrained(GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "gpt2")
     err = _refused(["--model", "hf", "--preset", "tiny", "--init", gpt2, "--data-dir", fake_data], tmp_path, capsys)
     assert "'gpt2' model, not BERT" in err
     (tmp_path / "empty").mkdir()
@@ -229,7 +230,7 @@ def test_exports_that_cannot_be_written_are_refused_before_training(tiny_bert, t
     assert "exists" in capsys.readouterr().err and not run.exists()
     with pytest.raises(ValueError, match="no transformers equivalent"):
         model = hf.classifier_from_pretrained(tiny_bert, pooling="mean")
-        hf.save_pretrained(model, tmp_path / "mean")
+        export.save_pretrained(model, tmp_path / "mean")
 
 
 def test_a_max_length_beyond_the_positions_is_refused(tiny_bert, tmp_path, fake_data, capsys):
@@ -240,7 +241,7 @@ def test_a_max_length_beyond_the_positions_is_refused(tiny_bert, tmp_path, fake_
 
 def test_classifier_from_pretrained_reads_its_own_export_and_a_wrong_head(tiny_bert, tmp_path):
     model = hf.classifier_from_pretrained(tiny_bert, num_labels=3, seed=1)
-    hf.save_pretrained(model, tmp_path / "three", tokenizer_from=tiny_bert)
+    export.save_pretrained(model, tmp_path / "three", tokenizer_from=tiny_bert)
     again = hf.classifier_from_pretrained(tmp_path / "three")  # num_labels from the saved head
     ids = np.array([[101, 2023, 2003, 102, 0]], np.int32)
     mask = np.array([[1, 1, 1, 1, 0]], bool)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from flax_transformer.training.run_config import replace
+from flax_transformer.verification import export
 
 # ---------------------------------------------------------------- 2. splits: disjoint, fixed by the seed
 
@@ -570,14 +571,13 @@ def test_exported_bert_classifier_config_round_trips(tmp_path):
     import json
 
     import torch_reference.encoder as te
-    from flax_transformer.interop import hf
     from flax_transformer.models.configs import EncoderConfig
 
     config = dataclasses.replace(EncoderConfig.bert(dict(
         vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
         max_position_embeddings=12, layer_norm_eps=1e-7, hidden_act="relu", type_vocab_size=3,
         hidden_dropout_prob=0.05, attention_probs_dropout_prob=0.02)), num_labels=3)
-    hf.save_pretrained(te.TransformerForSequenceClassification(config), tmp_path / "out",
+    export.save_pretrained(te.TransformerForSequenceClassification(config), tmp_path / "out",
                        labels=["neg", "mixed", "pos"])
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["id2label"] == {"0": "neg", "1": "mixed", "2": "pos"}

@@ -15,6 +15,7 @@ import torch
 
 from flax_transformer.interop import hf
 from flax_transformer.interop.porting import StateDictError
+from flax_transformer.verification import export
 
 from .conftest import TOL
 
@@ -84,7 +85,7 @@ def test_minilm_torch_reference_twin_and_round_trip(minilm, tmp_path):
         got = twin(*(torch.from_numpy(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))).numpy()
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     # Flax -> folder -> transformers: no missing or unexpected keys, the same outputs
-    out = hf.save_pretrained(model, tmp_path / "minilm")
+    out = export.save_pretrained(model, tmp_path / "minilm")
     again, info = transformers.BertModel.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     np.testing.assert_allclose(_hf_outputs(again.eval(), batch).last_hidden_state.numpy(), want, atol=TOL, rtol=0)
@@ -113,7 +114,7 @@ def test_gpt2_from_transformers_and_back(tied, tmp_path):
     with torch.no_grad():
         np.testing.assert_allclose(twin(torch.from_numpy(ids), torch.from_numpy(mask)).numpy(), want, atol=TOL, rtol=0)
     # Flax -> folder -> transformers
-    hf.save_pretrained(model, tmp_path / "ours")
+    export.save_pretrained(model, tmp_path / "ours")
     again, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
@@ -129,7 +130,7 @@ def test_fresh_flax_gpt2_loads_in_transformers(tmp_path):
 
     model = GPT2LMHeadModel(GPTConfig.tiny(n_layer=2, vocab_size=77), rngs=nnx.Rngs(3))
     model.eval()
-    hf.save_pretrained(model, tmp_path / "m")
+    export.save_pretrained(model, tmp_path / "m")
     reference, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "m", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = np.random.default_rng(1).integers(0, 77, size=(2, 9))
@@ -231,15 +232,15 @@ def test_save_into_a_missing_folder_leaves_nothing(tmp_path):
     reference, folder = _small_bert(tmp_path)
     model = hf.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match="parent folder"):
-        hf.save_pretrained(model, tmp_path / "missing" / "out")
+        export.save_pretrained(model, tmp_path / "missing" / "out")
     assert not (tmp_path / "missing").exists()
-    hf.save_pretrained(model, tmp_path / "out")
+    export.save_pretrained(model, tmp_path / "out")
     with pytest.raises(FileExistsError):
-        hf.save_pretrained(model, tmp_path / "out")
+        export.save_pretrained(model, tmp_path / "out")
     before = sorted(os.listdir(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf.save_pretrained(model, tmp_path / "out", overwrite=True)
+        export.save_pretrained(model, tmp_path / "out", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == before  # no temporary folder left behind
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from flax_transformer.interop import hf
 from flax_transformer.interop.safetensors_io import Lazy, open_weights
 from flax_transformer.training.pretrained import Probe
-from flax_transformer.verification import certificate
+from flax_transformer.verification import certificate, export
 
 from .conftest import TOL
 
@@ -90,7 +90,7 @@ def test_encoder_folder_both_ways(tmp_path, kind, sharded):
                                    atol=TOL, rtol=0)
         assert model.input_spec().max_length == 20 - 2
     # Flax -> folder -> transformers: no missing or unexpected keys, the same outputs
-    hf.save_pretrained(model, tmp_path / "ours", certify=False)  # the certificate has its own tests
+    hf.save_pretrained(model, tmp_path / "ours")  # the certificate has its own tests
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == kind
     again, info = transformers.AutoModel.from_pretrained(tmp_path / "ours", output_loading_info=True)
     assert type(again) is type(reference)
@@ -111,7 +111,7 @@ def test_sequence_classifier_heads(tmp_path, kind):
     with torch.no_grad():
         twin = hf.torch_classifier_from_pretrained(folder)(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     np.testing.assert_allclose(twin[:2], want[:2], atol=TOL, rtol=0)
-    hf.save_pretrained(model, tmp_path / "ours", labels=["a", "b", "c"], certify=False)
+    hf.save_pretrained(model, tmp_path / "ours", labels=["a", "b", "c"])
     again, info = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours",
                                                                                   output_loading_info=True)
     assert type(again) is type(reference) and again.config.id2label[2] == "c"
@@ -137,9 +137,9 @@ def test_sharded_save_streams_and_transformers_loads(tmp_path):
     reference, folder = _folder(tmp_path, "roberta")
     model = hf.from_pretrained(folder)
     with pytest.raises(ValueError, match="max_shard_size"):
-        hf.save_pretrained(model, tmp_path / "bad", max_shard_size="lots")
+        export.save_pretrained(model, tmp_path / "bad", max_shard_size="lots")
     assert not (tmp_path / "bad").exists()
-    out = hf.save_pretrained(model, tmp_path / "sharded", max_shard_size="8KB", certify=False)
+    out = hf.save_pretrained(model, tmp_path / "sharded", max_shard_size="8KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -147,7 +147,7 @@ def test_sharded_save_streams_and_transformers_loads(tmp_path):
     weights = open_weights(out)
     assert all(isinstance(v, Lazy) for v in weights.values())  # headers only: nothing read yet
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in weights.values())
-    single = hf.read_weights(hf.save_pretrained(model, tmp_path / "single", certify=False))
+    single = hf.read_weights(hf.save_pretrained(model, tmp_path / "single"))
     assert single.keys() == weights.keys() and all(np.array_equal(single[k], weights[k].read()) for k in single)
     again, info = transformers.AutoModel.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -173,7 +173,7 @@ def test_sharded_save_streams_and_transformers_loads(tmp_path):
 def test_bf16_export_and_import(tmp_path):
     reference, folder = _folder(tmp_path, "distilbert", "AutoModelForSequenceClassification", num_labels=2)
     model = hf.classifier_from_pretrained(folder)
-    out = hf.save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16, max_shard_size="30KB", certify=False)
+    out = hf.save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16, max_shard_size="30KB")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert {str(v.dtype) for v in open_weights(out).values()} == {"bfloat16"}
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()

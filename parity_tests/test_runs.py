@@ -24,7 +24,8 @@ from flax_transformer.training import classify, lm, loop, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
 from flax_transformer.training.loop import NonFiniteLoss, RunError, create_run_dir, fit
 from flax_transformer.training.optim import OptimConfig
-from flax_transformer.verification import certificate
+from flax_transformer.training.runs import load_model, load_run
+from flax_transformer.verification import certificate_check
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -175,9 +176,10 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
     run, export = tmp_path / "run", tmp_path / "model.safetensors"
     assert _main("classify", ["--preset", "tiny", "--out", run, "--data-dir", fake_data, "--no-progress",
                               "--export-torch", export]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"Exported {export}: the trained weights" in err  # as --export-hf says what it wrote
     assert "test accuracy" in out
-    assert certificate.recheck(export).passed  # the export's certificate (model.safetensors.verification.json)
+    assert certificate_check.recheck(export).passed  # the export's certificate (model.safetensors.verification.json)
     _assert_run_files(run)
     assert (run / "tokenizer.json").is_file()
     train = records(run, "train")
@@ -247,8 +249,10 @@ def test_lm_tiny_end_to_end(tmp_path, capsys):
     from flax_transformer.cli.commands import main
     from flax_transformer.interop import checkpoints
 
-    loaded = checkpoints.load_run(run)
-    assert loaded.task == "lm" and type(checkpoints.load(run)).__name__ == type(loaded.model).__name__
+    loaded = load_run(run)
+    assert loaded.task == "lm" and type(load_model(run)).__name__ == type(loaded.model).__name__
+    with pytest.raises(ValueError, match=r"training run directory.*training.runs.load_run"):
+        checkpoints.load(run)  # the I/O layer does not rebuild runs: it names the function that does
     expected = lm.continue_text(loaded.config, loaded.model, loaded.tokenizer, "ROMEO: but", max_new_tokens=12,
                                 greedy=True)
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO: but", "--max-new-tokens", "12",

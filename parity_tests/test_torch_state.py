@@ -6,6 +6,7 @@ bit for bit.
 """
 
 import copy
+import dataclasses
 import functools
 import io
 
@@ -211,6 +212,29 @@ def test_refusals_change_nothing(tmp_path):
 # ----------------------------------------------------------------------------- JAX -> file -> JAX, bf16
 
 
+def test_a_finished_run_is_named_with_the_way_to_extend_it():
+    """A file whose cosine decay ended (learning rate 0) given a longer schedule (a larger ``--steps``)
+    is refused as a finished run, not as a learning-rate mismatch; once its optimizer steps on the
+    longer schedule, the longer run accepts it."""
+    from flax_transformer.training.torch_state import check_torch_state, lr_factor
+
+    short = OptimConfig(lr=1e-2, warmup_steps=1, decay="cosine", total_steps=2, weight_decay=0.1)
+    longer = dataclasses.replace(short, total_steps=10)
+    model = _tiny()
+    optimizer, scheduler = torch_optimizer(model, short)
+    ckpt = _torch_checkpoint(model, optimizer=optimizer, scheduler=scheduler)  # 2 updates: the end, lr 0
+    with pytest.raises(TorchStateError, match="is at step 2, and the run ends at step 2.*--steps larger than 2"):
+        check_torch_state(ckpt, short, total_steps=2)
+    with pytest.raises(TorchStateError, match="learning rate is 0.0 at step 2: its run has finished its schedule.*"
+                                              "--steps 10 follows a longer schedule.*from_task"):
+        check_torch_state(ckpt, longer, total_steps=10)
+    for group in optimizer.param_groups:  # what docs/training.md's torch loop does, then one step
+        group["lr"] = longer.lr * lr_factor(longer, 2)
+    scheduler.lr_lambdas = [lambda i: lr_factor(longer, i)] * len(optimizer.param_groups)
+    ckpt = _torch_checkpoint(model, steps=1, optimizer=optimizer, scheduler=scheduler)
+    assert check_torch_state(dict(ckpt, step=3), longer, total_steps=10)["step"] == 3
+
+
 def test_bf16_run_exported_and_imported_continues_bit_for_bit(tmp_path):
     """A bf16 run (fp32 parameters and moments) with dropout, exported at step K and imported into a
     fresh model (other initial weights, other dropout seed), continues exactly as the run does."""
@@ -263,7 +287,7 @@ def test_verify_through_torch_state_prints_both_curves_and_fails_on_a_break(monk
     """``flax-transformer verify --train-steps K --through-torch-state``: the round trip for each family
     and optimizer, the curves side by side, exit 1 when one fails. (The continuity itself is tested
     above; here the real results of one family stand in for each, to spare the compilations.)"""
-    from flax_transformer.cli.commands import commands as cli
+    from flax_transformer.cli import commands as cli
 
     results = _continuity("gpt")
     calls = []
@@ -312,7 +336,7 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
     started again with ``--init-from-torch`` trains steps 5..8 exactly as the run did: the final
     checkpoints are equal bit for bit, and so are the two runs' ``--export-torch-state`` files.
     Refusals come before anything is created."""
-    from flax_transformer.cli.commands import commands as cli
+    from flax_transformer.cli import commands as cli
     from flax_transformer.training import seq2seq
     from flax_transformer.training.torch_export import export_run
     from train.seq2seq import main
@@ -325,6 +349,7 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
 
     assert main([*flags, "--out", str(again), "--init-from-torch", str(tmp_path / "at4.pt"),
                  "--export-torch-state", str(tmp_path / "again.pt")]) == 0
+    assert f"Exported {tmp_path / 'again.pt'}: a torch training checkpoint at step 8" in capsys.readouterr().err
     a, b = _saved_state(whole), _saved_state(again)
     assert a.keys() == b.keys()
     for key in a:

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer.interop import checkpoints, files, hf
+from flax_transformer.interop import checkpoints, files
 from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.verification import export
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,11 +67,11 @@ def _partial_then_fail(real_write_arg):
 
 WRITERS = {
     # name: (model factory, write(model, path, overwrite), object to monkeypatch, attribute, where it writes)
-    "save_safetensors": (_former, lambda m, p, o: checkpoints.save_safetensors(m, p, overwrite=o), "safetensors.numpy",
+    "save_safetensors": (_former, lambda m, p, o: export.save_safetensors(m, p, overwrite=o), "safetensors.numpy",
                          "save_file", lambda a, k: a[1]),
-    "save_torch": (_former, lambda m, p, o: checkpoints.save_torch(m, p, overwrite=o), "torch", "save",
+    "save_torch": (_former, lambda m, p, o: export.save_torch(m, p, overwrite=o), "torch", "save",
                    lambda a, k: a[1]),
-    "hf.save_pretrained": (_bert, lambda m, p, o: hf.save_pretrained(m, p, overwrite=o),  # streams tensor by tensor
+    "hf.save_pretrained": (_bert, lambda m, p, o: export.save_pretrained(m, p, overwrite=o),  # streams tensor by tensor
                            "flax_transformer.interop.safetensors_io", "write_safetensors", lambda a, k: a[1]),
 }
 
@@ -99,7 +100,7 @@ def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
 
     flax_model = porting.torch_to_flax(_former())
     out = tmp_path / "orbax"
-    checkpoints.save_orbax(flax_model, out)
+    export.save_orbax(flax_model, out)
     before = _snapshot(tmp_path)
 
     def fail(self, directory, *args, **kwargs):
@@ -108,10 +109,10 @@ def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", fail)
     with pytest.raises(OSError, match="No space"):
-        checkpoints.save_orbax(flax_model, out, overwrite=True)
+        export.save_orbax(flax_model, out, overwrite=True)
     assert _snapshot(tmp_path) == before and os.listdir(tmp_path) == ["orbax"]
     monkeypatch.undo()
-    checkpoints.save_orbax(flax_model, out, overwrite=True)  # and a good overwrite does replace it
+    export.save_orbax(flax_model, out, overwrite=True)  # and a good overwrite does replace it
     assert checkpoints.load(out) is not None and os.listdir(tmp_path) == ["orbax"]
 
 
@@ -121,10 +122,10 @@ def test_every_writer_refuses_an_existing_output_without_overwrite(tmp_path):
 
     former, bert = _former(), _bert()
     cases = [
-        (lambda p, o: checkpoints.save_safetensors(former, p, overwrite=o), "a.safetensors", "file"),
-        (lambda p, o: checkpoints.save_torch(former, p, overwrite=o), "a.pt", "file"),
-        (lambda p, o: checkpoints.save_orbax(porting.torch_to_flax(former), p, overwrite=o), "orbax", "dir"),
-        (lambda p, o: hf.save_pretrained(bert, p, overwrite=o), "hf", "dir"),
+        (lambda p, o: export.save_safetensors(former, p, overwrite=o), "a.safetensors", "file"),
+        (lambda p, o: export.save_torch(former, p, overwrite=o), "a.pt", "file"),
+        (lambda p, o: export.save_orbax(porting.torch_to_flax(former), p, overwrite=o), "orbax", "dir"),
+        (lambda p, o: export.save_pretrained(bert, p, overwrite=o), "hf", "dir"),
         (lambda p, o: inspection.save_attention_html(["a", "b"], np.full((1, 1, 2, 2), 0.5), 0, 0, p, b_start=2,
                                                      title="t", overwrite=o), "a.html", "file"),
     ]
@@ -168,7 +169,7 @@ def test_port_refuses_a_device_node_and_a_folder_for_a_file(tmp_path, capsys):
     from flax_transformer.cli.commands import main
 
     src = tmp_path / "m.safetensors"
-    checkpoints.save_safetensors(_former(), src)
+    export.save_safetensors(_former(), src)
     (tmp_path / "dir.safetensors").mkdir()
     assert main(["port", str(src), str(tmp_path / "dir.safetensors"), "--overwrite"]) == 2
     assert "is a folder" in capsys.readouterr().err
@@ -181,8 +182,8 @@ def test_port_refuses_a_device_node_and_a_folder_for_a_file(tmp_path, capsys):
 def test_outputs_get_the_usual_permissions(tmp_path):
     old = os.umask(0o022)
     try:
-        hf.save_pretrained(_bert(), tmp_path / "hf")
-        checkpoints.save_safetensors(_former(), tmp_path / "a.safetensors")
+        export.save_pretrained(_bert(), tmp_path / "hf")
+        export.save_safetensors(_former(), tmp_path / "a.safetensors")
     finally:
         os.umask(old)
     assert (os.stat(tmp_path / "hf").st_mode & 0o777) == 0o755
@@ -192,7 +193,7 @@ def test_outputs_get_the_usual_permissions(tmp_path):
 
 def test_save_pretrained_writes_into_an_existing_empty_folder(tmp_path):
     (tmp_path / "out").mkdir()
-    hf.save_pretrained(_bert(), tmp_path / "out")
+    export.save_pretrained(_bert(), tmp_path / "out")
     assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "out"))
     assert os.listdir(tmp_path) == ["out"]
 
@@ -252,7 +253,7 @@ def test_port_on_a_full_disk_keeps_the_old_output(tmp_path, fmt):
     """A real write error: RLIMIT_FSIZE makes the kernel refuse the write (EFBIG), as a full disk does (ENOSPC)."""
     src, dst = tmp_path / "src.safetensors", tmp_path / {"safetensors": "dst.safetensors", "torch": "dst.pt",
                                                          "orbax": "dst"}[fmt]
-    checkpoints.save_safetensors(_former(), src)
+    export.save_safetensors(_former(), src)
     if fmt == "orbax":
         dst.mkdir()
         (dst / "old").write_bytes(b"the old output")
@@ -277,7 +278,7 @@ def test_cli_errors_are_one_line(tmp_path):
     """A read-only folder, --config that is not an object, non-UTF-8 text: one line, exit 2, nothing written."""
 
     src = tmp_path / "m.safetensors"
-    checkpoints.save_safetensors(_former(), src)
+    export.save_safetensors(_former(), src)
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)

@@ -14,6 +14,13 @@ from pathlib import Path
 import numpy as np
 
 
+def load_model(path):
+    """``training.runs.load_model``, imported when first needed (the CLI starts without JAX)."""
+    from flax_transformer.training.runs import load_model as load
+
+    return load(path)
+
+
 def load_factory(spec: str):
     """The callable named by ``MODULE:FACTORY``.
 
@@ -118,7 +125,8 @@ def run(args) -> int:
     else:
         bare = Path(args.checkpoint).suffix in (".pt", ".bin", ".pth")  # its certificate says its model, as in verify
         flax_model, torch_model = (certificate.load_pair(args.checkpoint)
-                                   if bare and certificate.find(args.checkpoint) else pairs.load_pair(args.checkpoint))
+                                   if bare and certificate.find(args.checkpoint) else
+                                   pairs.load_pair(args.checkpoint, load=load_model))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
                      else pairs.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from flax_transformer.cli.bisect_cli import load_model
+
 
 def _highest_precision():
     import jax
@@ -38,7 +40,7 @@ def _verify(args) -> int:
             raise ValueError("--bisect and --pair take no --train-steps or --family")
         for text in args.text or ():
             _check_text("--text", text)
-        from flax_transformer.cli.commands import bisect_cli
+        from flax_transformer.cli import bisect_cli
 
         return bisect_cli.run(args)
     if args.text or args.json:
@@ -74,11 +76,11 @@ def _verify(args) -> int:
 
 def _verify_checkpoint(path, start) -> int:
     """``verify --checkpoint PATH``: the torch twin table, and the re-check of PATH's certificate if it has one."""
-    from flax_transformer.verification import certificate, verify
+    from flax_transformer.verification import certificate, certificate_check, verify
 
-    report = certificate.recheck(path) if certificate.find(path) else None
+    report = certificate_check.recheck(path) if certificate.find(path) else None
     try:
-        rows = verify.checkpoint_rows(path)
+        rows = verify.checkpoint_rows(path, load=load_model)
     except (OSError, ValueError) as error:
         if report is None or report.passed:
             raise
@@ -156,7 +158,7 @@ def _port_torch_state(args, dst: Path) -> int:
 def _port(args) -> int:
     _highest_precision()
     from flax_transformer.interop import checkpoints, files, hf
-    from flax_transformer.verification import certificate, pairs, verify
+    from flax_transformer.verification import certificate, export, pairs, verify
 
     dst = Path(args.dst)
     if args.to == "torch-state":
@@ -167,18 +169,23 @@ def _port(args) -> int:
     # the target is checked before anything is read: a wrong DST fails at once and creates nothing
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
-    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config)
+    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config, load=load_model)
     fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
                       else "hf" if hf.can_save(flax_model) else "orbax")
-    writers = {"safetensors": checkpoints.save_safetensors, "torch": checkpoints.save_torch,
-               "orbax": checkpoints.save_orbax, "hf": hf.save_pretrained}
+    writers = {"safetensors": export.save_safetensors, "torch": export.save_torch,
+               "orbax": export.save_orbax, "hf": export.save_pretrained}
     options = {}
     if args.dtype != "fp32" or args.max_shard_size is not None:
         if fmt != "hf":
             raise ValueError(f"--dtype and --max-shard-size apply to HuggingFace folders, not to {fmt} output")
         options = dict(dtype={"fp32": None, "bf16": "bfloat16"}[args.dtype], max_shard_size=args.max_shard_size)
+    carried = [name for name in hf.TOKENIZER_FILES if (Path(args.src) / name).is_file()] if fmt == "hf" else []
+    if carried:  # an HF folder's tokenizer goes with its weights, in the same write
+        options["tokenizer_from"] = args.src
     writers[fmt](flax_model, dst, overwrite=args.overwrite, **options)
     print(f"wrote {dst} ({fmt}) and its certificate {certificate.path_for(dst)}")
+    if carried:
+        print(f"  with {args.src}'s tokenizer files: {', '.join(carried)}")
     if not args.verify:
         return 0
     # reload what was written, independently of the model in memory, and compare with SRC's torch model
@@ -200,7 +207,6 @@ def _port(args) -> int:
 
 
 def _summary(args) -> int:
-    from flax_transformer.interop import checkpoints
     from flax_transformer.verification import inspection
 
     if args.top < 0:
@@ -209,7 +215,7 @@ def _summary(args) -> int:
     if args.model in presets:
         model = presets[args.model]()
     else:
-        model = checkpoints.load(args.model) if Path(args.model).exists() else None
+        model = load_model(args.model) if Path(args.model).exists() else None
         if model is None:
             raise FileNotFoundError(f"{args.model} is neither a checkpoint nor a preset ({', '.join(presets)})")
     print(inspection.summary(model, top=args.top))
@@ -311,9 +317,17 @@ def _user_error(error: BaseException) -> bool:
     return rundir is not None and isinstance(error, rundir.RunError)
 
 
+def cli_message(error: BaseException) -> str:
+    """``str(error)`` as a command-line user reads it: an output that exists is replaced by
+    ``--overwrite`` (the library's message says ``overwrite=True``)."""
+    from flax_transformer.interop import files
+
+    return (str(error) or type(error).__name__).replace(files.OVERWRITE_HINT, "--overwrite replaces it")
+
+
 def error_line(prog: str, error: BaseException) -> str:
     """One printable line for a user-facing error (never fails on odd characters in the message)."""
-    message = str(error) or type(error).__name__
+    message = cli_message(error)
     if isinstance(error, OSError) and error.strerror and error.filename and str(error.filename) not in message:
         message = f"{error.strerror}: {error.filename}"
     return f"{prog}: error: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
@@ -332,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "and re-check its certificate (verification.json) if it has one")
     p.add_argument("--family", action="append", choices=["former", "encoder", "gpt", "classic"],
                    help="only this family (repeatable; default: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
     p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
     p.add_argument("--grads", action="store_true",
                    help="compare every parameter's gradient of every full model instead (error relative to the "
@@ -363,11 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--class", dest="cls", help="for a bare torch state_dict: the class name, e.g. CTransformer")
     p.add_argument("--config", help='for a bare torch state_dict: constructor arguments as JSON, e.g. \'{"emb": 128}\'')
     p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf", "torch-state"],
-                   help="output format (default: from DST's suffix; a folder is HF for BERT/GPT-2, else orbax); "
+                   help="output format (default: from DST's suffix; a folder is HF for BERT, DistilBERT, RoBERTa "
+                        "and GPT-2, else orbax); "
                         "torch-state: SRC is a training run directory, DST.pt its torch training checkpoint")
     p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="stored dtype of an HF folder's weights (bf16: transformers loads it as bf16)")
+    p.add_argument("--dtype", type=lambda name: {"float32": "fp32", "bfloat16": "bf16"}.get(name, name),
+                   choices=["fp32", "float32", "bf16", "bfloat16"], default="fp32",
+                   help="stored dtype of an HF folder's weights: fp32 (or float32), bf16 (or bfloat16: "
+                        "transformers loads it as bf16)")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="split an HF folder's weights into safetensors shards of at most SIZE (bytes, or e.g. 500MB, "
                         "2GB) with model.safetensors.index.json")
@@ -381,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_summary)
 
     p = sub.add_parser("attention-map", help="a BERT's attention on a sentence (pair) as PNG heatmaps or HTML")
-    p.add_argument("--text", required=True)
+    p.add_argument("--text", required=True, help="the sentence (with --text-b, the pair's first)")
     p.add_argument("--text-b", help="a second sentence (BERT sentence pair)")
     p.add_argument("--checkpoint", help="an HF BERT folder with tokenizer.json (default: all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=int, required=True, help="the layer, counting from 0")
@@ -393,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="continue a prompt with a trained train.lm run")
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="a run directory of python -m train.lm")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, help="how many tokens to add (default: the run's --sample-tokens, "
-                                                      "within the model's context)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="how many tokens to add; the prompt and they must fit in the run's context (64 tokens for "
+                        "--preset tiny, 128 for small). Default: as many as the run's sample (sample_tokens in its "
+                        "run.json), cut to what fits")
     p.add_argument("--temperature", type=float, help="default: the run's")
     p.add_argument("--top-k", type=int, help="default: the run's")
     p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens whose probability reaches P")

@@ -11,6 +11,10 @@ the same file with ``safetensors.torch.load_file`` and ``load_state_dict``: the 
 and layouts are torch's (``porting.state_dict``). Every writer goes through ``files``:
 the whole output is written under a temporary name and swapped in, an existing output
 is replaced only with ``overwrite=True``, and a failure leaves the old one as it was.
+
+These writers write bytes and do not judge them: the certified exports (the same files with
+the verification certificate that they were checked in torch) are ``verification.export``'s,
+which call these with a ``before_swap`` hook (``files.BeforeSwap``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from flax import nnx
 
 from flax_transformer.interop import files, porting
 from flax_transformer.models import configs
-from flax_transformer.verification import certificate
 
 METADATA_KEY = "flax_transformer"
 
@@ -129,28 +132,27 @@ def _state(model) -> dict[str, np.ndarray]:
     return porting.state_dict(model)
 
 
-def save_safetensors(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
+def save_safetensors(model, path, *, overwrite: bool = False, before_swap: files.BeforeSwap | None = None) -> Path:
     """Weights under torch names and layouts, plus the model description in the header.
 
     An existing ``path`` is replaced only with ``overwrite=True`` (``files.OutputError`` otherwise).
-    ``certify`` (default) checks the written file in torch and writes ``PATH.verification.json``
-    beside it (``certificate``); ``certify=False`` skips both."""
+    ``before_swap``: see ``files.write_file`` (``verification.export.save_safetensors`` certifies)."""
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: np.ascontiguousarray(v) for k, v in _state(model).items()}
     metadata = {"format": "pt", METADATA_KEY: json.dumps(describe(model))}
-    return certificate.write_file(path, lambda tmp: files.save_safetensors_file(state, tmp, metadata), "safetensors",
-                                  model, overwrite=overwrite, certify=certify)
+    return files.write_file(path, lambda tmp: files.save_safetensors_file(state, tmp, metadata),
+                            overwrite=overwrite, before_swap=before_swap)
 
 
-def save_torch(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
-    """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``; with ``certify``,
-    ``PATH.verification.json`` beside it, which also says which model the bare file holds."""
+def save_torch(model, path, *, overwrite: bool = False, before_swap: files.BeforeSwap | None = None) -> Path:
+    """A plain torch ``state_dict`` file (``torch.save``), for ``load_state_dict``. It does not say
+    which model it holds; its certificate does (``verification.export.save_torch``)."""
     import torch
 
     files.check_target(path, kind="file", overwrite=overwrite)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in _state(model).items()}
-    return certificate.write_file(path, lambda tmp: files.save_torch_file(state, tmp), "torch", model,
-                                  overwrite=overwrite, certify=certify)
+    return files.write_file(path, lambda tmp: files.save_torch_file(state, tmp), overwrite=overwrite,
+                            before_swap=before_swap)
 
 
 @contextlib.contextmanager
@@ -194,9 +196,9 @@ def orbax_errors_raised_not_logged(settle_s: float = 1.0):
                     os.write(2, text)
 
 
-def save_orbax(model, path, *, overwrite: bool = False, certify: bool = True) -> Path:
-    """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it (and, with
-    ``certify``, ``verification.json``: see ``certificate``)."""
+def save_orbax(model, path, *, overwrite: bool = False, before_swap: files.BeforeSwap | None = None) -> Path:
+    """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it in the folder.
+    ``before_swap``: see ``files.write_dir`` (``verification.export.save_orbax`` certifies)."""
     import orbax.checkpoint as ocp
 
     path = files.check_target(Path(path).absolute(), kind="dir", overwrite=overwrite)
@@ -208,9 +210,7 @@ def save_orbax(model, path, *, overwrite: bool = False, certify: bool = True) ->
         with orbax_errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
-        if certify:  # inside the folder, so it is swapped in with the weights it describes
-            certificate.write_into(tmp, "orbax", model)
-    return files.write_dir(path, write, overwrite=overwrite)
+    return files.write_dir(path, write, overwrite=overwrite, before_swap=before_swap)
 
 
 # ------------------------------------------------------------------- reading
@@ -280,26 +280,19 @@ def jax_tree_cast(tree, like):
     return jax.tree.map(lambda a, b: jnp.asarray(a, dtype=b.dtype), tree, like)
 
 
-def load_run(run_dir, *, step: int | None = None):
-    """A training run directory (``python -m train.*  --out RUN_DIR``) back: a ``Run`` with the
-    trained ``model`` (eval mode), its ``tokenizer``, its task ``config`` and ``task``."""
-    from flax_transformer.training.runs import load_run as load
-
-    return load(run_dir, step=step)
-
-
 def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     """A Flax model (eval mode) from any checkpoint that describes itself: an HF folder, an
-    orbax folder from ``save_orbax``, a ``save_safetensors`` file, or a training run directory
-    (its latest intact checkpoint; ``load_run`` gives the tokenizer and config too)."""
+    orbax folder from ``save_orbax`` or a ``save_safetensors`` file. A training run directory is
+    the training layer's to read: ``flax_transformer.training.runs.load_run(RUN_DIR)``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such checkpoint file or folder: {path}")
     if path.is_dir():
         if (path / f"{METADATA_KEY}.json").exists():
             return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
-        if (path / "run.json").is_file():  # a training run: its model as the run's config built it
-            return load_run(path).model
+        if (path / "run.json").is_file():  # a training run: its model is built by its task's code
+            raise ValueError(f"{path} is a training run directory: load it with "
+                             "flax_transformer.training.runs.load_run(RUN_DIR) (its .model), or runs.load_model(RUN_DIR)")
         from flax_transformer.interop import hf
 
         return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)

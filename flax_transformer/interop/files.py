@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TMP_MARK = ".ft-tmp-"
+OVERWRITE_HINT = "overwrite=True replaces it"  # in OutputExists' message; the command line says --overwrite instead
 OLD_MARK = ".ft-old-"
 
 
@@ -95,7 +96,7 @@ def check_target(path, *, kind: str = "file", overwrite: bool = False) -> Path:
     if kind == "dir" and not any(os.scandir(path)):
         return path  # an empty folder the user made for the output
     if not overwrite:
-        raise OutputExists(f"{path} exists (overwrite=True, or --overwrite on the command line, replaces it)")
+        raise OutputExists(f"{path} exists ({OVERWRITE_HINT})")
     return path
 
 
@@ -254,11 +255,50 @@ def atomic_path(path, *, kind: str = "file", overwrite: bool = False) -> Iterato
         raise
 
 
-def write_file(path, write: Callable[[Path], object], *, overwrite: bool = False) -> Path:
-    """``write(tmp)`` writes the file at ``tmp``; it becomes ``path`` only if that succeeds."""
-    with atomic_path(path, kind="file", overwrite=overwrite) as tmp:
-        write(tmp)
-    return Path(path)
+# A hook a writer runs on its finished output before the swap: ``before_swap(tmp, path)`` gets the
+# temporary output and the final path, may read and check what was written (and raise, so that
+# nothing is written), and returns further files ``{name: bytes}`` that belong with the output:
+# inside a folder output, beside a file output. The writer knows nothing of what they hold; a layer
+# above uses it (``verification.export`` puts the verification certificate there).
+BeforeSwap = Callable[[Path, Path], dict[str, bytes]]
+
+
+def _beside(path: Path, name: str) -> Path:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise ValueError(f"a file written with {path.name} must be a plain file name, got {name!r}")
+    return path.with_name(name)
+
+
+def write_file(path, write: Callable[[Path], object], *, overwrite: bool = False,
+               before_swap: BeforeSwap | None = None) -> Path:
+    """``write(tmp)`` writes the file at ``tmp``; it becomes ``path`` only if that succeeds.
+
+    ``before_swap`` (see ``BeforeSwap``): the files it returns go beside ``path``. Two files cannot
+    be swapped in one step, so they go in first (each atomically, replacing what was there) and
+    the file second; should anything fail after they went in, each is put back as it was. A kill
+    between the two steps leaves the new side files with the old file, never the new file
+    without them."""
+    path = Path(path)
+    placed: list[tuple[Path, bytes | None]] = []
+    try:
+        with atomic_path(path, kind="file", overwrite=overwrite) as tmp:
+            write(tmp)
+            if before_swap is not None:
+                extra = {_beside(path, name): data for name, data in before_swap(tmp, path).items()}
+                for side in extra:  # all refused before any is written
+                    check_target(side, kind="file", overwrite=True)
+                for side, data in extra.items():
+                    previous = side.read_bytes() if side.is_file() else None
+                    write_bytes(side, data, overwrite=True)
+                    placed.append((side, previous))
+    except BaseException:
+        for side, previous in reversed(placed):  # the file did not go in: what went beside it must not stay
+            if previous is None:
+                side.unlink(missing_ok=True)
+            else:
+                write_bytes(side, previous, overwrite=True)
+        raise
+    return path
 
 
 def write_text(path, text: str, *, overwrite: bool = False) -> Path:
@@ -295,11 +335,17 @@ def save_torch_file(obj, path) -> None:
             raise
 
 
-def write_dir(path, write: Callable[[Path], object], *, overwrite: bool = False) -> Path:
-    """``write(tmp)`` fills the empty folder ``tmp``; it becomes ``path`` only if that succeeds."""
+def write_dir(path, write: Callable[[Path], object], *, overwrite: bool = False,
+              before_swap: BeforeSwap | None = None) -> Path:
+    """``write(tmp)`` fills the empty folder ``tmp``; it becomes ``path`` only if that succeeds.
+    ``before_swap`` (see ``BeforeSwap``): the files it returns go into the folder, swapped in with it."""
+    path = Path(path)
     with atomic_path(path, kind="dir", overwrite=overwrite) as tmp:
         write(tmp)
-    return Path(path)
+        if before_swap is not None:
+            for name, data in before_swap(tmp, path).items():
+                (tmp / _beside(path, name).name).write_bytes(data)
+    return path
 
 
 def sha256_file(path) -> str:

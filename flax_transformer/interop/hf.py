@@ -61,6 +61,12 @@ _convert = convert  # the name the tests and older callers use
 # ~1e-2 (docs/porting.md). The same bf16 weights in two frameworks still agree at 1e-5.
 BF16_TOLERANCE = 5e-2
 
+# the files of a folder's tokenizer (transformers' and the tokenizers library's): what
+# ``save_pretrained(..., tokenizer_from=FOLDER)`` copies, and ``flax-transformer port`` carries across
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model", "chat_template.jinja")
+
 
 def read_weights(path) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint file or HF folder, read whole, as numpy arrays (bf16 stays bf16).
@@ -288,7 +294,7 @@ def _save_dtype(dtype):
 
 
 def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tokenizer_from=None,
-                    labels=None, certify: bool = True, max_shard_size=None, dtype=None) -> Path:
+                    labels=None, max_shard_size=None, dtype=None, before_swap: files.BeforeSwap | None = None) -> Path:
     """Write ``config.json`` + safetensors weights that transformers loads with no missing or
     unexpected keys: ``BertModel``, ``DistilBertModel``, ``RobertaModel``, their
     ``*ForSequenceClassification``, or ``GPT2LMHeadModel``.
@@ -298,17 +304,19 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
             (``EncoderConfig.bert``/``.distilbert``/``.roberta``; first-token pooling) or ``GPT2LMHeadModel``.
         tokenizer: a ``tokenizers.Tokenizer`` to write as ``tokenizer.json``, so that
             ``AutoTokenizer.from_pretrained(path)`` loads it.
-        tokenizer_from: a folder whose tokenizer files (``tokenizer_config.json``,
-            ``special_tokens_map.json``, ``vocab.txt``, ``vocab.json``, ``merges.txt``) are
-            copied alongside (the checkpoint the model came from).
+        tokenizer_from: a folder whose tokenizer files (``TOKENIZER_FILES``: ``tokenizer.json``,
+            ``tokenizer_config.json``, ``special_tokens_map.json``, ``vocab.txt``, ...) are
+            copied alongside (the checkpoint the model came from); ``tokenizer`` replaces its
+            ``tokenizer.json``.
         labels: class names, written as the config's ``id2label`` / ``label2id``.
-        certify: check the folder in torch and write ``verification.json`` into it (``certificate``).
         max_shard_size: bytes (or "500MB", "2GB", as transformers): shards
             ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when
             the weights need more than one.
         dtype: the stored dtype (``jnp.bfloat16``, ``jnp.float16``, ``jnp.float32``);
             default each parameter's own. Written as the config's ``dtype``, so transformers
             loads a bf16 folder as bf16.
+        before_swap: see ``files.write_dir``; ``verification.export.save_pretrained`` writes the
+            folder with its verification certificate this way.
 
     Tensors are written one at a time as they are read off the model (``safetensors_io``).
     The folder is written under a temporary name next to ``path`` and swapped in at the end
@@ -338,21 +346,14 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
         hf_config["dtype"] = dtype.name
         weights = {k: v.astype(dtype) if np.issubdtype(np.dtype(v.dtype), np.floating)
                    or v.dtype.name == "bfloat16" else v for k, v in weights.items()}
-        state = {k: v.astype(dtype) for k, v in state.items()}
 
     def write(tmp: Path):
         safetensors_io.write_checkpoint(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer_from is not None:
-            for name in ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt"):
+            for name in TOKENIZER_FILES:
                 if (Path(tokenizer_from) / name).is_file():
                     shutil.copyfile(Path(tokenizer_from) / name, tmp / name)
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
-        if certify:  # inside the folder, so it is swapped in with the weights it describes
-            from flax_transformer.verification import certificate
-
-            # the weights as written (a bf16 export is certified on its bf16 values)
-            certificate.write_into(tmp, "hf", model,
-                                   state=None if dtype is None else {k: read(v) for k, v in state.items()})
-    return files.write_dir(path, write, overwrite=overwrite)
+    return files.write_dir(path, write, overwrite=overwrite, before_swap=before_swap)

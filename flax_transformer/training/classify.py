@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import checkpoints as ckpt
 from flax_transformer.interop import files
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.training import data, tokenizers, torch_write
@@ -60,6 +59,7 @@ from flax_transformer.training.pretrained import (  # noqa: F401  (re-exported: 
 )
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.rundir import append_metrics, config_of_run, read_tokenizer
+from flax_transformer.verification import export
 
 LABELS = ("negative", "positive")
 
@@ -403,10 +403,14 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
     plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
     final = result.model.attach(model) if config.freeze_encoder else result.model
     if export_torch is not None and is_main_process():
-        ckpt.save_safetensors(final, export_torch, overwrite=overwrite)
+        export.save_safetensors(final, export_torch, overwrite=overwrite)
+        print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
+              "in torch, with their certificate beside them", file=sys.stderr)
     if export_torch_state is not None and is_main_process():
         torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0], from_task(config, steps),
                                       overwrite=overwrite)
+        print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
+              " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
     if export_hf is not None and is_main_process():
         labels = list(LABELS) if config.num_classes == 2 else None
         metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder, labels=labels,

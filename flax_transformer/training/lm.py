@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import checkpoints as ckpt
 from flax_transformer.interop import files
 from flax_transformer.training import data, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
@@ -40,6 +39,7 @@ from flax_transformer.training.optim import OptimConfig, compute_dtype, from_tas
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.rundir import config_of_run, read_tokenizer
 from flax_transformer.training.step import cross_entropy
+from flax_transformer.verification import export
 
 
 @dataclass(frozen=True)
@@ -248,10 +248,14 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             if is_main_process():
                 files.write_text(run_dir / "sample.txt", metrics["sample"] + "\n", overwrite=True)
         if export_torch is not None and is_main_process():
-            ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
+            export.save_safetensors(result.model, export_torch, overwrite=overwrite)
+            print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
+                  "in torch, with their certificate beside them", file=sys.stderr)
         if export_torch_state is not None and not result.interrupted and is_main_process():
             torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0],
                                           from_task(config, config.run.steps), overwrite=overwrite)
+            print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
+                  " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
     return metrics
 
 

@@ -199,12 +199,12 @@ def _check_export_target(config, path, overwrite: bool = False) -> None:
 
 def export_pretrained(model, path, *, tokenizer, folder, config, texts,
                       overwrite: bool = False, labels=None) -> dict | None:
-    """Write ``path`` (``hf.save_pretrained``, with the tokenizer and label names) and check it
+    """Write ``path`` (``export.save_pretrained``, with the tokenizer and label names) and check it
     in transformers on ``texts``: the same logits as this library's model within 1e-4."""
-    from flax_transformer.interop import hf
+    from flax_transformer.verification import export
 
-    hf.save_pretrained(model, path, overwrite=overwrite, tokenizer=tokenizer, tokenizer_from=folder,
-                       labels=labels)
+    export.save_pretrained(model, path, overwrite=overwrite, tokenizer=tokenizer, tokenizer_from=folder,
+                           labels=labels)
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401

@@ -1,7 +1,8 @@
 """A finished (or interrupted) run directory back as a model: ``load_run(RUN_DIR)``.
 
 ``run.json`` says which task wrote the run; the task rebuilds its model and tokenizer and
-restores the latest intact checkpoint (``checkpoints.load(RUN_DIR)`` gives the model alone).
+restores the latest intact checkpoint. ``load_model(PATH)`` reads a run directory or any
+checkpoint that ``checkpoints.load`` reads, and gives the model alone.
 """
 
 from __future__ import annotations
@@ -50,3 +51,15 @@ def load_run(run_dir, *, step: int | None = None) -> Run:
         model.eval()
         return Run(task, model, None, config)
     raise RunError(f"{run_dir / 'run.json'} names no task this library trains (task {task!r})")
+
+
+def load_model(path, **kwargs):
+    """A Flax model (eval mode) from a training run directory (its latest intact checkpoint) or from
+    any checkpoint ``interop.checkpoints.load`` reads (``kwargs`` go to it): what the CLI's
+    ``--checkpoint`` and ``port SRC`` take. A run is the training layer's to rebuild, so
+    ``checkpoints.load`` below it refuses one and names this."""
+    if (Path(path) / "run.json").is_file():
+        return load_run(path).model
+    from flax_transformer.interop import checkpoints
+
+    return checkpoints.load(path, **kwargs)

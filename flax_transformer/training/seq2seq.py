@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import checkpoints as ckpt
 from flax_transformer.training import torch_write
 from flax_transformer.training.limits import check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -33,6 +32,7 @@ from flax_transformer.training.loop import (
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.step import cross_entropy
+from flax_transformer.verification import export
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
 VOCAB = DIGIT0 + 10
@@ -190,8 +190,12 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
         if not result.interrupted:
             metrics["exact_match"] = exact_match(config, result.model, held_out)
         if export_torch is not None and is_main_process():
-            ckpt.save_safetensors(result.model, export_torch, overwrite=overwrite)
+            export.save_safetensors(result.model, export_torch, overwrite=overwrite)
+            print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
+                  "in torch, with their certificate beside them", file=sys.stderr)
         if export_torch_state is not None and not result.interrupted and is_main_process():
             torch_write.export_checkpoint(run_dir, export_torch_state, build_model(config),
                                           from_task(config, config.run.steps), overwrite=overwrite)
+            print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
+                  " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
     return metrics

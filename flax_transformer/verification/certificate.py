@@ -1,8 +1,7 @@
 """The verification certificate: evidence, written with every export, that the weights were checked.
 
-Every writer of weights (``checkpoints.save_safetensors``/``save_torch``/``save_orbax``,
-``hf.save_pretrained``, so ``port`` and the trainers' ``--export-torch``/``--export-hf``)
-reloads what it wrote as a torch model, compares it with the Flax model being exported on
+Every certified export (``export.save_safetensors``/``save_torch``/``save_orbax``/``save_pretrained``,
+so ``port`` and the trainers' ``--export-torch``/``--export-hf``) reloads what it wrote as a torch model, compares it with the Flax model being exported on
 example inputs (outputs, and every parameter's gradient), and records:
 
 * the sha256 of every tensor (and of the files that describe the model),
@@ -16,9 +15,12 @@ two files cannot be swapped together, so the certificate goes in first and the w
 second. An interrupted export can therefore leave old weights under a new certificate, never
 new weights without one, and ``recheck`` reports that mismatch (the file's hash is recorded).
 
-``recheck(path)`` (``flax-transformer verify --checkpoint PATH``) recomputes the hashes (a
-changed tensor is named), reruns the measurement on the recorded inputs, and compares
-versions (in ``certificate_check``: see its ``Report`` for what fails and what is a note).
+``certificate_check.recheck(path)`` (``flax-transformer verify --checkpoint PATH``) recomputes
+the hashes (a changed tensor is named), reruns the measurement on the recorded inputs, and
+compares versions (see its ``Report`` for what fails and what is a note).
+
+This module makes and reads certificates; it writes no file. The writers of ``interop`` take
+its ``sidecar`` hook, and ``export`` puts the two together.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.interop import files
+from flax_transformer.verification import pairs
+from flax_transformer.verification.compare import TOLERANCE, compare
 
 FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
 FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
@@ -173,21 +177,11 @@ def _output_scale(torch_model, run) -> tuple:
 
 
 def _errors(torch_model, flax_model, args, seed: int) -> tuple[float, bool, float, bool, str]:
-    """(forward abs err, finite, backward err, finite, worst parameter): an adapter over ``verify``.
-
-    ``verify.compare(..., grads=True)`` runs the forward and backward in one compiled call; an
-    older ``compare`` without ``grads`` returns ``(err, finite)`` and ``gradient_errors`` the rest."""
-    import inspect
-
-    from flax_transformer.verification import verify
-
-    if "grads" in inspect.signature(verify.compare).parameters:
-        report = verify.compare(torch_model, flax_model, args, grads=True, seed=seed)
-        return (float(report.max_abs_err), bool(report.finite), float(report.grad_err), bool(report.grad_finite),
-                str(report.worst_grad_key))
-    err, finite = verify.compare(torch_model, flax_model, args)
-    grad_err, grad_finite, worst = verify.gradient_errors(torch_model, flax_model, args, seed=seed)
-    return float(err), bool(finite), float(grad_err), bool(grad_finite), str(worst)
+    """(forward abs err, finite, backward err, finite, worst parameter): ``compare(..., grads=True)``,
+    the forward and backward in one compiled call."""
+    report = compare(torch_model, flax_model, args, grads=True, seed=seed)
+    return (float(report.max_abs_err), bool(report.finite), float(report.grad_err), bool(report.grad_finite),
+            str(report.worst_grad_key))
 
 
 def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None):
@@ -270,10 +264,8 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
     outputs' scale ``max(1, max |torch output|)`` (``max_rel_err``, the one held to the tolerance).
     backward: the largest parameter gradient error relative to the gradient's scale
     (``verify.compare(..., grads=True)``). Both in fp32 with matmul precision "highest", against
-    ``verify.TOLERANCE`` and ``BACKWARD_TOLERANCE``."""
+    ``compare.TOLERANCE`` and ``BACKWARD_TOLERANCE``."""
     import jax
-
-    from flax_transformer.verification import pairs, verify
 
     if getattr(flax_model, "input_spec", None) is None:  # a sub-module (an attention layer...)
         reason = f"not measured: {type(flax_model).__name__} is not a whole model (no input_spec() to draw inputs from)"
@@ -289,7 +281,7 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
     rel = err / scale
     return {"inputs": inputs,
             "forward": {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
-                        "finite": finite, "tolerance": verify.TOLERANCE, "passed": finite and rel <= verify.TOLERANCE},
+                        "finite": finite, "tolerance": TOLERANCE, "passed": finite and rel <= TOLERANCE},
             "backward": {"max_rel_err": grad_err, "finite": grad_finite, "worst": worst,
                          "tolerance": BACKWARD_TOLERANCE, "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE}}
 
@@ -349,49 +341,23 @@ def to_json(record: dict) -> str:
     return json.dumps(record, indent=1) + "\n"
 
 
-# ---------------------------------------------------------------------- writing hooks
+# ---------------------------------------------------------------------- the writers' hook
 
 
-def write_file(path, write, fmt: str, model, *, overwrite: bool, certify: bool) -> Path:
-    """Write a single-file export with ``write(tmp)`` and its certificate beside it.
+def sidecar(fmt: str, model, *, state: dict | None = None) -> files.BeforeSwap:
+    """The writers' ``before_swap`` hook (``files.BeforeSwap``) that certifies an export of ``model``:
+    it checks the finished temporary output (raising ``CertificateError``, so nothing is written,
+    when the check fails) and returns the certificate to go with it: ``verification.json`` inside a
+    folder, ``NAME.verification.json`` beside a file. ``state``: the values the file holds where they
+    differ from the model's (a bf16 export is certified on its bf16 values)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
-    The weights are written and checked under a temporary name; then the certificate goes in,
-    then the weights. Should the weights' swap fail, the previous certificate is put back. A
-    ``kill -9`` between the two renames leaves the old weights under the new certificate, which
-    ``recheck`` reports (the recorded file hash does not match). ``certify=False`` writes the
-    weights alone and removes a certificate left beside by an earlier export: it would not match.
-    """
-    path = files.check_target(path, kind="file", overwrite=overwrite)
-    cert = path_for(path)
-    files.check_target(cert, kind="file", overwrite=True)  # a folder or link there is refused before any work
-    if not certify:
-        files.write_file(path, write, overwrite=overwrite)
-        if cert.is_file():
-            cert.unlink()
-        return path
-    previous, swapped = None, False
-    try:
-        with files.atomic_path(path, kind="file", overwrite=overwrite) as tmp:
-            write(tmp)
-            text = to_json(make(tmp, fmt, model, name=path.name))
-            previous = cert.read_bytes() if cert.is_file() else None
-            files.write_text(cert, text, overwrite=True)
-            swapped = True
-    except BaseException:
-        if swapped:  # the weights did not go in: the certificate must not describe them
-            if previous is None:
-                cert.unlink(missing_ok=True)
-            else:
-                files.write_bytes(cert, previous, overwrite=True)
-        raise
-    return path
-
-
-def write_into(folder, fmt: str, model, *, state: dict | None = None) -> None:
-    """Certify a folder export that ``folder`` (the temporary folder, before its swap) holds."""
-    folder = Path(folder)
-    name = folder.name[1:].split(files.TMP_MARK)[0] if files.TMP_MARK in folder.name else folder.name  # for errors
-    (folder / FOLDER_NAME).write_text(to_json(make(folder, fmt, model, name=name, state=state)), encoding="utf-8")
+    def certify(tmp: Path, final: Path) -> dict[str, bytes]:
+        record = make(tmp, fmt, model, name=final.name, state=state)
+        name = FOLDER_NAME if fmt in ("orbax", "hf") else final.name + FILE_SUFFIX
+        return {name: to_json(record).encode("utf-8")}
+    return certify
 
 
 # ---------------------------------------------------------------------------- re-check
@@ -413,11 +379,3 @@ def read(path) -> dict:
         if not isinstance(record.get(key), kind):
             raise CertificateError(f"{cert}: {key!r} is missing or not a JSON {kind.__name__}")
     return record
-
-
-def recheck(path):
-    """Re-check the certificate of ``path``: a ``certificate_check.Report`` (``passed``, ``failures``,
-    ``notes``, ``format()``); see ``certificate_check.recheck``."""
-    from flax_transformer.verification.certificate_check import recheck as check
-
-    return check(path)

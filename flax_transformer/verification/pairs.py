@@ -15,12 +15,15 @@ import numpy as np
 from flax_transformer.models._shared import input_spec
 
 
-def load_pair(src, family: str | None = None, cls: str | None = None, config: str | dict | None = None):
+def load_pair(src, family: str | None = None, cls: str | None = None, config: str | dict | None = None, *,
+              load=None):
     """(flax model, torch model) of a checkpoint, each built from SRC itself where possible.
 
     SRC is an HF folder, a ``save_safetensors`` file or an orbax folder (they describe their
     model); a bare torch state_dict (``.pt``/``.bin``/``.safetensors`` without a description)
     needs ``family``, ``cls`` and ``config`` (constructor arguments, a dict or JSON text).
+    ``load``: how a self-describing SRC becomes a Flax model (default ``checkpoints.load``); a
+    layer above passes its own, e.g. the CLI's, which also reads training run directories.
     """
     from flax_transformer.interop import checkpoints, hf, porting
 
@@ -49,7 +52,7 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
                                                    checkpoints.read_safetensors(path)[1] is None):
         raise ValueError(f"{path} is a bare state_dict: say what it holds (port takes --family, --class and "
                          "--config; an HF checkpoint goes in a folder with its config.json)")
-    flax_model = checkpoints.load(path)
+    flax_model = (load or checkpoints.load)(path)
     return flax_model, porting.flax_to_torch(flax_model)
 
 

@@ -23,28 +23,16 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.verification.bisect import BisectReport, bisect  # noqa: F401  (verify.bisect: the public name)
+from flax_transformer.verification.compare import (  # noqa: F401  (verify.compare and friends: the public names)
+    TOLERANCE,
+    CompareReport,
+    Row,
+    compare,
+    format_table,
+    gradient_errors,
+)
 from flax_transformer.verification.frameworks import apply as _apply
-from flax_transformer.verification.frameworks import flax_grads as _flax_grads
-from flax_transformer.verification.frameworks import leaves as _leaves
 from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
-
-TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
-
-
-@dataclass(frozen=True)
-class Row:
-    family: str
-    module: str
-    case: str
-    direction: str
-    max_abs_err: float
-    finite: bool
-    tol: float = TOLERANCE
-
-    @property
-    def passed(self) -> bool:
-        return self.finite and self.max_abs_err <= self.tol
-
 
 # ------------------------------------------------------------------ inputs
 
@@ -77,102 +65,6 @@ def _mask_for(case: str, rng, b, t):
 
 
 # ------------------------------------------------------------ comparison
-
-
-@dataclass(frozen=True)
-class CompareReport:
-    """What ``compare`` found: the output row, and with ``grads=True`` one row per parameter.
-
-    ``str(report)`` is the table ``flax-transformer verify`` prints; ``report.to_dict()`` the same
-    as plain data. It also unpacks as ``err, finite = report`` (the outputs' max abs error and
-    whether all outputs are finite), the form ``compare`` returned before it grew a report.
-    """
-
-    rows: tuple[Row, ...]
-    max_abs_err: float
-    finite: bool
-    tol: float = TOLERANCE
-    grad_err: float | None = None  # worst parameter-gradient error, relative to max(1, max |g|)
-    grad_finite: bool | None = None
-    worst_grad_key: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.rows)
-
-    def __iter__(self):
-        return iter((self.max_abs_err, self.finite))
-
-    def __str__(self) -> str:
-        return format_table(list(self.rows))
-
-    def to_dict(self) -> dict:
-        return {"passed": self.passed, "tol": self.tol, "max_abs_err": self.max_abs_err, "finite": self.finite,
-                "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
-                "rows": [dataclasses.asdict(r) | {"passed": r.passed} for r in self.rows]}
-
-
-def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
-            grads: bool = False, use_jit: bool = True, seed: int = 0) -> CompareReport:
-    """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
-
-    Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
-    tensors (each framework gets its own copy); ``None`` and Python scalars pass through.
-
-    Args:
-        args, kwargs: the call's arguments, e.g. ``(ids, mask)``.
-        tol: the max abs error a row may have and pass (fp32, matmul precision "highest": 1e-5).
-        grads: also compare every parameter's gradient of ``sum_i <output_i, W_i>`` with fixed
-            random ``W_i`` (seeded by ``seed``): the gradient of any loss is the backward pass of
-            some such ``W``, so a random one checks the whole backward pass. Each parameter's
-            error is relative to its gradient's scale, ``max(1, max |g_torch|)``; parameters are
-            named by their torch keys.
-        use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
-
-    Returns:
-        A ``CompareReport``: one row for the outputs, then one per parameter gradient.
-    """
-    import torch
-
-    from flax_transformer.interop import porting
-
-    kwargs = kwargs or {}
-    torch_model.eval()
-    flax_model.eval()
-    t_args, t_kwargs = tuple(map(to_torch, args)), {k: to_torch(v) for k, v in kwargs.items()}
-    j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
-    with torch.set_grad_enabled(grads):
-        torch_out = torch_model(*t_args, **t_kwargs)
-    family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
-    if not grads:
-        flax_out = (_apply if use_jit else lambda m, a, k: m(*a, **k))(flax_model, j_args, j_kwargs)
-        err, finite = max_abs_err(torch_out, flax_out)
-        return CompareReport((Row(family, name, "given inputs", "torch vs flax", err, finite, tol),), err, finite, tol)
-    outs = list(_leaves(torch_out))
-    rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]
-    torch_model.zero_grad(set_to_none=True)
-    sum((o * torch.from_numpy(w)).sum() for o, w in zip(outs, weights)).backward()
-    torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
-                   for k, p in torch_model.named_parameters()}
-    flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
-    err, finite = max_abs_err(torch_out, flax_out)
-    rows = [Row(family, name, "given inputs", "torch vs flax", err, finite, tol)]
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
-    flax_grads = porting.state_dict(holder)
-    if set(flax_grads) != set(torch_grads):
-        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
-    worst, worst_key, all_finite = 0.0, "", True
-    for key, g in torch_grads.items():
-        f = np.asarray(flax_grads[key])
-        ok = bool(np.isfinite(g).all() and np.isfinite(f).all())
-        g_err = float(np.abs(f.astype(np.float64) - g).max(initial=0.0)) / max(1.0, float(np.abs(g).max(initial=0.0)))
-        rows.append(Row(family, key, "given inputs", "grads", g_err, ok, tol))
-        all_finite &= ok
-        if g_err >= worst:
-            worst, worst_key = g_err, key
-    return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key)
 
 
 # ------------------------------------------------------------------- specs
@@ -397,16 +289,6 @@ MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "Transforme
           "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel")
 
 
-def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):
-    """Compare d loss / d parameter between a torch module and its Flax twin, parameter by parameter
-    (``compare(..., grads=True)``; see there for the loss and the relative error).
-
-    Returns (largest relative error over all parameters, all gradients finite, worst key).
-    """
-    report = compare(torch_module, flax_module, args, kwargs, grads=True, seed=seed)
-    return report.grad_err, report.grad_finite, report.worst_grad_key
-
-
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
     """One Row per (full model, mask case, direction): the worst relative parameter-gradient error."""
     from flax_transformer.interop import porting
@@ -428,16 +310,7 @@ def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> 
             yield Row(spec.family, spec.name, case, "flax->torch grads", err, finite)
 
 
-def format_table(rows: list[Row]) -> str:
-    header = ("family", "module", "case", "direction", "max abs err", "result")
-    body = [(r.family, r.module, r.case, r.direction, f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"),
-             "pass" if r.passed else "FAIL") for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def checkpoint_rows(path) -> list[Row]:
+def checkpoint_rows(path, *, load=None) -> list[Row]:
     """Rows for one checkpoint: its torch twin vs its Flax model (no mask, padding), and
     transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
     from pathlib import Path
@@ -446,7 +319,7 @@ def checkpoint_rows(path) -> list[Row]:
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else
-                               pairs.load_pair(path))
+                               pairs.load_pair(path, load=load))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = pairs.example_inputs(flax_model)
     masks = 2 if flax_model.input_spec().encoder_decoder else 1  # the trailing mask arguments

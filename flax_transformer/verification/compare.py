@@ -1,0 +1,401 @@
+"""Compare one torch model with its Flax twin: ``compare`` runs both on the same inputs and
+returns a ``CompareReport`` (the outputs' error, and with ``grads=True`` every parameter's
+gradient error); ``Row`` is one line of it and of the ``verify`` command's tables.
+
+Every output and gradient is also measured against a float64 copy of the torch model and held
+to ``bisect``'s budget rule (``bisect.budget``: one rule, written once). Non-finite values never
+agree, and anything not compared makes the verdict incomplete (see ``compare``).
+
+``certificate``, ``verify`` and the CLI build on it; it builds on ``frameworks`` and takes the
+budget rule from ``bisect``. torch is imported at call time only.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_transformer.verification.bisect import _cast, _scale, budget, budget_rule, grad_scales
+from flax_transformer.verification.frameworks import apply as _apply
+from flax_transformer.verification.frameworks import finite_abs_err, nonfinite, to_jax, to_numpy, to_torch
+from flax_transformer.verification.frameworks import flax_grads as _flax_grads
+from flax_transformer.verification.frameworks import leaves as _leaves
+
+TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a comparison: the outputs (or one parameter's gradient) of a torch model and
+    its Flax twin, and, where measured, both against a float64 torch copy of the model.
+
+    It passes when: every value is finite in both frameworks (values NaN or inf in both, as the
+    same value, pass only with ``allow_nonfinite``; NaN or inf on one side never), ``max_abs_err
+    <= tol``, ``jax_err <= budget`` (the float64 rule, ``bisect.budget``: JAX may be ``SLACK``
+    times less accurate than torch fp32, or within ``FLOOR_ULPS`` float32 steps of the scale),
+    and everything was compared (``skipped`` empty, or ``allow_skipped``).
+    """
+
+    family: str
+    module: str
+    case: str
+    direction: str
+    max_abs_err: float
+    finite: bool
+    tol: float = TOLERANCE
+    jax_err: float | None = None  # max |JAX - float64 torch| (None: not measured)
+    torch_err: float | None = None  # max |torch fp32 - float64 torch|
+    budget: float | None = None  # the most jax_err may be: bisect.budget(torch_err, max |float64|)
+    nonfinite_jax: int = 0  # values NaN/inf in JAX where torch has another value
+    nonfinite_torch: int = 0  # values NaN/inf in torch where JAX has another value
+    nonfinite_both: int = 0  # values NaN/inf in both frameworks, the same value ("not finite in either framework")
+    skipped: str = ""  # what could not be compared ("" = everything was)
+    allow_nonfinite: bool = False
+    allow_skipped: bool = False
+
+    @property
+    def within_budget(self) -> bool | None:
+        """``jax_err <= budget``; None where the float64 reference was not measured."""
+        return None if self.budget is None or self.jax_err is None else bool(self.jax_err <= self.budget)
+
+    @property
+    def passed(self) -> bool:
+        if self.nonfinite_jax or self.nonfinite_torch:
+            return False
+        if not self.finite and not (self.allow_nonfinite and self.nonfinite_both):
+            return False
+        if self.skipped and not self.allow_skipped:
+            return False
+        return bool(self.max_abs_err <= self.tol) and self.within_budget is not False
+
+    def problems(self) -> list[str]:
+        """Why the row fails (or what it was allowed), one phrase each; empty when all is well."""
+        out = []
+        if self.nonfinite_jax:
+            out.append(f"NaN/inf in JAX only ({self.nonfinite_jax} values)")
+        if self.nonfinite_torch:
+            out.append(f"NaN/inf in torch only ({self.nonfinite_torch} values)")
+        if self.nonfinite_both:
+            out.append(f"not finite in either framework ({self.nonfinite_both} values"
+                       + (", allowed)" if self.allow_nonfinite else ")"))
+        elif not self.finite and not (self.nonfinite_jax or self.nonfinite_torch):
+            out.append("NaN/inf")
+        if not self.max_abs_err <= self.tol:
+            out.append(f"max abs err > {self.tol:g}")
+        if self.within_budget is False:
+            over = self.jax_err / self.budget if self.budget > 0 else float("inf")
+            out.append(f"JAX {over:.1f}x its float64 budget")
+        if self.skipped:
+            out.append(f"not compared: {self.skipped}" + (" (allowed)" if self.allow_skipped else ""))
+        return out
+
+
+def _e(x) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as a table: the abs error, JAX's error against float64 torch and its budget, the verdict."""
+    header = ("family", "module", "case", "direction", "max abs err", "jax vs fp64", "budget", "result")
+    body = []
+    for r in rows:
+        problems = r.problems()
+        result = ("pass" if r.passed else "FAIL") + (f": {'; '.join(problems)}" if problems else "")
+        body.append((r.family, r.module, r.case, r.direction,
+                     f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"), _e(r.jax_err), _e(r.budget), result))
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    """What ``compare`` found: the output row, and with ``grads=True`` one row per parameter.
+
+    ``str(report)`` is the table ``flax-transformer verify`` prints; ``report.to_dict()`` the same
+    as plain data. It also unpacks as ``err, finite = report`` (the outputs' max abs error and
+    whether all outputs are finite), the form ``compare`` returned before it grew a report.
+    """
+
+    rows: tuple[Row, ...]
+    max_abs_err: float
+    finite: bool
+    tol: float = TOLERANCE
+    grad_err: float | None = None  # worst parameter-gradient error, relative to max(1, max |g|)
+    grad_finite: bool | None = None
+    worst_grad_key: str | None = None
+    scale: float = 0.0  # max |torch output| (finite values): max_rel_err is max_abs_err / max(1, scale)
+    outputs: tuple[dict, ...] = ()  # one per output leaf: its errors, against float64 too
+    skipped: tuple[str, ...] = ()  # what could not be compared (an output leaf, the float64 reference)
+    allow_nonfinite: bool = False
+    allow_skipped: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows) and (not self.skipped or self.allow_skipped)
+
+    @property
+    def max_rel_err(self) -> float:
+        """The outputs' max abs error relative to their scale, ``max(1, max |torch output|)``."""
+        return self.max_abs_err / max(1.0, self.scale)
+
+    @property
+    def jax_err(self) -> float | None:
+        """The outputs' JAX error against float64 torch (the output nearest its budget); None: not measured."""
+        return self.rows[0].jax_err
+
+    @property
+    def torch_err(self) -> float | None:
+        return self.rows[0].torch_err
+
+    @property
+    def budget(self) -> float | None:
+        return self.rows[0].budget
+
+    @property
+    def incomplete(self) -> bool:
+        return bool(self.skipped)
+
+    def __iter__(self):
+        return iter((self.max_abs_err, self.finite))
+
+    def __str__(self) -> str:
+        return format_table(list(self.rows)) + "\n\n" + self.summary()
+
+    def summary(self) -> str:
+        """The verdict in a few lines; the first says so when something was not compared."""
+        lines = []
+        if self.skipped:
+            lines.append(f"{'ALLOWED INCOMPLETE (allow_skipped)' if self.allow_skipped else 'INCOMPLETE'}: "
+                         f"{len(self.skipped)} not compared: {'; '.join(self.skipped)}")
+        out = self.rows[0]
+        line = (f"outputs: max abs err {self.max_abs_err:.2e}, relative {self.max_rel_err:.2e} (tolerance "
+                f"{self.tol:g})")
+        if out.jax_err is not None:
+            line += f"; against float64 torch: JAX {out.jax_err:.2e}, torch {out.torch_err:.2e}, budget {out.budget:.2e}"
+        lines.append(line)
+        grads = self.rows[1:]
+        if grads:
+            failed = [r.module for r in grads if not r.passed]
+            lines.append(f"gradients: {len(grads) - len(failed)} of {len(grads)} parameters pass (worst relative "
+                         f"err {self.grad_err:.2e}, {self.worst_grad_key})"
+                         + (f"; failing: {', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}" if failed else ""))
+        problems = [f"{r.module}: {'; '.join(p)}" for r in self.rows if not r.passed and (p := r.problems())]
+        lines.append("pass" if self.passed else "FAIL" + (f" ({problems[0]})" if problems else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "tol": self.tol, "max_abs_err": self.max_abs_err, "finite": self.finite,
+                "max_rel_err": self.max_rel_err, "scale": self.scale, "jax_err": self.jax_err,
+                "torch_err": self.torch_err, "budget": self.budget, "budget_rule": budget_rule(),
+                "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
+                "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
+                "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs),
+                "rows": [dataclasses.asdict(r) | {"passed": r.passed, "problems": r.problems()} for r in self.rows]}
+
+
+def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
+            grads: bool = False, use_jit: bool = True, seed: int = 0, fp64: bool = True,
+            allow_nonfinite: bool = False, allow_skipped: bool = False) -> CompareReport:
+    """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
+
+    Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
+    tensors (each framework gets its own copy); ``None`` and Python scalars pass through.
+
+    Each output is judged three ways: its max abs error (``tol``), its error relative to the
+    outputs' scale (``report.max_rel_err``, for the certificate), and against a float64 copy of the
+    torch model (``deepcopy(torch_model).double()``, float inputs cast; ids and masks kept), with
+    ``bisect``'s budget rule: JAX's error against float64 may be at most
+    ``bisect.budget(torch_err, scale)``, ``max(SLACK * torch_err, FLOOR_ULPS * eps32 * scale)``,
+    where ``torch_err`` is torch fp32's own error against float64 and ``scale`` the output's
+    largest |float64| value. This catches an error far below ``tol`` on an output with small
+    values (a tanh GELU for an exact one), where torch fp32 is much more accurate than that.
+
+    Non-finite values never agree: NaN or inf on one side only fails; NaN or inf on both sides
+    (the same value) is "not finite in either framework" and fails unless ``allow_nonfinite``.
+    Anything that could not be compared (an output leaf that is not an array, the float64
+    reference when it does not run) is listed in ``report.skipped`` and fails unless
+    ``allow_skipped``; the summary's first line then says so.
+
+    Args:
+        args, kwargs: the call's arguments, e.g. ``(ids, mask)``.
+        tol: the max abs error a row may have and pass (fp32, matmul precision "highest": 1e-5).
+        grads: also compare every parameter's gradient of ``sum_i <output_i, W_i>`` with fixed
+            random ``W_i`` (seeded by ``seed``): the gradient of any loss is the backward pass of
+            some such ``W``, so a random one checks the whole backward pass. Each parameter's
+            error is relative to its gradient's scale, ``max(1, max |g_torch|)``; parameters are
+            named by their torch keys. Each gradient is also held to the float64 rule (the
+            float64 copy's gradient; scale: the largest |float64 gradient| of the parameter's
+            module, as in ``bisect``).
+        use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
+        fp64: measure against the float64 copy (one more torch forward, and backward with
+            ``grads``); False leaves the float64 columns empty and the rule unapplied.
+        allow_nonfinite, allow_skipped: see above.
+
+    Returns:
+        A ``CompareReport``: one row for the outputs, then one per parameter gradient.
+    """
+    import torch
+
+    from flax_transformer.interop import porting
+
+    kwargs = kwargs or {}
+    torch_model.eval()
+    flax_model.eval()
+    t_args, t_kwargs = tuple(map(to_torch, args)), {k: to_torch(v) for k, v in kwargs.items()}
+    j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
+    with torch.set_grad_enabled(grads):
+        torch_out = torch_model(*t_args, **t_kwargs)
+    family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
+    allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
+    weights, torch_grads = None, {}
+    if grads:
+        outs = list(_leaves(torch_out))
+        rng = np.random.default_rng(seed)
+        weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]
+        torch_model.zero_grad(set_to_none=True)
+        sum((o * torch.from_numpy(w)).sum() for o, w in zip(outs, weights)).backward()
+        torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
+                       for k, p in torch_model.named_parameters()}
+    ref_out, ref_grads, why_not = (_float64_reference(torch_model, t_args, t_kwargs, weights) if fp64
+                                   else (None, None, ""))
+    if grads:
+        flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
+    else:
+        flax_out = (_apply if use_jit else lambda m, a, k: m(*a, **k))(flax_model, j_args, j_kwargs)
+    t_leaves, j_leaves = list(_leaves(torch_out)), list(_leaves(flax_out))
+    if len(t_leaves) != len(j_leaves):
+        raise AssertionError(f"the outputs differ in structure: torch {len(t_leaves)} leaves, flax {len(j_leaves)}")
+    r_leaves = list(_leaves(ref_out)) if ref_out is not None else [None] * len(t_leaves)
+    skipped = [why_not] if why_not else []
+    checks = []
+    for i, (t, j, r) in enumerate(zip(t_leaves, j_leaves, r_leaves, strict=True)):
+        check = _check(t, j, r, measured=fp64 and not why_not)
+        if check is None:
+            continue  # None in both: nothing to compare
+        check["output"] = i
+        checks.append(check)
+        if check["skipped"]:
+            skipped.append(f"output {i}: {check['skipped']}")
+    out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped), **allow)
+    err, finite = out_row.max_abs_err, out_row.finite
+    scale = max((c["torch_scale"] for c in checks), default=0.0)
+    if not grads:
+        return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=tuple(checks), skipped=tuple(skipped),
+                             **allow)
+    rows = [out_row]
+    holder = nnx.clone(flax_model)
+    nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
+    flax_grads = porting.state_dict(holder)
+    if set(flax_grads) != set(torch_grads):
+        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
+    scales = grad_scales(ref_grads) if ref_grads is not None else {}
+    worst, worst_key, all_finite = 0.0, "", True
+    for key, g in torch_grads.items():
+        check = _check(g, flax_grads[key], None if ref_grads is None else ref_grads[key],
+                       measured=fp64 and not why_not, scale=scales.get(key))
+        g_err = check["max_abs_err"] / max(1.0, check["torch_scale"])  # relative to the gradient's scale
+        row = _row(family, key, "given inputs", "grads", [check], tol, check["skipped"], **allow)
+        rows.append(dataclasses.replace(row, max_abs_err=g_err))
+        if check["skipped"]:
+            skipped.append(f"gradient {key}: {check['skipped']}")
+        all_finite &= row.finite
+        if g_err >= worst:
+            worst, worst_key = g_err, key
+    return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
+                         outputs=tuple(checks), skipped=tuple(skipped), **allow)
+
+
+def _float64_reference(torch_model, t_args, t_kwargs, weights):
+    """(outputs, {torch key: gradient} or None, why it did not run or "") of a float64 copy of the
+    torch model: one forward, and with ``weights`` the backward of ``sum_i <output_i, W_i>``."""
+    import torch
+
+    try:
+        reference = copy.deepcopy(torch_model).double().eval()
+        args64, kwargs64 = _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64)
+        if weights is None:
+            with torch.no_grad():
+                return reference(*args64, **kwargs64), None, ""
+        reference.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            out = reference(*args64, **kwargs64)
+            sum((o * torch.from_numpy(w).double()).sum() for o, w in zip(_leaves(out), weights, strict=True)).backward()
+        grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
+                 for k, p in reference.named_parameters()}
+        return out, grads, ""
+    except Exception as error:  # the user's model in float64: whatever it raises, the check is incomplete
+        message = (str(error).strip().splitlines() or [""])[0]
+        return None, None, f"the float64 reference did not run ({type(error).__name__}: {message})"
+
+
+def _is_numeric(a) -> bool:
+    return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
+
+
+def _check(t, j, r, *, measured: bool, scale: float | None = None) -> dict | None:
+    """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
+    torch ``r`` where ``measured``; None when both are None."""
+    t, j = to_numpy(t), to_numpy(j)
+    if t is None and j is None:
+        return None
+    t, j = np.asarray(t), np.asarray(j)
+    check = {"shape": list(t.shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
+             "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
+             "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": ""}
+    if not (_is_numeric(t) and _is_numeric(j)):
+        check["skipped"] = f"not arrays (torch {type(t).__name__} {t.dtype}, flax {type(j).__name__} {j.dtype})"
+        return check
+    if t.shape != j.shape:
+        raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
+    only_t, only_j, both, differ = nonfinite(t, j)
+    check.update(max_abs_err=finite_abs_err(t, j), finite=bool(np.isfinite(t).all() and np.isfinite(j).all()),
+                 torch_scale=_scale([t]), nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ,
+                 nonfinite_both=both)
+    if not measured or not jnp.issubdtype(t.dtype, jnp.floating):
+        return check  # integer outputs are compared exactly; nothing to measure against float64
+    if r is None:
+        check["skipped"] = "no float64 reference for it"
+        return check
+    t64, j64, r64 = (np.asarray(a, np.float64) for a in (t, j, to_numpy(r)))
+    keep = np.isfinite(t64) & np.isfinite(j64)
+    lost = int((keep & ~np.isfinite(r64)).sum())
+    keep &= np.isfinite(r64)
+    torch_err = float(np.abs(t64 - r64)[keep].max(initial=0.0))
+    jax_err = float(np.abs(j64 - r64)[keep].max(initial=0.0))
+    scale = _scale([r64]) if scale is None else scale
+    check.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale))
+    if lost:
+        check["skipped"] = f"{lost} values NaN/inf in the float64 reference, finite in both frameworks"
+    return check
+
+
+def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, **allow) -> Row:
+    """One Row from the checks of some output leaves: the largest errors, and the float64 figures
+    of the leaf nearest (or furthest beyond) its budget."""
+    measured = [c for c in checks if c["budget"] is not None]
+    worst = max(measured, key=lambda c: c["jax_err"] / c["budget"] if c["budget"] > 0
+                else (0.0 if c["jax_err"] == 0 else float("inf")), default=None)
+    return Row(family, module, case, direction, max((c["max_abs_err"] for c in checks), default=0.0),
+               all(c["finite"] for c in checks), tol,
+               jax_err=None if worst is None else worst["jax_err"],
+               torch_err=None if worst is None else worst["torch_err"],
+               budget=None if worst is None else worst["budget"],
+               nonfinite_jax=sum(c["nonfinite_jax"] for c in checks),
+               nonfinite_torch=sum(c["nonfinite_torch"] for c in checks),
+               nonfinite_both=sum(c["nonfinite_both"] for c in checks), skipped=skipped, **allow)
+
+
+def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):
+    """Compare d loss / d parameter between a torch module and its Flax twin, parameter by parameter
+    (``compare(..., grads=True)``; see there for the loss and the relative error).
+
+    Returns (largest relative error over all parameters, all gradients finite, worst key).
+    """
+    report = compare(torch_module, flax_module, args, kwargs, grads=True, seed=seed)
+    return report.grad_err, report.grad_finite, report.worst_grad_key

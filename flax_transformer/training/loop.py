@@ -233,6 +233,11 @@ class _TrainLog:
     """The run's logs: train metrics averaged over ``log_every`` steps (with the learning rate and
     real tokens/s over the same steps, not tqdm's smoothed rate), evaluations, the progress bar.
 
+    ``tokens_per_s`` (the bar's ``tok_s``) divides the steps' real tokens by the time spent in
+    those train steps alone (``fit`` times each: its batch, the step, its metrics back on the host):
+    an evaluation, a checkpoint or anything else between two steps does not lower it. What an
+    evaluation took is logged apart, as ``eval_s`` in its record (and on the bar).
+
     The steps not logged yet (``window``) are saved with each checkpoint, so that after a resume
     the next log line averages the same steps as in an uninterrupted run. With several processes,
     process 0 alone writes."""
@@ -241,31 +246,36 @@ class _TrainLog:
                  tensorboard: bool, description: str):
         self.main = is_main_process()
         self.batches, self.lr_at, self.steps, self.log_every = batches, lr_at, steps, log_every
-        self.window, self.tokens, self.since = state.meta.get("log_window", []), 0, time.perf_counter()
+        self.window, self.tokens, self.seconds = state.meta.get("log_window", []), 0, 0.0
+        self.postfix: dict[str, str] = {}
         self.log = (MetricsLog(run_dir, state.start, tensorboard=tensorboard, lines=state.meta.get("log_lines"))
                     if self.main else _NoLog())
         self.bar = tqdm(total=steps, initial=state.start, desc=description, unit="step",
                         disable=not (progress and self.main), dynamic_ncols=True, mininterval=0.5)
 
-    def train(self, step: int, metrics: dict, batch) -> None:
-        """Record the train step that brought the run to ``step``."""
+    def train(self, step: int, metrics: dict, batch, seconds: float) -> None:
+        """Record the train step that brought the run to ``step``; it took ``seconds``."""
         self.window.append({k: float(v) for k, v in metrics.items()})
         self.tokens += _tokens(self.batches, batch)
+        self.seconds += seconds
         self.bar.update(1)
         if step % self.log_every and step != self.steps:
             return
-        seconds = time.perf_counter() - self.since
         mean = {k: float(np.mean([m[k] for m in self.window])) for k in self.window[0] if k != "count"}
-        mean |= {"lr": float(self.lr_at(step - 1)), "tokens_per_s": self.tokens / max(seconds, 1e-9)}
+        mean |= {"lr": float(self.lr_at(step - 1)), "tokens_per_s": self.tokens / max(self.seconds, 1e-9)}
         self.log.write(step, "train", mean)
-        self.bar.set_postfix(loss=f"{mean['loss']:.4f}", tok_s=f"{mean['tokens_per_s']:,.0f}")
-        self.window, self.tokens, self.since = [], 0, time.perf_counter()
+        self.postfix |= {"loss": f"{mean['loss']:.4f}", "tok_s": f"{mean['tokens_per_s']:,.0f}"}
+        self.bar.set_postfix(self.postfix)
+        self.window, self.tokens, self.seconds = [], 0, 0.0
 
-    def evaluation(self, step: int, metrics: dict, *, show: bool = True) -> None:
-        self.log.write(step, "eval", metrics)
+    def evaluation(self, step: int, metrics: dict, *, seconds: float, show: bool = True) -> None:
+        """Record the evaluation at ``step``, which took ``seconds`` (logged as ``eval_s``)."""
+        self.log.write(step, "eval", {**metrics, "eval_s": seconds})
+        self.postfix["eval_s"] = f"{seconds:.1f}"
+        self.bar.set_postfix(self.postfix)
         if show and self.main:
-            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count"),
-                           file=sys.stderr)
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count")
+                           + f" ({seconds:.1f} s)", file=sys.stderr)
 
     def close(self) -> None:
         for thing in (self.bar, self.log):
@@ -334,6 +344,12 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                 "log_lines": logs.log.count}  # the records metrics.jsonl holds now (a resume cuts it back to them)
         checkpoints.save(step, state.pure(), meta)
 
+    def evaluation(step, *, show=True):
+        started = time.perf_counter()
+        metrics = evaluate(state.current_model())
+        logs.evaluation(step, metrics, seconds=time.perf_counter() - started, show=show)
+        return metrics
+
     train_step = compiled_train_step(loss_fn, state.train_def, state.opt_def, state.shardings)
     logs, last_eval, interrupted, step = None, {}, False, state.start
     try:
@@ -341,16 +357,17 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                          tensorboard=tensorboard, description=description)
         with _StopRequest() as stop:
             while step < steps:
+                started = time.perf_counter()  # the train step's time: tokens/s counts nothing else
                 batch = batches.batch(step)
                 state.model, state.optimizer, metrics = train_step(
                     state.model, state.optimizer, batch if mesh is None else put_batch(batch, mesh))
                 metrics = jax.device_get(metrics)
+                seconds = time.perf_counter() - started
                 _check_finite(float(metrics["loss"]), step, checkpoints, run_dir)
                 step += 1
-                logs.train(step, metrics, batch)
+                logs.train(step, metrics, batch, seconds)
                 if evaluate is not None and eval_every and step % eval_every == 0 and step != steps:
-                    last_eval = evaluate(state.current_model())
-                    logs.evaluation(step, last_eval)
+                    last_eval = evaluation(step)
                 if stop.requested:
                     interrupted = True
                     break
@@ -361,8 +378,7 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
                 logs.bar.write(f"Saved a checkpoint at step {step} in {run_dir}; continue with --resume",
                                file=sys.stderr)
             elif evaluate is not None:
-                last_eval = evaluate(state.current_model())
-                logs.evaluation(step, last_eval, show=False)
+                last_eval = evaluation(step, show=False)
     finally:
         if logs is not None:
             logs.close()

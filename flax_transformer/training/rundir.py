@@ -461,7 +461,7 @@ def plot_curves(run_dir, title: str = "") -> Path | None:
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in records:
         for key, value in r.items():
-            if key not in ("step", "split", "lr", "tokens_per_s", "grad_norm", "count"):
+            if key not in ("step", "split", "lr", "tokens_per_s", "eval_s", "grad_norm", "count"):
                 series.setdefault((r["split"], key), []).append((r["step"], value))
     metrics = ["loss"] + sorted({k for _, k in series if k != "loss"})
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)

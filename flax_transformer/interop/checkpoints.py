@@ -19,19 +19,16 @@ which call these with a ``before_swap`` hook (``files.BeforeSwap``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
-import logging
-import os
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import files, porting
+from flax_transformer.interop import files, orbax_quiet, porting
 from flax_transformer.models import configs
 
 METADATA_KEY = "flax_transformer"
@@ -155,47 +152,6 @@ def save_torch(model, path, *, overwrite: bool = False, before_swap: files.Befor
                             before_swap=before_swap)
 
 
-@contextlib.contextmanager
-def orbax_errors_raised_not_logged(settle_s: float = 1.0):
-    """Run an orbax save or restore whose failure the caller reports itself, as one clear error.
-
-    When a write fails (a full disk), orbax logs a traceback (absl, level ERROR) and raises; the
-    other writes still in flight in tensorstore's threads then fail into an asyncio loop that is
-    already closed, and each prints "Event loop is closed" with a traceback, straight to file
-    descriptor 2. So: absl quiet, and the process's stderr captured while the block runs. On
-    success the captured text is passed on unchanged; on failure, after ``settle_s`` for the
-    stragglers, it is dropped, and the exception carries the error.
-    """
-    import sys
-    import tempfile
-    import time
-
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        failed = False
-        try:
-            yield
-        except BaseException:
-            failed = True
-            time.sleep(settle_s)
-            raise
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            logger.setLevel(level)
-            if not failed:
-                captured.seek(0)
-                text = captured.read()
-                if text:
-                    os.write(2, text)
-
-
 def save_orbax(model, path, *, overwrite: bool = False, before_swap: files.BeforeSwap | None = None) -> Path:
     """An orbax checkpoint of the parameters, with ``flax_transformer.json`` beside it in the folder.
     ``before_swap``: see ``files.write_dir`` (``verification.export.save_orbax`` certifies)."""
@@ -207,7 +163,7 @@ def save_orbax(model, path, *, overwrite: bool = False, before_swap: files.Befor
 
     def write(tmp: Path):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        with orbax_errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
+        with orbax_quiet.errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         (tmp / f"{METADATA_KEY}.json").write_text(json.dumps(describe(model), indent=2) + "\n")
     return files.write_dir(path, write, overwrite=overwrite, before_swap=before_swap)

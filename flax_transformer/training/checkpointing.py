@@ -5,19 +5,17 @@
 * ``Checkpoints.restore_latest`` (what ``--resume`` uses) falls back to the newest
   checkpoint that is intact, saying so, and moves the broken ones to ``broken-checkpoints/``.
 * A save that fails (a full disk) removes its unfinished folder and raises ``RunError`` with
-  the reason in one line; orbax's own tracebacks are kept off stderr.
+  the reason in one line; orbax's own tracebacks are kept off stderr (``interop.orbax_quiet``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import re
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import jax
@@ -25,44 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_transformer.interop import orbax_quiet
 from flax_transformer.interop.placement import is_key as _is_key
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.rundir import BROKEN, _quiet_absl, barrier, is_main_process
+from flax_transformer.training.rundir import BROKEN, barrier, is_main_process
 
 # ----------------------------------------------------------------------------- checkpoints
-
-
-class _OrbaxLeftovers(logging.Filter):
-    """asyncio's "exception was never retrieved" for orbax's own futures, logged when they are collected
-    (often at exit), after the clean error that reported the same failure."""
-
-    def filter(self, record):
-        if "was never retrieved" not in record.getMessage() or not record.exc_info:
-            return True
-        return not any("orbax" in frame.filename or "tensorstore" in frame.filename
-                       for frame in traceback.extract_tb(record.exc_info[2]))
-
-
-def _drop_closed_loop_noise() -> None:
-    """Keep orbax's late complaints off stderr: after a failed read or write, the writes still in
-    flight finish into orbax's asyncio loop, already closed, and each would print a "RuntimeError: Event
-    loop is closed" traceback (``sys.unraisablehook``) after the clean error, and asyncio logs their
-    futures' exceptions as never retrieved. Everything else passes."""
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _OrbaxLeftovers) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_OrbaxLeftovers())
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loops", False):
-        return
-
-    def hook(unraisable):
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    hook._drops_closed_loops = True
-    sys.unraisablehook = hook
 
 
 def _size(nbytes: float) -> str:
@@ -133,14 +99,14 @@ class Checkpoints:
     def __init__(self, run_dir, keep: int = 3, *, read_only: bool = False):
         import orbax.checkpoint as ocp
 
-        _drop_closed_loop_noise()
+        orbax_quiet.install_filters()
         self._ocp = ocp
         self.run_dir = Path(run_dir)
         self.directory = (self.run_dir / "checkpoints").absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise RunError(f"{self.directory} is a file, not the run's checkpoint folder")
         try:
-            with _quiet_absl():
+            with orbax_quiet.quiet_absl():
                 self.manager = ocp.CheckpointManager(
                     self.directory, options=ocp.CheckpointManagerOptions(
                         max_to_keep=keep, create=not read_only, read_only=read_only,
@@ -159,14 +125,11 @@ class Checkpoints:
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Write checkpoint ``step`` (``meta`` gains the arrays' checksums); ``RunError`` if it cannot be
         written (a full disk), after removing the unfinished checkpoint."""
-        from flax_transformer.interop.checkpoints import orbax_errors_raised_not_logged
-
-        _drop_closed_loop_noise()  # again: a test runner may have put its own hook back
         ocp = self._ocp
         state = _storable(state)
         meta = dict(meta, checksums=array_checksums(state))
         try:
-            with orbax_errors_raised_not_logged():
+            with orbax_quiet.errors_raised_not_logged():
                 self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
                 self.manager.wait_until_finished()
@@ -190,12 +153,9 @@ class Checkpoints:
                            "with it")
 
     def _read(self, step: int, state_args):
-        from flax_transformer.interop.checkpoints import orbax_errors_raised_not_logged
-
-        _drop_closed_loop_noise()  # again: a test runner may have put its own hook back
         ocp = self._ocp
         try:
-            with orbax_errors_raised_not_logged():
+            with orbax_quiet.errors_raised_not_logged():
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=state_args,
                                                                               meta=ocp.args.JsonRestore()))
             state, meta = restored["state"], restored["meta"]
@@ -272,5 +232,5 @@ class Checkpoints:
         return nnx.merge(graphdef, state), step
 
     def close(self):
-        with contextlib.suppress(Exception), _quiet_absl():  # after a failed save orbax may raise again here
+        with contextlib.suppress(Exception), orbax_quiet.quiet_absl():  # after a failed save orbax may raise again here
             self.manager.close()

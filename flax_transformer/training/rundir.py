@@ -19,7 +19,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -61,18 +60,6 @@ def _all_agree(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """orbax logs warnings and tracebacks through absl; the errors it raises say the same in one line."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 # ----------------------------------------------------------------------------- the folder

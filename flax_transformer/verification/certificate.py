@@ -36,7 +36,7 @@ import numpy as np
 
 from flax_transformer.interop import files
 from flax_transformer.verification import pairs
-from flax_transformer.verification.compare import TOLERANCE, compare
+from flax_transformer.verification.compare import TOLERANCE, compare, grads_row
 
 FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
 FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
@@ -84,7 +84,7 @@ def _sha256(data: bytes) -> str:
 
 def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
     """Every tensor of a written export, under the names it has in the file (numpy; bf16 stays bf16)."""
-    from flax_transformer.interop import checkpoints, hf
+    from flax_transformer.interop import checkpoints, hf, orbax_quiet
 
     path = Path(path)
     if fmt == "safetensors":
@@ -96,7 +96,7 @@ def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
     import jax
     import orbax.checkpoint as ocp
 
-    with checkpoints.orbax_errors_raised_not_logged(settle_s=0.0), ocp.StandardCheckpointer() as checkpointer:
+    with orbax_quiet.errors_raised_not_logged(wait_limit_s=0.0), ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.restore(path.absolute() / "params")
     # Flax paths joined with "/": tblocks/0/ff/0/kernel
     return {"/".join(str(getattr(k, "key", k)) for k in keys): np.asarray(v)
@@ -157,31 +157,13 @@ def _torch():
 # ------------------------------------------------------------------------ measuring
 
 
-def _output_scale(torch_model, run) -> tuple:
-    """(``run()``'s result, max |output| over every torch forward it made): read through a
-    forward hook, so the outputs are not recomputed; 0.0 when no forward was seen."""
-    from flax_transformer.verification.frameworks import leaves
-
-    seen = [0.0]
-
-    def hook(module, inputs, output):
-        for leaf in leaves(output):
-            if hasattr(leaf, "detach") and leaf.numel():
-                seen[0] = max(seen[0], float(leaf.detach().abs().max()))
-    handle = torch_model.register_forward_hook(hook)
-    try:
-        result = run()
-    finally:
-        handle.remove()
-    return result, seen[0]
+FLOAT64_RULE = "jax_err <= max(10 x torch_err, 16 x eps32 x max|float64|) (bisect.budget)"
 
 
-def _errors(torch_model, flax_model, args, seed: int) -> tuple[float, bool, float, bool, str]:
-    """(forward abs err, finite, backward err, finite, worst parameter): ``compare(..., grads=True)``,
-    the forward and backward in one compiled call."""
-    report = compare(torch_model, flax_model, args, grads=True, seed=seed)
-    return (float(report.max_abs_err), bool(report.finite), float(report.grad_err), bool(report.grad_finite),
-            str(report.worst_grad_key))
+def _float64(row) -> dict:
+    """A row's errors against the float64 torch copy, its budget and whether JAX is within it."""
+    return {"jax_err": row.jax_err, "torch_err": row.torch_err, "budget": row.budget, "rule": FLOAT64_RULE,
+            "passed": row.within_budget is not False and not row.skipped}
 
 
 def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None):
@@ -264,7 +246,9 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
     outputs' scale ``max(1, max |torch output|)`` (``max_rel_err``, the one held to the tolerance).
     backward: the largest parameter gradient error relative to the gradient's scale
     (``verify.compare(..., grads=True)``). Both in fp32 with matmul precision "highest", against
-    ``compare.TOLERANCE`` and ``BACKWARD_TOLERANCE``."""
+    ``compare.TOLERANCE`` and ``BACKWARD_TOLERANCE``; and both against a float64 torch copy of
+    the model by ``bisect``'s budget rule (``float64``: JAX's and torch's errors, the budget).
+    Any non-finite value, or anything not compared, fails."""
     import jax
 
     if getattr(flax_model, "input_spec", None) is None:  # a sub-module (an attention layer...)
@@ -275,15 +259,18 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
               "shapes": [None if a is None else list(np.shape(a)) for a in args],
               "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
     with jax.default_matmul_precision("highest"):
-        (err, finite, grad_err, grad_finite, worst), top = _output_scale(
-            torch_model, lambda: _errors(torch_model, flax_model, args, seed))
-    scale = max(1.0, top)
-    rel = err / scale
+        report = compare(torch_model, flax_model, args, grads=True, seed=seed)  # forward and backward, one compile
+    err, finite, scale, rel = float(report.max_abs_err), bool(report.finite), max(1.0, report.scale), report.max_rel_err
+    grads = grads_row(report, "", "", "", "grads")
+    grad_err, grad_finite = float(report.grad_err), bool(report.grad_finite)
+    forward64, backward64 = _float64(report.rows[0]), _float64(grads)
     return {"inputs": inputs,
             "forward": {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
-                        "finite": finite, "tolerance": TOLERANCE, "passed": finite and rel <= TOLERANCE},
-            "backward": {"max_rel_err": grad_err, "finite": grad_finite, "worst": worst,
-                         "tolerance": BACKWARD_TOLERANCE, "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE}}
+                        "finite": finite, "tolerance": TOLERANCE, "float64": forward64,
+                        "passed": finite and rel <= TOLERANCE and forward64["passed"]},
+            "backward": {"max_rel_err": grad_err, "finite": grad_finite, "worst": str(report.worst_grad_key),
+                         "tolerance": BACKWARD_TOLERANCE, "float64": backward64,
+                         "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE and backward64["passed"]}}
 
 
 def _not_measured(reason: str) -> dict:
@@ -314,7 +301,7 @@ def make(written, fmt: str, model, *, name: str | None = None, state: dict | Non
         torch_model = _torch_model(written, fmt, description, reuse)
         reuse = None  # copied into the torch model
         record |= measure(fp32_twin(model, state), torch_model)
-    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g})" for k in ("forward", "backward")
+    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g}){_float64_note(v)}" for k in ("forward", "backward")
               if not (v := record[k]).get("passed", True)]
     if failed:
         raise CertificateError(f"{name or written.name}: the export check failed: {', '.join(failed)} between the "
@@ -329,6 +316,16 @@ def _error(entry: dict, relative: bool = True) -> float:
     if relative and "max_rel_err" in entry:
         return float(entry["max_rel_err"])
     return float(entry.get("max_abs_err", entry.get("max_rel_err")))
+
+
+def _float64_note(entry: dict) -> str:
+    """"" when the entry met the float64 rule (or has none: certificates before it), else the figures."""
+    f = entry.get("float64")
+    if not f or f.get("passed", True):
+        return ""
+    figures = (f"JAX {f['jax_err']:.2e} vs torch {f['torch_err']:.2e} against float64, budget {f['budget']:.2e}"
+               if f.get("budget") is not None else "not measured")
+    return f"; float64 rule failed: {figures}"
 
 
 def _value(entry: dict, relative: bool = True) -> str:

@@ -283,11 +283,14 @@ def check_torch_state(source, optim: OptimConfig, *, total_steps: int | None = N
         if not _close(base, optim.lr):
             raise TorchStateError(f"optimizer group {i} has the peak learning rate {base}; the run's is {optim.lr}")
         if not _close(g["lr"], optim.lr * lr_factor(optim, step)):
+            _refuse_finished(g["lr"], optim, step)
             raise TorchStateError(f"optimizer group {i}'s learning rate is {g['lr']} at step {step}; the run's "
                                   f"schedule gives {optim.lr * lr_factor(optim, step)} (another warmup or decay?)")
     if total_steps is not None and step >= total_steps:
         raise TorchStateError(f"the checkpoint is at step {step}, and the run ends at step {total_steps} (--steps is "
-                              "the run's total): nothing is left to train")
+                              f"the run's total): nothing is left to train. A run of --steps larger than {step} "
+                              "has a longer schedule, which the file must follow too (docs/training.md: a finished "
+                              "run, extended in torch)")
     return ckpt
 
 
@@ -390,8 +393,22 @@ def _check_scheduler(sched, optim: OptimConfig, step: int, n_groups: int) -> Non
             raise TorchStateError(f"the scheduler's base learning rate is {base}; the run's is {optim.lr}")
     for last in sched.get("_last_lr", []):
         if not _close(last, optim.lr * lr_factor(optim, step)):
+            _refuse_finished(last, optim, step)
             raise TorchStateError(f"the scheduler's learning rate at step {step} is {last}; the run's schedule gives "
                                   f"{optim.lr * lr_factor(optim, step)}")
+
+
+def _refuse_finished(lr: float, optim: OptimConfig, step: int) -> None:
+    """A file whose learning rate has decayed to its end (``end_lr_ratio * lr``) where the run's schedule
+    has not: a finished run given a larger ``--steps``. Say so, and how to go on."""
+    if optim.decay != "constant" and step > 0 and _close(lr, optim.lr * optim.end_lr_ratio):
+        raise TorchStateError(
+            f"the checkpoint's learning rate is {lr} at step {step}: its run has finished its schedule (the "
+            f"{optim.decay} decay ended there). A run of --steps {optim.total_steps} follows a longer schedule, "
+            f"{optim.lr * lr_factor(optim, step):.3g} at step {step}, so this file cannot continue it as it is: "
+            f"extend it in torch first (torch_optimizer(model, optim.from_task(config, {optim.total_steps})), a few "
+            f"steps, docs/training.md: a finished run, extended in torch), then --init-from-torch the file that "
+            f"writes with --steps {optim.total_steps}")
 
 
 # ----------------------------------------------------------------------------- the optax side

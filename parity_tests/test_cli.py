@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from flax_transformer.verification import verify
 
 
@@ -142,7 +144,84 @@ def test_port_errors_are_clear_and_leave_no_output(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
     assert _cli("port", tmp_path / "c.pt", tmp_path / "c.pt", "--family", "former", "--class", "CTransformer",
                 "--config", config) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--overwrite replaces it" in err and "overwrite=True" not in err  # the command line's words
+    from flax_transformer.interop import files
+
+    with pytest.raises(files.OutputExists, match="overwrite=True replaces it"):  # the library's
+        files.check_target(tmp_path / "c.pt")
+    # --dtype's other spellings parse (then SRC is missing)
+    for dtype in ("float32", "fp32", "bfloat16"):
+        assert _cli("port", tmp_path / "nope", tmp_path / "x", "--dtype", dtype) == 2
+        assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_port_of_an_hf_folder_carries_its_tokenizer_files(tmp_path, capsys, monkeypatch):
+    """An HF folder ported to an HF folder keeps its tokenizer files, written with the weights in one
+    atomic write: a copy that fails leaves no output."""
+    import dataclasses
+    import json
+    import shutil
+
+    from flax_transformer.interop import hf
+    from flax_transformer.models.configs import EncoderConfig
+    from torch_reference.encoder import TransformerEncoder
+
+    src = tmp_path / "bert"
+    hf.save_pretrained(TransformerEncoder(EncoderConfig.bert(dataclasses.asdict(EncoderConfig.tiny()))), src)
+    tokenizer = {name: f"{name} of this folder".encode() for name in hf.TOKENIZER_FILES}
+    for name, data in tokenizer.items():
+        (src / name).write_bytes(data)
+    (src / "notes.txt").write_text("not a tokenizer file")
+    assert _cli("port", src, tmp_path / "out", "--dtype", "bfloat16") == 0
+    assert "tokenizer files: tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in tokenizer} == tokenizer
+    assert not (tmp_path / "out" / "notes.txt").exists()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    copied = []
+
+    def copy_then_fail(a, b, **kwargs):
+        copied.append(b)
+        if len(copied) == 3:
+            raise OSError(28, "No space left on device")
+        return shutil.copy(a, b)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_then_fail)
+    assert _cli("port", src, tmp_path / "again") == 2
+    assert "No space left" in capsys.readouterr().err
+    assert len(copied) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["bert", "out"]
+
+
+def test_dtype_takes_both_spellings_in_the_trainers(tmp_path):
+    from flax_transformer.cli.train_flags import common_parser, make_config
+    from flax_transformer.training import lm
+
+    for spelling, dtype in (("float32", "float32"), ("fp32", "float32"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        args = common_parser("lm", lm.PRESETS).parse_args(["--preset", "tiny", "--dtype", spelling, "--out", str(tmp_path)])
+        assert make_config(args, lm.LMConfig, lm.PRESETS, "lm").run.dtype == dtype  # run.json keeps one spelling
+
+
+def test_every_option_has_help_that_names_real_flags():
+    """Each option of ``flax-transformer`` and of ``train.*`` says what it does, and a flag its help
+    names exists (``generate``'s help once named a ``--sample-tokens`` that ``train.lm`` lacks)."""
+    import argparse
+    import re
+
+    from parity_tests.test_docs import _subparsers, all_known_flags, parser_of
+
+    known = all_known_flags()
+    for program in ("flax-transformer", "train.classify", "train.lm", "train.seq2seq"):
+        parser = parser_of(program)
+        for name, sub in [(program, parser), *((f"{program} {k}", v) for k, v in _subparsers(parser).items())]:
+            for action in sub._actions:
+                if not action.option_strings or action.help == argparse.SUPPRESS:
+                    continue
+                assert action.help, f"{name} {action.option_strings[0]} has no help"
+                for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", action.help):
+                    assert flag in known, f"{name} {action.option_strings[0]}'s help names {flag}, which no program has"
+    to = _subparsers(parser_of("flax-transformer"))["port"]._option_string_actions["--to"].help
+    assert all(family in to for family in ("BERT", "DistilBERT", "RoBERTa", "GPT-2")), to
 
 
 def test_summary_of_a_preset_lists_the_largest_layers(capsys):

@@ -218,7 +218,7 @@ def test_what_a_run_needs_is_checked_before_its_folder_is_made(tmp_path, capsys)
     assert _main("seq2seq", ["--preset", "tiny", "--out", out, "--steps", 1, "--export-torch", existing,
                              "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "--export-torch" in err and "--overwrite" in err
+    assert "--export-torch" in err and "--overwrite replaces it" in err and "overwrite=True" not in err
     assert not out.exists() and existing.read_bytes() == b"keep me"
     assert _main("seq2seq", ["--preset", "tiny", "--out", out, "--steps", 1, "--no-progress",
                              "--export-torch", tmp_path / "no" / "such" / "folder.safetensors"]) == 2

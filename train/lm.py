@@ -17,7 +17,8 @@ def main(argv=None) -> int:
     parser = common_parser(__doc__.splitlines()[0], lm.PRESETS, prog="python -m train.lm")
     parser.add_argument("--model", choices=["gpt", "former"], default=None,
                         help="gpt.GPTTransformer (default) or former.GTransformer")
-    parser.add_argument("--level", choices=["char", "word"], default=None)
+    parser.add_argument("--level", choices=["char", "word"], default=None,
+                        help="tokens: characters (default) or words (notebook 002's tokenizer, the 10,000 most frequent)")
     parser.add_argument("--text", default=None, help="a text file (default: tinyshakespeare/input.txt)")
     parser.add_argument("--prompt", default=None, help="the start of the sample printed at the end")
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from flax_transformer.cli.commands import cli_message
 from flax_transformer.training.loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
 from flax_transformer.training.run_config import field_names, from_dict, replace
 from flax_transformer.training.rundir import read_run_config
@@ -45,10 +46,13 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
                              "benchmark, the default), base (sized for a GPU)")
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/<task>-<preset>-<time>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the initial weights, dropout and the order of batches (default 0)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer updates (overrides --epochs)")
-    parser.add_argument("--epochs", type=float, default=None)
-    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--epochs", type=float, default=None,
+                        help="passes over the training data, instead of --steps (may be fractional)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="examples per optimizer update, over all devices (default: the preset's)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="data folder (default ../shared/data beside the repo when present, else a download)")
@@ -63,8 +67,10 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --export-torch (or --export-hf, --export-torch-state) output; "
                              "without it, one is refused before training starts")
-    parser.add_argument("--dtype", choices=["float32", "bf16"], default=None,
-                        help="compute dtype (bf16: mixed precision, parameters and softmax/LayerNorm statistics fp32)")
+    parser.add_argument("--dtype", type=lambda name: {"fp32": "float32", "bfloat16": "bf16"}.get(name, name),
+                        choices=["float32", "fp32", "bf16", "bfloat16"], default=None,
+                        help="compute dtype: float32 (or fp32), bf16 (or bfloat16: mixed precision, parameters and "
+                             "softmax/LayerNorm statistics fp32)")
     parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
                         help="attention math: the notebooks' (reference) or jax.nn.dot_product_attention")
     parser.add_argument("--mesh", default=None, metavar="data=N,fsdp=M",
@@ -73,7 +79,8 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
                         help="one process of a multi-process run (with --num-processes, --process-id): start the "
                              "same command in each, with --mesh covering all their devices; process 0 serves "
                              "HOST:PORT and alone writes the run's files")
-    parser.add_argument("--num-processes", type=int, default=None, metavar="N")
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N",
+                        help="with --coordinator: how many processes the run has in all")
     parser.add_argument("--process-id", type=int, default=None, metavar="I", help="0 .. N-1")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -173,7 +180,7 @@ def run_main(function):
         print("Interrupted", file=sys.stderr)
         return 130
     except (RunError, OSError, ValueError) as error:  # OSError: missing files, failed downloads, a full disk
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {cli_message(error)}", file=sys.stderr)
         return 2
     except Exception as error:
         if not _out_of_memory(error):

@@ -2,10 +2,16 @@
 
 What is read, from README.md and docs/*.md:
 
-* ```` ```python ```` blocks run in order, one namespace per file, in a fresh temporary folder.
+* ```` ```python ```` blocks run each on its own, as a reader copies one: in a fresh namespace and
+  a fresh empty folder, so a block imports what it uses and makes (or is given) what it reads.
   A block with ``>>>`` lines is a doctest: what it prints is checked too.
-* ``<!-- docs-test: setup (why)`` ... ``-->``: hidden Python that runs before the blocks after
-  it, to make the small files an example reads (a checkpoint, a short training run).
+* ``<!-- docs-test: setup (why)`` ... ``-->``: hidden Python that makes the small files an example
+  reads (a checkpoint, a short training run), as the command the block names would. It runs once,
+  in a folder and namespace of its own; a later block of the file gets a copy of those files whose
+  names it shows (``runs/lm`` gets ``runs``), so a block cannot read a file it does not name.
+  A concrete ``flax-transformer`` command of a bash block that names such a file runs too (in
+  process, in a fresh folder) and must exit 0. Text generated from the prompt ``ROMEO:``, by a
+  block or a command, must show more than the prompt.
 * ``<!-- docs-test: skip (why) -->`` right before a block: the block is compiled, not run. The
   reason is required, so that every skip is visible in the markdown.
 * Commands in ```` ```bash ```` blocks and in inline code spans (``flax-transformer ...``,
@@ -58,7 +64,7 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{_rel(self.path)}:{self.line}"
 
 
 DIRECTIVE = re.compile(r"^<!-- docs-test: (?P<kind>\w+)(?: \((?P<why>[^)]*)\))?(?P<end> -->)?\s*$")
@@ -109,7 +115,7 @@ def prose(path: Path) -> str:
 
 
 def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 # ------------------------------------------------------------------ running the Python
@@ -130,22 +136,102 @@ def _run(block: Block, namespace: dict) -> None:
     exec(compile("\n" * (block.line - 1) + block.code, _rel(block.path), "exec"), namespace)  # noqa: S102
 
 
-@pytest.mark.parametrize("path", PYTHON_DOCS, ids=_rel)
-def test_python_blocks_run(path, tmp_path, monkeypatch):
-    """Every Python block (and hidden setup) of the file runs, top to bottom, in one namespace."""
+def _names(code: str, name: str) -> bool:
+    """Whether ``code`` shows the file or folder ``name`` (``runs`` in ``"runs/lm"``)."""
+    return re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", code) is not None
+
+
+def _give(folder: Path, code: str, made: dict[str, Path]) -> None:
+    """A fresh ``folder`` holding a copy of each setup file that ``code`` names."""
+    import shutil
+
+    folder.mkdir(parents=True)
+    for name, source in made.items():
+        if _names(code, name):
+            (shutil.copytree if source.is_dir() else shutil.copy2)(source, folder / name)
+
+
+def _runnable(command: str, made: dict[str, Path]) -> bool:
+    """A concrete ``flax-transformer`` command of a bash block that reads a setup's file runs too."""
+    return (command.startswith("flax-transformer ") and not any(c in command for c in "[]|")
+            and " ... " not in command and any(_names(command, name) for name in made))
+
+
+def _run_command(where: str, command: str) -> None:
+    """Run ``flax-transformer ...`` in-process, as typed: it must succeed."""
+    from flax_transformer.cli.commands import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(shlex.split(command, comments=True)[1:])
+    print(out.getvalue(), end="")
+    assert status == 0, f"{where}: `{command}` exits {status}:\n{err.getvalue()}"
+    _check_continuation(where, out.getvalue())
+
+
+PROMPT = "ROMEO:"  # the docs' generation prompt
+
+
+def _check_continuation(where: str, output: str) -> None:
+    """Text generated from the docs' prompt shows more than the prompt (not the prompt and newlines)."""
+    for start in (m.end() for m in re.finditer(re.escape(PROMPT), output)):
+        assert output[start:start + 200].strip(), f"{where}: {PROMPT} is continued by nothing visible: " \
+                                                  f"{output[start - len(PROMPT):start + 20]!r}"
+
+
+def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
+    """Run the file's Python blocks, each in a fresh namespace and folder (the module docstring),
+    and the ``flax-transformer`` commands of its bash blocks that read a setup's files."""
     import jax
 
-    monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__docs__"}
+    made: dict[str, Path] = {}  # what the setups made: name -> the setup's copy
     for block in read_blocks(path):
+        if block.lang in ("bash", "sh", "shell"):
+            for where, command in block_commands(block):
+                if _runnable(command, made):
+                    folder = tmp_path / f"command-{where.rpartition(':')[2]}"
+                    _give(folder, command, made)
+                    monkeypatch.chdir(folder)
+                    _run_command(where, command)
         if block.lang not in ("python", "setup"):
             continue
         if block.skip:
             compile(block.code, block.where, "exec")  # a skipped block must still be valid Python
             continue
+        folder = tmp_path / f"{block.lang}-{block.line}"
+        _give(folder, block.code if block.lang == "python" else "", made)
+        monkeypatch.chdir(folder)
+        out = io.StringIO()
         # a reader's JAX promotes dtypes the standard way (conftest makes the tests strict)
-        with jax.numpy_dtype_promotion("standard"):
-            _run(block, namespace)
+        with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(out):
+            _run(block, {"__name__": "__docs__"})
+        print(out.getvalue(), end="")
+        _check_continuation(block.where, out.getvalue())
+        if block.lang == "setup":
+            made |= {entry.name: entry for entry in folder.iterdir()}
+
+
+@pytest.mark.parametrize("path", PYTHON_DOCS, ids=_rel)
+def test_python_blocks_run(path, tmp_path, monkeypatch):
+    """Every Python block runs on its own: its own imports, and the files it names."""
+    run_blocks(path, tmp_path, monkeypatch)
+
+
+def test_each_block_runs_alone(tmp_path, monkeypatch):
+    """A block that uses a name from an earlier block, or reads a setup's file it does not name,
+    fails; one that names the file gets it."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\nx = 1\n```\n\n```python\nprint(x)\n```\n")
+    with pytest.raises(NameError, match="'x'"):
+        run_blocks(doc, tmp_path / "a", monkeypatch)
+    doc.write_text("<!-- docs-test: setup (a file)\nopen('made.txt', 'w').write('hi')\n-->\n"
+                   "```python\nimport os\nassert os.listdir('.') == []\n```\n\n"
+                   "```python\nassert open('made.txt').read() == 'hi'   # made.txt: made above\n```\n")
+    run_blocks(doc, tmp_path / "b", monkeypatch)  # the first block, naming nothing, sees an empty folder
+    doc.write_text("<!-- docs-test: setup (a file)\nopen('made.txt', 'w').write('hi')\n-->\n"
+                   "```python\nopen('made' + '.txt')\n```\n")
+    with pytest.raises(FileNotFoundError):
+        run_blocks(doc, tmp_path / "c", monkeypatch)
 
 
 def test_directives(tmp_path):
@@ -238,21 +324,26 @@ PROGRAM_START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(flax-transformer\b|py
                            r"python bench/\w+\.py)")
 
 
+def block_commands(block: Block) -> list[tuple[str, str]]:
+    """(where, command) for every program command of a bash block."""
+    if block.lang not in ("bash", "sh", "shell"):
+        return []
+    found = []
+    text = re.sub(r"\\\n\s*", " ", block.code)
+    for offset, line in enumerate(text.splitlines()):
+        for part in re.split(r"\s&&\s|\s&\s*$", line):
+            part = part.strip()
+            if PROGRAM_START.match(part):
+                found.append((f"{_rel(block.path)}:{block.line + offset}", part))
+    return found
+
+
 def commands(path: Path) -> list[tuple[str, str, bool]]:
     """(where, command, concrete) for every program command the file shows.
 
     Bash blocks are split at ``&&`` and a trailing ``&``; ``\\`` continues a line. Inline code
     spans count too, as synopses (they may hold placeholders such as ``K``)."""
-    found = []
-    for block in read_blocks(path):
-        if block.lang not in ("bash", "sh", "shell"):
-            continue
-        text = re.sub(r"\\\n\s*", " ", block.code)
-        for offset, line in enumerate(text.splitlines()):
-            for part in re.split(r"\s&&\s|\s&\s*$", line):
-                part = part.strip()
-                if PROGRAM_START.match(part):
-                    found.append((f"{_rel(path)}:{block.line + offset}", part, True))
+    found = [(where, command, True) for block in read_blocks(path) for where, command in block_commands(block)]
     for span in re.findall(r"`([^`\n]+)`", prose(path)):
         if PROGRAM_START.match(span.strip()) and len(span.split()) > 1:  # not the bare program name
             found.append((f"{_rel(path)} (inline)", span.strip(), False))

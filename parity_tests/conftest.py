@@ -25,17 +25,18 @@ def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, 
     from flax_transformer.verification import verify
 
     for use_jit in (True, False) if eager_too else (True,):
-        results = verify.both_directions(torch_module, args, kwargs, seed=seed, use_jit=use_jit)
-        for direction, err, finite in results:
-            assert finite, f"{direction} (jit={use_jit}): NaN or inf in the outputs"
-            assert err <= tol, f"{direction} (jit={use_jit}): max abs err {err:.3g} > {tol:g}"
+        results = verify.both_directions(torch_module, args, kwargs, seed=seed, use_jit=use_jit, reports=True, tol=tol)
+        for direction, report in results:
+            # the whole verdict: abs error, NaN/inf (never agreement), the float64 budget
+            assert report.passed, f"{direction} (jit={use_jit}):\n{report}"
 
 
 def assert_parameter_gradients_match(torch_model, args, rng):
     """d<model(*args), W>/d(every parameter) agrees between torch and the ported Flax model.
 
     W is a fixed random tensor of the output's shape (``verify.compare(..., grads=True)``).
-    Tolerance: TOL relative to the gradient's scale (max(1, max |g|)).
+    Tolerance: TOL relative to the gradient's scale (max(1, max |g|)); and every gradient (and
+    the outputs) within the float64 budget, with no NaN or inf.
     """
     from flax_transformer.interop import porting
     from flax_transformer.verification import verify
@@ -45,6 +46,7 @@ def assert_parameter_gradients_match(torch_model, args, rng):
                             seed=int(rng.integers(1 << 30)))
     assert report.grad_finite and report.grad_err <= TOL, \
         f"{report.worst_grad_key}: grad max abs err {report.grad_err:.3g} relative to its scale"
+    assert report.passed, str(report)
 
 
 @pytest.fixture

@@ -43,8 +43,8 @@ def _verify(args) -> int:
         from flax_transformer.cli import bisect_cli
 
         return bisect_cli.run(args)
-    if args.text or args.json:
-        raise ValueError("--text and --json go with --bisect or --pair")
+    if args.text or args.json or args.allow_skipped or args.allow_nonfinite:
+        raise ValueError("--text, --json, --allow-skipped and --allow-nonfinite go with --bisect or --pair")
     if args.through_torch_state and not args.train_steps:
         raise ValueError("--through-torch-state goes with --train-steps K")
     if args.train_steps:
@@ -366,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", action="append",
                    help="with --checkpoint --bisect: a text to run through the checkpoint's tokenizer.json "
                         "(repeatable: a batch; default: random ids)")
+    p.add_argument("--allow-skipped", action="store_true",
+                   help="with --bisect or --pair: pass a report in which some module calls, outputs or gradients "
+                        "could not be compared (they are listed; by default they fail it)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="with --bisect or --pair: pass values that are NaN/inf in both frameworks alike (by default "
+                        "they fail; NaN/inf on one side always fails)")
     p.add_argument("--json", metavar="OUT", help="with --bisect or --pair: also write the report as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace --json OUT if it exists")
     p.set_defaults(func=_verify)

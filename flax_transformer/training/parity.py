@@ -53,7 +53,16 @@ class Trajectory:
 
     @property
     def loss_err(self) -> float:
-        return max(abs(a - b) for a, b in zip(self.torch_losses, self.jax_losses))
+        return _gap(self.torch_losses, self.jax_losses)
+
+
+def _gap(a, b) -> float:
+    """max |a - b| in float64; inf when either side holds a NaN or inf: non-finite values never
+    agree, so a run whose losses or parameters go NaN (in one framework or both) fails."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return math.inf
+    return float(np.abs(a - b).max(initial=0.0))
 
 
 def _setup(name: str, rng: np.random.Generator):
@@ -157,7 +166,7 @@ def trajectory(name: str, *, steps: int = 10, optimizer: str = "adamw", lr: floa
     scale = max(largest_grad.values())
     for key, p in model.state_dict().items():
         theirs = p.detach().numpy()
-        err = float(np.abs(ours[key] - theirs).max(initial=0.0)) / max(1.0, float(np.abs(theirs).max(initial=0.0)))
+        err = _gap(ours[key], theirs) / max(1.0, float(np.abs(theirs).max(initial=0.0)))
         if largest_grad.get(key, scale) <= 1e-6 * scale:
             result.noise_params[key] = err
         elif err >= result.param_err:
@@ -207,7 +216,7 @@ class Continuity:
 
     @property
     def loss_err(self) -> float:
-        return max(abs(a - b) for a, b in zip(self.losses, self.reference))
+        return _gap(self.losses, self.reference)
 
     @property
     def passed(self) -> bool:
@@ -313,7 +322,7 @@ def _compare(result: Continuity, ours: dict, model, opt, largest_grad: dict) -> 
     theirs = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     scale = max(largest_grad.values())
     for key, p in theirs["model"].items():
-        err = float(np.abs(ours["model"][key].numpy() - p.numpy()).max()) / max(1.0, float(p.abs().max()))
+        err = _gap(ours["model"][key].numpy(), p.numpy()) / max(1.0, float(p.abs().max()))
         if largest_grad[key] <= 1e-6 * scale:
             result.noise_params[key] = err
         elif err >= result.param_err:
@@ -328,7 +337,8 @@ def _compare(result: Continuity, ours: dict, model, opt, largest_grad: dict) -> 
             continue  # its moments are rounding noise
         for moment in ("exp_avg", "exp_avg_sq"):
             b = state[moment].numpy()
-            err = float(np.abs(mine[key][moment].numpy() - b).max()) / max(float(np.abs(b).max()), 1e-30)
+            err = _gap(mine[key][moment].numpy(), b)
+            err = err / max(float(np.abs(b).max()), 1e-30) if math.isfinite(err) else math.inf
             if err >= result.moment_err:
                 result.moment_err, result.worst_moment = err, f"{key} {moment}"
         if float(mine[key]["step"]) != float(state["step"]):

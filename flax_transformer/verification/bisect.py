@@ -30,6 +30,24 @@ wrong forward makes every gradient it reaches wrong; the place to fix is where t
 went wrong); otherwise the first diverged parameter in backward order (owning modules in
 reverse call order), which is where a wrong backward pass first shows.
 
+Non-finite values never agree. NaN or inf in JAX where torch fp32 has another value makes the
+call diverge (its JAX error is infinite); NaN or inf in torch fp32 only is ``not finite in
+torch only``; NaN or inf in both, the same value, is ``not finite in either framework``. All
+fail, the last one unless ``allow_nonfinite=True``. ``first_nonfinite`` names the first call
+that produced a non-finite value: its inputs finite, its output not (in JAX or in torch).
+
+Incomplete is not passed. A call or gradient that could not be compared (``skipped: ...``, e.g.
+a torch module the Flax twin does not call) fails the report unless ``allow_skipped=True``;
+``report.incomplete`` lists them and the summary's first line counts them (and says when they
+were allowed). A report whose whole-model row was not compared never passes.
+
+``first_divergent`` is None exactly when the report passed, and never empty or falsy when it
+failed: a module path; ``MODEL`` ("<model>") when the error is in the whole model's own row;
+``GRADIENTS`` ("<gradients>") when the forward pass agrees and a gradient does not (see
+``first_divergent_grad``); ``INCOMPLETE`` ("<incomplete>") when nothing disagrees but the
+report is incomplete. For non-finite values it is the first producing call (above), or the
+first failing row.
+
 torch is imported lazily (this is a verification module).
 """
 
@@ -50,9 +68,31 @@ FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magn
 EPS32 = float(np.finfo(np.float32).eps)
 
 
+MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
+GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
+INCOMPLETE = "<incomplete>"  # first_divergent when nothing disagrees but something was not compared
+BOTH_NONFINITE = "not finite in either framework"  # a status: fails unless allow_nonfinite
+TORCH_NONFINITE = "not finite in torch only"  # a status: always fails
+DIVERGED = ("introduced", "inherited", "diverged")
+
+
 def budget(torch_err: float, scale: float) -> float:
     """The largest JAX error (vs fp64) that is still float32 rounding, by the rule above."""
     return max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)
+
+
+def budget_rule() -> dict:
+    """The rule's constants, as the reports' ``to_dict()`` record them."""
+    return {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
+
+
+def _path(name: str) -> str:
+    """A row's path from a name in a report: ``MODEL`` is the model's own row, path ""."""
+    return "" if name == MODEL else name
+
+
+def _fails(status: str, allow_nonfinite: bool) -> bool:
+    return status in DIVERGED or status == TORCH_NONFINITE or (status == BOTH_NONFINITE and not allow_nonfinite)
 
 
 @dataclass(frozen=True)
@@ -66,7 +106,13 @@ class ModuleRow:
     scale: float = 0.0  # max |fp64 output|
     local_torch_err: float | None = None  # rerun alone on the fp64 input
     local_jax_err: float | None = None
-    status: str = "ok"  # ok | introduced | inherited | diverged (no rerun possible) | skipped: why
+    # ok | introduced | inherited | diverged (no rerun possible) | not finite in either framework |
+    # not finite in torch only | skipped: why
+    status: str = "ok"
+    nonfinite_jax: int = 0  # output values NaN/inf in JAX where torch fp32 has another value
+    nonfinite_torch: int = 0  # ... in torch fp32 where JAX has another value
+    nonfinite_both: int = 0  # ... NaN/inf in both, the same value
+    produced: str = ""  # "JAX", "torch" or "JAX, torch": its inputs finite there, its output not
 
     @property
     def ratio(self) -> float | None:
@@ -87,7 +133,10 @@ class GradRow:
     torch_err: float
     jax_err: float
     scale: float
-    status: str
+    status: str  # ok | diverged | not finite in either framework | not finite in torch only | skipped: why
+    nonfinite_jax: int = 0
+    nonfinite_torch: int = 0
+    nonfinite_both: int = 0
 
     @property
     def ratio(self) -> float:
@@ -100,12 +149,20 @@ def _fmt(x) -> str:
 
 @dataclass
 class BisectReport:
-    """``bisect``'s findings; ``str(report)`` is a table, ``report.tree()`` an indented tree."""
+    """``bisect``'s findings; ``str(report)`` is a table, ``report.tree()`` an indented tree.
+
+    ``first_divergent`` is None exactly when the report passed; when it failed, a non-empty
+    name (a module path, ``MODEL``, ``GRADIENTS`` or ``INCOMPLETE``: see the module docstring),
+    so ``if report.first_divergent:`` never reads a failure as agreement.
+    """
 
     rows: list[ModuleRow]
     first_divergent: str | None
     grad_rows: list[GradRow] = field(default_factory=list)
     first_divergent_grad: str | None = None
+    allow_nonfinite: bool = False
+    allow_skipped: bool = False
+    first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
 
     @property
     def unverified(self) -> str | None:
@@ -121,26 +178,87 @@ class BisectReport:
         return None
 
     @property
+    def incomplete(self) -> list[str]:
+        """What could not be compared: module calls (``(model)`` for the model) and ``gradient NAME``s."""
+        return ([r.path or "(model)" for r in self.rows if r.status.startswith("skipped")]
+                + [f"gradient {g.name}" for g in self.grad_rows if g.status.startswith("skipped")])
+
+    def _failed(self) -> bool:
+        return (any(_fails(r.status, self.allow_nonfinite) for r in self.rows)
+                or any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows)
+                or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped))
+
+    @property
     def passed(self) -> bool:
-        return self.first_divergent is None and self.first_divergent_grad is None and self.unverified is None
+        return self.first_divergent is None and self.first_divergent_grad is None and not self._failed()
+
+    def settle(self) -> BisectReport:
+        """Set ``first_divergent`` from the rows (None when nothing fails); returns the report."""
+        self.first_divergent = None
+        if not self._failed():
+            return self
+        path = _first_divergent(self.rows)
+        if path is None and any(_fails(r.status, self.allow_nonfinite) for r in self.rows):  # NaN/inf, no divergence
+            bad = next(r for r in self.rows if _fails(r.status, self.allow_nonfinite))
+            path = _path(self.first_nonfinite) if self.first_nonfinite is not None else bad.path
+        if path is not None:
+            self.first_divergent = MODEL if path == "" else path
+        elif any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows):
+            self.first_divergent = GRADIENTS
+        else:
+            self.first_divergent = INCOMPLETE
+        return self
 
     def _row(self, path: str) -> ModuleRow | None:
+        path = _path(path)
         return next((r for r in self.rows if r.path == path), None)
 
-    def summary(self) -> str:
-        if self.first_divergent is None and self.unverified is not None:
-            line = f"forward: NOT VERIFIED: {self.unverified}"
-        elif self.first_divergent is None:
-            line = "forward: every module within budget"
-        else:
-            row = self._row(self.first_divergent)
-            where = "introduced in" if row.status == "introduced" else "first seen at (built up gradually)"
-            line = (f"forward: error {where} {self.first_divergent or '(model)'} ({row.kind}): JAX {_fmt(row.jax_err)} "
-                    f"vs torch {_fmt(row.torch_err)} against float64")
+    def _incomplete_line(self) -> str | None:
+        missing = self.incomplete
+        if not missing:
+            return None
+        modules = sum(r.status.startswith("skipped") for r in self.rows)
+        counts = f"{modules} of {len(self.rows)} module calls"
         if self.grad_rows:
-            line += "\ngradients: " + ("every parameter within budget" if self.first_divergent_grad is None
-                                       else f"first wrong at {self.first_divergent_grad}")
-        return line
+            counts += f" and {sum(g.status.startswith('skipped') for g in self.grad_rows)} of {len(self.grad_rows)} gradients"
+        names = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
+        if self.allow_skipped:
+            return f"ALLOWED INCOMPLETE (allow_skipped): {counts} not compared: {names}"
+        return (f"INCOMPLETE: {counts} not compared, so the report fails (allow_skipped=True, on the command line "
+                f"--allow-skipped, accepts that): {names}")
+
+    def summary(self) -> str:
+        lines = [line for line in (self._incomplete_line(),) if line]
+        path = _first_divergent(self.rows)
+        bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
+        produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None
+        at = "" if produced is None else (f"NaN/inf first produced at {self.first_nonfinite} ({produced.kind}, in "
+                                          f"{produced.produced}; its inputs finite)")
+        if self.unverified is not None and path is None:
+            line = f"forward: NOT VERIFIED: {self.unverified}"
+        elif path is not None:
+            row = self._row(path)
+            where = "introduced in" if row.status == "introduced" else "first seen at (built up gradually)"
+            line = (f"forward: error {where} {path or MODEL} ({row.kind}): JAX {_fmt(row.jax_err)} "
+                    f"vs torch {_fmt(row.torch_err)} against float64" + (f"; {at}" if at else ""))
+        elif bad:
+            line = f"forward: {bad[0].status}: " + (at or f"first at {bad[0].path or MODEL} ({bad[0].kind})")
+        else:
+            line = "forward: every module within budget"
+            if any(r.status == BOTH_NONFINITE for r in self.rows):
+                line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite" + (f"; {at})" if at else ")")
+        lines.append(line)
+        if self.grad_rows:
+            if self.first_divergent_grad is None:
+                line = "gradients: every parameter within budget"
+                if any(g.status == BOTH_NONFINITE for g in self.grad_rows):
+                    line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite)"
+            else:
+                g = next(g for g in self.grad_rows if g.name == self.first_divergent_grad)
+                line = f"gradients: first wrong at {self.first_divergent_grad}" + (
+                    f" ({g.status})" if g.status != "diverged" else "")
+            lines.append(line)
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         header = ("module", "class", "torch err", "jax err", "ratio", "rerun alone: torch", "jax", "status")
@@ -157,10 +275,11 @@ class BisectReport:
         """Modules indented by depth, in call order (each under the parent that contains it)."""
         lines = []
         called = {r.path.split("#")[0] for r in self.rows}
+        first = None if self.first_divergent is None else _path(self.first_divergent)
         for r in self.rows:
             path = r.path.split("#")[0]
             depth = sum(1 for p in called if p != path and (not p or path.startswith(p + ".")))
-            mark = " <-- first divergent" if r.path == self.first_divergent else ""
+            mark = " <-- first divergent" if r.path == first else ""
             lines.append(f"{'  ' * depth}{r.path or '(model)'} [{r.kind}] "
                          f"jax {_fmt(r.jax_err)} torch {_fmt(r.torch_err)}: {r.status}{mark}")
         return "\n".join(lines + [self.summary()])
@@ -168,9 +287,11 @@ class BisectReport:
     def to_dict(self) -> dict:
         rows = [asdict(r) | {"ratio": r.ratio, "budget": r.budget} for r in self.rows]
         grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
-        rule = {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
         return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
-                "passed": self.passed, "unverified": self.unverified, "budget_rule": rule, "modules": rows, "gradients": grads}
+                "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
+                "incomplete": self.incomplete, "allow_skipped": self.allow_skipped,
+                "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(), "modules": rows,
+                "gradients": grads}
 
     def to_json(self, path=None, *, overwrite: bool = False) -> str:
         """The report as JSON text; also written to ``path`` (through ``files``) when given."""
@@ -220,7 +341,8 @@ def _floats(tree) -> list[np.ndarray]:
 
 def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     """max |got - want| in float64; equal values (equal infinities too) count as 0, NaN on both
-    sides as 0, NaN on one side as infinite."""
+    sides as 0, NaN on one side as infinite. A distance only: whether non-finite values pass is
+    decided apart (``_nonfinite_counts``), and they never agree."""
     err = 0.0
     for a, b in zip(got, want, strict=True):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -301,6 +423,37 @@ def _rerun_alone(torch_module, ref_call, jax_call, want):
     return _err(got_t, want), _err(got_j, want)
 
 
+def _nonfinite_counts(got_t: list, got_j: list) -> tuple[int, int, int]:
+    """(values NaN/inf in JAX only, in torch fp32 only, in both as the same value), over the arrays
+    of one output; different non-finite values at one position count on both sides."""
+    jax_only = torch_only = both = 0
+    for t, j in zip(got_t, got_j, strict=True):
+        only_t, only_j, same, differ = frameworks.nonfinite(t, j)
+        jax_only, torch_only, both = jax_only + only_j + differ, torch_only + only_t + differ, both + same
+    return jax_only, torch_only, both
+
+
+def _finite_part_errs(got_t: list, got_j: list, want: list) -> tuple[float, float]:
+    """(torch err, JAX err) against ``want`` over the positions finite in all three."""
+    torch_err = jax_err = 0.0
+    for t, j, w in zip(got_t, got_j, want, strict=True):
+        t64, j64, w64 = (np.atleast_1d(np.asarray(a, np.float64)) for a in (t, j, w))
+        keep = np.isfinite(t64) & np.isfinite(j64) & np.isfinite(w64)
+        torch_err = max(torch_err, float(np.abs(t64 - w64)[keep].max(initial=0.0)))
+        jax_err = max(jax_err, float(np.abs(j64 - w64)[keep].max(initial=0.0)))
+    return torch_err, jax_err
+
+
+def _all_finite(tree) -> bool:
+    """Every floating value of a call's inputs or output (JAX or torch, nested) finite."""
+    return all(bool(np.isfinite(np.asarray(a, np.float64)).all()) for a in _floats(jax.tree.leaves(tree)))
+
+
+def _produced(call) -> bool:
+    """The call's inputs finite, its output not: it made the NaN or inf."""
+    return call is not None and not _all_finite(call.output) and _all_finite((call.args, call.kwargs))
+
+
 def _status(jax_err, torch_err, scale, local) -> str:
     if jax_err <= budget(torch_err, scale):
         return "ok"
@@ -317,7 +470,8 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool) -> lis
         t32, jx = t32_calls.get(name), jax_calls.get(name)
         want = _floats(ref.output)
         if jx is None:
-            rows.append(ModuleRow(name, kind, status="skipped: no Flax call at this path"))
+            rows.append(ModuleRow(name, kind, status="skipped: no Flax call at this path",
+                                  produced="torch" if _produced(t32) else ""))
             continue
         got_t, got_j = _floats(t32.output), _floats(jx.output)
         if len(got_j) != len(want) or any(a.shape != b.shape for a, b in zip(got_j, want)):
@@ -326,10 +480,24 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool) -> lis
                                                      f"({shapes(got_j)} vs torch {shapes(want)})"))
             continue
         torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
+        jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
+        if jax_only:  # NaN/inf in JAX where torch has another value: never agreement
+            jax_err = float("inf")
+        elif both and not torch_only:  # the same NaN/inf in both: judge the finite rest by the budget
+            torch_err, jax_err = _finite_part_errs(got_t, got_j, want)
         local = (None, None)
         if rerun and jax_err > budget(torch_err, scale):  # only a diverged call needs the rerun
             local = _rerun_alone(modules32[ref.path], ref, jx, want)
-        rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, _status(jax_err, torch_err, scale, local)))
+        status = _status(jax_err, torch_err, scale, local)
+        if torch_only and not jax_only:
+            status = TORCH_NONFINITE
+        elif jax_only and status == "ok":  # torch's own error is infinite too: no budget to be within
+            status = "diverged"
+        elif both and status == "ok":
+            status = BOTH_NONFINITE
+        produced = ", ".join(side for side, call in (("JAX", jx), ("torch", t32)) if _produced(call))
+        rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, status, jax_only, torch_only, both,
+                              produced))
     return rows
 
 
@@ -340,7 +508,8 @@ def _first_divergent(rows: list[ModuleRow]) -> str | None:
 
 
 def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
-           use_jit: bool = True, seed: int = 0) -> BisectReport:
+           use_jit: bool = True, seed: int = 0, allow_nonfinite: bool = False,
+           allow_skipped: bool = False) -> BisectReport:
     """Find the first submodule where the Flax model's output leaves the float64 torch reference.
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
@@ -353,9 +522,13 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     why not ``nnx.capture``: that sows outputs only, and loses the call order). ``use_jit`` runs
     the Flax model under ``nnx.jit`` (the reruns of single modules run eagerly).
 
+    A skipped call or gradient makes the report incomplete, which fails unless ``allow_skipped``;
+    values NaN or inf in both frameworks fail unless ``allow_nonfinite`` (NaN or inf on one side
+    always fails). See the module docstring.
+
     Returns:
-        a ``BisectReport``: ``rows``, ``first_divergent`` (None when everything agrees),
-        and with ``grads=True`` ``grad_rows`` and ``first_divergent_grad``.
+        a ``BisectReport``: ``rows``, ``first_divergent`` (None exactly when the report passed),
+        ``first_nonfinite``, and with ``grads=True`` ``grad_rows`` and ``first_divergent_grad``.
     """
     import torch
 
@@ -372,11 +545,13 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     _, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
     modules32 = dict(torch_model.named_modules())
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True)
-    report = BisectReport(rows, _first_divergent(rows))
+    first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
+    report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
+                          first_nonfinite=first_nonfinite)
     if grads:
         report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed)
         report.first_divergent_grad = _first_divergent_grad(report, t32)
-    return report
+    return report.settle()
 
 
 # ---------------------------------------------------------------- gradients
@@ -413,31 +588,48 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[G
     holder = nnx.clone(flax_model)
     nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
     gj = porting.state_dict(holder)
-    # a gradient's scale is the largest of its module's: an attention key bias has an exactly zero
-    # gradient (adding q.b to a whole row of scores leaves the softmax alone), so its own scale
-    # is rounding noise, which the two frameworks draw differently
-    module_scale: dict[str, float] = {}
-    for name, want in g64.items():
-        owner = name.rpartition(".")[0]
-        module_scale[owner] = max(module_scale.get(owner, 0.0), _scale([want]))
+    scales = grad_scales(g64)
     rows = []
     for name, want in g64.items():
         if name not in gj:
             rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"))
             continue
-        scale = module_scale[name.rpartition(".")[0]]
-        torch_err, jax_err = _err([g32[name]], [want]), _err([np.asarray(gj[name])], [want])
-        rows.append(GradRow(name, torch_err, jax_err, scale, "ok" if jax_err <= budget(torch_err, scale)
-                            else "diverged"))
+        scale, got_t, got_j = scales[name], [g32[name]], [np.asarray(gj[name])]
+        torch_err, jax_err = _err(got_t, [want]), _err(got_j, [want])
+        jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
+        if jax_only:
+            jax_err = float("inf")
+        elif both and not torch_only:
+            torch_err, jax_err = _finite_part_errs(got_t, got_j, [want])
+        status = "ok" if jax_err <= budget(torch_err, scale) and not jax_only else "diverged"
+        if torch_only and not jax_only:
+            status = TORCH_NONFINITE
+        elif both and status == "ok":
+            status = BOTH_NONFINITE
+        rows.append(GradRow(name, torch_err, jax_err, scale, status, jax_only, torch_only, both))
     return rows
 
 
+def grad_scales(g64: dict[str, np.ndarray]) -> dict[str, float]:
+    """{parameter: the scale its gradient's budget uses}: the largest |fp64 gradient| of its module.
+
+    An attention key bias has an exactly zero gradient (adding q.b to a whole row of scores leaves
+    the softmax alone), so its own scale is rounding noise, which the two frameworks draw
+    differently; its module's other gradients give the scale."""
+    module_scale: dict[str, float] = {}
+    for name, want in g64.items():
+        owner = name.rpartition(".")[0]
+        module_scale[owner] = max(module_scale.get(owner, 0.0), _scale([want]))
+    return {name: module_scale[name.rpartition(".")[0]] for name in g64}
+
+
 def _first_divergent_grad(report: BisectReport, t32_calls) -> str | None:
-    diverged = [g.name for g in report.grad_rows if g.status == "diverged"]
+    diverged = [g.name for g in report.grad_rows if _fails(g.status, report.allow_nonfinite)]
     if not diverged:
         return None
-    if report.first_divergent is not None:
-        prefix = report.first_divergent.split("#")[0]
+    forward = _first_divergent(report.rows)  # the forward's own first divergence, not a report-level name
+    if forward is not None:
+        prefix = forward.split("#")[0]
         inside = [n for n in diverged if not prefix or n.startswith(prefix + ".")]
         if inside:
             return inside[0]

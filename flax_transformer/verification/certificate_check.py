@@ -104,8 +104,8 @@ def _compare_errors(report: Report, record: dict, measured: dict, same_environme
         both = f"{label} {shown} now, " + (f"{recorded:.2e} at export" if recorded is not None else
                                            "none recorded") + f" (tolerance {tolerance:g})"
         compared = cert._error(now, relative)
-        if not now["finite"] or value > tolerance:
-            report.failures.append(both)
+        if not now["finite"] or value > tolerance or not now.get("float64", {}).get("passed", True):
+            report.failures.append(both + cert._float64_note(now))
         elif recorded is not None and compared > max(cert.RECHECK_FACTOR * recorded, recorded + cert.RECHECK_SLACK):
             (report.notes if not same_environment else report.failures).append(
                 both + ("; larger than recorded, with the versions or platform changed" if not same_environment

@@ -344,12 +344,13 @@ def _check(t, j, r, *, measured: bool, scale: float | None = None) -> dict | Non
     t, j = to_numpy(t), to_numpy(j)
     if t is None and j is None:
         return None
+    kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
     t, j = np.asarray(t), np.asarray(j)
     check = {"shape": list(t.shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
              "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
              "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": ""}
     if not (_is_numeric(t) and _is_numeric(j)):
-        check["skipped"] = f"not arrays (torch {type(t).__name__} {t.dtype}, flax {type(j).__name__} {j.dtype})"
+        check["skipped"] = f"not numeric arrays ({kinds})"
         return check
     if t.shape != j.shape:
         raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
@@ -389,6 +390,23 @@ def _row(family, module, case, direction, checks: list[dict], tol, skipped: str,
                nonfinite_jax=sum(c["nonfinite_jax"] for c in checks),
                nonfinite_torch=sum(c["nonfinite_torch"] for c in checks),
                nonfinite_both=sum(c["nonfinite_both"] for c in checks), skipped=skipped, **allow)
+
+
+def grads_row(report: CompareReport, family: str, module: str, case: str, direction: str) -> Row:
+    """One Row for all of a report's parameter gradients: the worst relative error, the float64
+    figures of the gradient nearest (or furthest beyond) its budget, the non-finite counts summed;
+    it passes exactly when every gradient row does."""
+    grads = report.rows[1:]
+    measured = [r for r in grads if r.budget is not None]
+    worst = max(measured, key=lambda r: r.jax_err / r.budget if r.budget > 0 else
+                (0.0 if r.jax_err == 0 else float("inf")), default=None)
+    skipped = "; ".join(f"{r.module}: {r.skipped}" for r in grads if r.skipped)
+    return Row(family, module, case, direction, report.grad_err, report.grad_finite, report.tol,
+               jax_err=None if worst is None else worst.jax_err, torch_err=None if worst is None else worst.torch_err,
+               budget=None if worst is None else worst.budget,
+               nonfinite_jax=sum(r.nonfinite_jax for r in grads), nonfinite_torch=sum(r.nonfinite_torch for r in grads),
+               nonfinite_both=sum(r.nonfinite_both for r in grads), skipped=skipped,
+               allow_nonfinite=report.allow_nonfinite, allow_skipped=report.allow_skipped)
 
 
 def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):

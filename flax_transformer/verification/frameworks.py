@@ -46,15 +46,43 @@ def to_jax(a):
     return jnp.asarray(a) if isinstance(a, np.ndarray) else a
 
 
+def nonfinite(reference, other) -> tuple[int, int, int, int]:
+    """Where two arrays of one shape hold NaN or inf: (in ``reference`` only, in ``other`` only,
+    in both as the same value, in both as different values: NaN against inf, +inf against -inf).
+
+    Non-finite values never agree: the verdicts fail on any of these counts, the third ("not
+    finite in either framework") excepted only when the caller allows it explicitly."""
+    a = np.atleast_1d(np.asarray(reference, np.float64))
+    b = np.atleast_1d(np.asarray(other, np.float64))
+    bad_a, bad_b = ~np.isfinite(a), ~np.isfinite(b)
+    both = bad_a & bad_b
+    same = both & ((np.isnan(a) & np.isnan(b)) | (a == b))
+    return (int((bad_a & ~bad_b).sum()), int((bad_b & ~bad_a).sum()), int(same.sum()), int((both & ~same).sum()))
+
+
+def finite_abs_err(a, b) -> float:
+    """max |a - b| in float64 over the positions finite in both; inf when the two are not finite
+    at the same positions (NaN or inf on one side, or different non-finite values)."""
+    a64 = np.atleast_1d(np.asarray(a, np.float64))
+    b64 = np.atleast_1d(np.asarray(b, np.float64))
+    only_a, only_b, _, differ = nonfinite(a64, b64)
+    if only_a or only_b or differ:
+        return float("inf")
+    keep = np.isfinite(a64) & np.isfinite(b64)
+    return float(np.abs(a64[keep] - b64[keep]).max(initial=0.0))
+
+
 def max_abs_err(torch_out, flax_out) -> tuple[float, bool]:
-    """Largest |torch - flax| over all outputs, and whether every value is finite."""
+    """Largest |torch - flax| over all outputs (``finite_abs_err``: inf when NaN or inf appear on
+    one side only), and whether every value is finite (False also for NaN on both sides: a
+    caller that reads ``finite`` never passes a non-finite output)."""
     err, finite = 0.0, True
     for a, b in zip(leaves(torch_out), leaves(flax_out), strict=True):
         a, b = np.asarray(to_numpy(a)), np.asarray(to_numpy(b))
         if a.shape != b.shape:
             raise AssertionError(f"output shapes differ: torch {a.shape} vs flax {b.shape}")
         finite &= bool(np.isfinite(a).all() and np.isfinite(b).all())
-        err = max(err, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0)))
+        err = max(err, finite_abs_err(a, b))
     return err, finite
 
 

@@ -30,6 +30,7 @@ from flax_transformer.verification.compare import (  # noqa: F401  (verify.compa
     compare,
     format_table,
     gradient_errors,
+    grads_row,
 )
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
@@ -228,33 +229,36 @@ def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None
             continue
         for case in spec.cases:
             torch_module, args, kwargs = case_inputs(spec, case, seed + i)
-            for direction, err, finite in both_directions(torch_module, args, kwargs, seed=seed + i, use_jit=use_jit):
-                yield Row(spec.family, spec.name, case, direction, err, finite)
+            for direction, report in both_directions(torch_module, args, kwargs, seed=seed + i, use_jit=use_jit,
+                                                     reports=True):
+                yield dataclasses.replace(report.rows[0], family=spec.family, module=spec.name, case=case,
+                                          direction=direction)
 
 
-def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0, use_jit: bool = True):
+def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0, use_jit: bool = True,
+                    reports: bool = False, tol: float = TOLERANCE):
     """Compare a torch module with its Flax twin both ways, in eval mode.
 
     torch->flax: the torch module's weights (perturbed, see ``NOISE``) ported to Flax.
     flax->torch: fresh weights drawn in JAX (perturbed) ported to torch.
 
     Returns:
-        [(direction, max abs err, all finite)] for the two directions.
+        [(direction, max abs err, all finite)] for the two directions; with ``reports=True``
+        [(direction, ``CompareReport``)], whose ``passed`` is the whole verdict (the float64
+        budget and non-finite values included; the abs error against ``tol``).
     """
     from flax_transformer.interop import porting
 
     torch_module.eval()
     perturb_torch(torch_module, seed)
     flax_module = porting.torch_to_flax(torch_module, seed=seed)
-    report = compare(torch_module, flax_module, args, kwargs, use_jit=use_jit)
-    results = [("torch->flax", report.max_abs_err, report.finite)]
+    results = [("torch->flax", compare(torch_module, flax_module, args, kwargs, use_jit=use_jit, tol=tol))]
     flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
     flax_module.eval()
     perturb_flax(flax_module, seed + 1)
     torch_twin = porting.flax_to_torch(flax_module)
-    report = compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit)
-    results.append(("flax->torch", report.max_abs_err, report.finite))
-    return results
+    results.append(("flax->torch", compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit, tol=tol)))
+    return results if reports else [(direction, r.max_abs_err, r.finite) for direction, r in results]
 
 
 # Fresh LayerNorms are exactly ones and zeros in both frameworks, and fresh biases
@@ -300,14 +304,14 @@ def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> 
             torch_module, args, kwargs = case_inputs(spec, case, seed + i)
             perturb_torch(torch_module, seed + i)
             flax_module = porting.torch_to_flax(torch_module, seed=seed + i)
-            err, finite, _ = gradient_errors(torch_module, flax_module, args, kwargs, seed=seed + i)
-            yield Row(spec.family, spec.name, case, "torch->flax grads", err, finite)
+            report = compare(torch_module, flax_module, args, kwargs, grads=True, seed=seed + i)
+            yield grads_row(report, spec.family, spec.name, case, "torch->flax grads")
             flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
             flax_module.eval()
             perturb_flax(flax_module, seed + i + 1)
             torch_twin = porting.flax_to_torch(flax_module).eval()
-            err, finite, _ = gradient_errors(torch_twin, flax_module, args, kwargs, seed=seed + i)
-            yield Row(spec.family, spec.name, case, "flax->torch grads", err, finite)
+            report = compare(torch_twin, flax_module, args, kwargs, grads=True, seed=seed + i)
+            yield grads_row(report, spec.family, spec.name, case, "flax->torch grads")
 
 
 def checkpoint_rows(path, *, load=None) -> list[Row]:

@@ -10,31 +10,14 @@ Before the fix, a window holding an evaluation showed about a millionth of the o
 import types
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from flax_transformer.training import loop
 from flax_transformer.training.optim import OptimConfig
+from parity_tests.test_run_faults import Batches, _loss  # the same tiny task
 
-TOKENS = 4 * 8  # ids of every batch: 4 rows of 8
-
-
-class Batches:
-    def batch(self, step):
-        rng = np.random.default_rng(step)
-        ids = rng.integers(0, 20, (4, 8)).astype(np.int32)
-        return {"ids": ids, "labels": (ids[:, 0] % 2).astype(np.int32)}
-
-    def position(self, step):
-        return {"step": step}
-
-
-def _loss(m, batch):
-    logp = m(batch["ids"])
-    loss = -jnp.take_along_axis(logp, batch["labels"][:, None], axis=1).mean()
-    return loss, {"count": jnp.float32(4)}
+TOKENS = 4 * 8  # ids of every batch (test_run_faults.Batches): 4 rows of 8
 
 
 class Clock:

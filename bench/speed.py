@@ -1,7 +1,14 @@
-"""JAX against PyTorch, side by side, in one process: training step and forward pass, interleaved rep by rep.
+"""JAX against PyTorch: training step and forward pass, each framework alone (default) or all in one process.
 
-    python bench/speed.py [--config a b c] [--reps 10] [--no-compile] [--default-malloc]
+    python bench/speed.py [--config a b c] [--rounds 5] [--reps 10] [--warmup 3] [--no-compile]
+                          [--default-malloc] [--out DIR]
+    python bench/speed.py --in-process [--config a b c] [--reps 10] [--no-compile] [--default-malloc]
                           [--threads N] [--omp-wait-policy passive|active|default] [--out DIR]
+
+The default (issue 21, item 7) runs each contender in a process of its own with its framework's
+default threading, the processes alternated round by round: see ``bench/speed_isolated.py``
+for its method, its FLOP formula and its roofline fraction. ``--in-process`` is the older mode
+described below (issue 13): all contenders in this process, under shared thread settings.
 
 Configurations (issue 6):
   a  notebook 000's CTransformer: emb 128, 8 heads, depth 3, length 256, batch 4, vocab 50k (train step)
@@ -14,7 +21,7 @@ compiled program, state donated) and jitted forward; torch eager and ``torch.com
 model, ported weights, Adam; the forward under ``torch.inference_mode()``). fp32 with matmul
 precision "highest" on both sides.
 
-Method (issue 13, item 12). For each configuration and pass, every contender first runs 3
+Method of ``--in-process`` (issue 13, item 12). For each configuration and pass, every contender first runs 3
 untimed times (compilation, caches). Then ``--reps`` rounds: round i runs each contender once,
 the order rotated by i (JAX, eager, compile; eager, compile, JAX; ...), each call timed with
 ``time.perf_counter`` around a call that returns when the result is ready
@@ -64,7 +71,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.nn.functional as F
 from benchlib import (
     cores,
     cpu_model,
@@ -80,6 +86,8 @@ from benchlib import (
     threads_named,
 )
 from flax import nnx
+from speed_isolated import configs as _configs
+from speed_isolated import run as run_isolated
 
 from flax_transformer.interop import porting
 from flax_transformer.training.malloc import keep_freed_memory
@@ -88,31 +96,6 @@ from flax_transformer.training.step import cross_entropy
 
 JAX = "jax (jit)"
 WAIT_POLICIES = {"passive": "PASSIVE", "active": "ACTIVE", "default": None}  # None: leave it to libgomp
-
-
-def _configs():
-    from flax_transformer.models.configs import EncoderConfig
-    from torch_reference.encoder import TransformerEncoder
-    from torch_reference.former import CTransformer
-    from torch_reference.gpt import GPTTransformer
-
-    def classify_loss_torch(out, labels):
-        return F.nll_loss(out, labels)
-
-    def lm_loss_torch(out, labels):
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
-
-    return {
-        "a": dict(name="CTransformer emb128 h8 d3 len256 b4 V50k", train=True, b=4, t=256, vocab=50_000,
-                  build=lambda: CTransformer(128, 8, 3, 256, 50_000, 2, max_pool=True),
-                  labels=lambda rng, b, t: rng.integers(0, 2, b), torch_loss=classify_loss_torch),
-        "b": dict(name="GPTTransformer d256 L4 len128 b16 V10k", train=True, b=16, t=128, vocab=10_000,
-                  build=lambda: GPTTransformer(4, 256, 1024, 4, 10_000, 128, dropout=0.0),
-                  labels=lambda rng, b, t: rng.integers(0, 10_000, (b, t)), torch_loss=lm_loss_torch),
-        "c": dict(name="BERT-base encoder len128 b8 (forward)", train=False, b=8, t=128, vocab=30_522,
-                  build=lambda: TransformerEncoder(EncoderConfig.bert(EncoderConfig().__dict__)),
-                  labels=None, torch_loss=None),
-    }
 
 
 def _cost(compiled, key: str = "flops") -> float:
@@ -281,18 +264,35 @@ def settings(kept: bool, threads: int, policy: str, load_start: str) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
-    parser.add_argument("--reps", type=int, default=10, help="interleaved rounds after 3 warm-up calls each")
+    parser.add_argument("--in-process", action="store_true",
+                        help="all contenders in this process under shared thread settings (the issue-13 mode); "
+                             "by default each runs alone in a process of its own with its framework's defaults")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="isolated mode: rounds, each starting one process per contender and config")
+    parser.add_argument("--reps", type=int, default=10,
+                        help="isolated mode: timed calls per pass in each process; --in-process: interleaved "
+                             "rounds (after 3 warm-up calls each)")
+    parser.add_argument("--warmup", type=int, default=3, help="isolated mode: untimed calls per pass first")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (by default both frameworks run with "
+                        help="leave glibc's malloc as it is (by default every process runs with "
                              "flax_transformer.training.malloc.keep_freed_memory, as the train/ entry points do)")
-    parser.add_argument("--threads", type=int, default=cores(),
-                        help="intra-op threads for both torch and XLA (default: the cores available)")
-    parser.add_argument("--omp-wait-policy", choices=list(WAIT_POLICIES), default="passive",
-                        help="OMP_WAIT_POLICY for torch's OpenMP threads: passive (sleep when idle, the default), "
-                             "active (spin), default (libgomp's own: spin a while, then sleep)")
-    parser.add_argument("--out", type=Path, help="also append each row to OUT/results.jsonl")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--in-process only: intra-op threads for both torch and XLA (default: the cores available)")
+    parser.add_argument("--omp-wait-policy", choices=list(WAIT_POLICIES), default=None,
+                        help="--in-process only: OMP_WAIT_POLICY for torch's OpenMP threads: passive (sleep when "
+                             "idle, the default), active (spin), default (libgomp's own: spin a while, then sleep)")
+    parser.add_argument("--out", type=Path, help="also append each row (isolated: each process's result) to "
+                                                 "OUT/results.jsonl")
     args = parser.parse_args(argv)
+    if not args.in_process:
+        if args.threads is not None or args.omp_wait_policy is not None:
+            parser.error("--threads and --omp-wait-policy set shared settings: use them with --in-process "
+                         "(alone, each framework keeps its defaults)")
+        run_isolated(args)
+        return
+    args.threads = args.threads or cores()
+    args.omp_wait_policy = args.omp_wait_policy or "passive"
     load_start = load_line("start")
     policy = WAIT_POLICIES[args.omp_wait_policy]
     # both read once, when libgomp loads (import torch) and when XLA's CPU client starts

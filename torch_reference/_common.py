@@ -119,8 +119,9 @@ def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, heads: int | Non
             f"(batch, q_len, k_len)=({batch}, {q_len}, {k_len}) or (batch, 1|{heads or 'heads'}, 1|{q_len}, {k_len})"
         )
     if mask.dtype != torch.bool:
-        if mask.dtype.is_complex or not torch.all((mask == 0) | (mask == 1)):
+        if mask.dtype.is_complex:
             raise ValueError(f"{name} must be boolean or hold only 0 and 1")
+        check_values((mask == 0) | (mask == 1), f"{name} must be boolean or hold only 0 and 1")
         mask = mask != 0
     if mask.ndim == 2:
         return make_padding_mask(mask)
@@ -170,6 +171,34 @@ def masked_mean(hidden, attention_mask=None):
 
 
 # ---------------------------------------------------------------------- input checks
+# A check of tensor *values* (ids in range, a mask of 0/1) needs the answer on the host:
+# ``int(t.max())``, ``if t.all()``. Eager on the CPU that is free, and the check raises a
+# ValueError naming the problem before anything is computed. Under ``torch.compile`` the same
+# read is a graph break (and a warning) in every compiled model, and on a CUDA device it is a
+# host-device synchronisation on every call. There the check is ``torch._assert_async``
+# instead (what torch's own ``one_hot`` decomposition does): traced into the graph, evaluated
+# where the tensor lives, and failing only when the values are wrong: a RuntimeError with the
+# same message on the CPU (compiled), a device-side assert on CUDA (reported at the next
+# synchronisation, and fatal to the process's CUDA context, as an out-of-range index into
+# ``nn.Embedding`` on CUDA already is). Shape checks read no values and stay Python ``if``s.
+
+
+def reads_values(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values on the host: eager (not compiling) and not on CUDA.
+
+    Other devices (mps, xpu) keep the host read: ``torch._assert_async`` has CPU and CUDA
+    kernels only.
+    """
+    return not torch.compiler.is_compiling() and t.device.type != "cuda"
+
+
+def check_values(ok: torch.Tensor, message: str) -> None:
+    """``ValueError(message)`` unless the boolean tensor ``ok`` is all True; see the note above."""
+    if reads_values(ok):
+        if not bool(ok.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok.all(), message)
 
 
 def check_token_ids(ids, vocab_size: int, *, name: str = "input_ids") -> None:
@@ -180,10 +209,14 @@ def check_token_ids(ids, vocab_size: int, *, name: str = "input_ids") -> None:
         raise TypeError(f"{name} must hold integer token ids (int64 or int32, as nn.Embedding takes), got dtype {ids.dtype}")
     if ids.ndim != 2:
         raise ValueError(f"{name} must have shape (batch, length), got {tuple(ids.shape)}")
-    if ids.numel():
+    if not ids.numel():
+        return
+    if reads_values(ids):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"{name} must lie in [0, {vocab_size}); found values in [{lo}, {hi}]")
+    else:  # the values stay on the device: no range in the message (that would be the sync)
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(), f"{name} must lie in [0, {vocab_size})")
 
 
 def check_features(x, features: int, *, name: str = "x") -> None:

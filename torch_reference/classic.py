@@ -26,13 +26,22 @@ import math
 import torch
 from torch import nn
 
-from flax_transformer.models._shared import TensorLoggingLevels, log_size
+from flax_transformer.models._shared import TensorLoggingLevels
+from flax_transformer.models._shared import log_size as _log_size
 
-from ._common import InputSpec, Module, attend, check_features, check_length, check_token_ids
+from ._common import InputSpec, Module, attend, check_features, check_length, check_token_ids, check_values
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
            "Transformer"]
+
+
+def log_size(module, shape, name: str) -> None:
+    """The shared shape logging, skipped while ``torch.compile`` traces: a ``logging.Logger``
+    call there is a graph break (one for each call in the forward pass), and a compiled graph
+    would log once, when traced, not on every call anyway."""
+    if not torch.compiler.is_compiling():
+        _log_size(module, shape, name)
 
 
 def keep_mask(mask, scores_shape):
@@ -46,8 +55,8 @@ def keep_mask(mask, scores_shape):
     except RuntimeError:
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores "
                          f"(batch, q_len, k_len)={tuple(scores_shape)}") from None
-    if mask.dtype != torch.bool and not torch.all((mask == 0) | (mask == 1)):
-        raise ValueError("mask must be boolean or hold only 0 and 1 (1 = masked out)")
+    if mask.dtype != torch.bool:  # a value check: no graph break, no sync (see _common)
+        check_values((mask == 0) | (mask == 1), "mask must be boolean or hold only 0 and 1 (1 = masked out)")
     return ~mask.bool()
 
 
@@ -281,8 +290,8 @@ def _check_padding_mask(mask, ids, name):
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{name} must have shape (batch, length)={tuple(ids.shape)}, got {got}")
-    if mask.dtype != torch.bool and not torch.all((mask == 0) | (mask == 1)):
-        raise ValueError(f"{name} must hold only 0 (pad) and 1 (token)")
+    if mask.dtype != torch.bool:
+        check_values((mask == 0) | (mask == 1), f"{name} must hold only 0 (pad) and 1 (token)")
 
 
 class Transformer(Module):

@@ -26,7 +26,16 @@ from torch import nn
 
 from flax_transformer.models.configs import GPTConfig
 
-from ._common import InputSpec, Module, attend, check_divisible, check_features, check_length, check_token_ids
+from ._common import (
+    InputSpec,
+    Module,
+    attend,
+    check_divisible,
+    check_features,
+    check_length,
+    check_token_ids,
+    check_values,
+)
 
 INF = 1e20  # the notebook's additive mask constant
 
@@ -45,8 +54,8 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
     if tuple(attention_mask.shape) != (batch, length):
         raise ValueError(f"attention_mask must have shape (batch, length)=({batch}, {length}), "
                          f"got {tuple(attention_mask.shape)}")
-    if attention_mask.dtype != torch.bool and not torch.all((attention_mask == 0) | (attention_mask == 1)):
-        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+    if attention_mask.dtype != torch.bool:  # a value check: no graph break, no sync (see _common)
+        check_values((attention_mask == 0) | (attention_mask == 1), "attention_mask must hold only 0 (pad) and 1 (token)")
 
 
 def additive_mask(scores, attention_mask, causal: bool):

@@ -170,6 +170,10 @@ def _port(args) -> int:
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
     flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config, load=load_model)
+    if not args.no_certify:  # NaN/inf in SRC is named as SRC's, before any export (named as in SRC where it can be)
+        hint = "--no-certify writes them anyway"
+        if not export.check_source_finite(args.src, hint=hint):
+            export.check_finite(flax_model, source=args.src, hint=hint)
     fmt = args.to or ("safetensors" if dst.suffix == ".safetensors" else "torch" if dst.suffix in (".pt", ".bin", ".pth")
                       else "hf" if hf.can_save(flax_model) else "orbax")
     writers = {"safetensors": export.save_safetensors, "torch": export.save_torch,
@@ -182,8 +186,9 @@ def _port(args) -> int:
     carried = [name for name in hf.TOKENIZER_FILES if (Path(args.src) / name).is_file()] if fmt == "hf" else []
     if carried:  # an HF folder's tokenizer goes with its weights, in the same write
         options["tokenizer_from"] = args.src
-    writers[fmt](flax_model, dst, overwrite=args.overwrite, **options)
-    print(f"wrote {dst} ({fmt}) and its certificate {certificate.path_for(dst)}")
+    writers[fmt](flax_model, dst, overwrite=args.overwrite, certify=not args.no_certify, **options)
+    print(f"wrote {dst} ({fmt}) " + ("without a certificate (--no-certify)" if args.no_certify
+                                     else f"and its certificate {certificate.path_for(dst)}"))
     if carried:
         print(f"  with {args.src}'s tokenizer files: {', '.join(carried)}")
     if not args.verify:
@@ -201,9 +206,47 @@ def _port(args) -> int:
     # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
     tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (verify.TOLERANCE, "")
     ok = finite and err <= tolerance
-    print(f"verify: max abs err {err:.2e} between {args.src} (torch) and {dst}{what} (reloaded) "
-          f"-> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")
+    print(f"verify: max abs err {err:.2e}{'' if finite else ' (NaN/inf)'} between {args.src} (torch) and "
+          f"{dst}{what} (reloaded) -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")
+    if Path(args.src).is_dir() and (Path(args.src) / "config.json").is_file():
+        ok = _port_against_transformers(args.src, dst, reloaded, tolerance, what) and ok
     return 0 if ok else 1
+
+
+def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) -> bool:
+    """``port --verify`` of an HF folder: what transformers itself loads from SRC against DST reloaded
+    (a torch_reference model for a torch DST, else a Flax one), on the same random inputs. True when
+    they agree, or when transformers is not installed (said on a line)."""
+    import numpy as np
+
+    from flax_transformer.interop import hf
+    from flax_transformer.verification import pairs, verify
+
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"verify: transformers is not installed: {src} was not loaded by transformers")
+        return True
+    try:
+        reference, missing = hf.transformers_from_pretrained(src)
+    except Exception as error:  # noqa: BLE001 - whatever transformers raises, the folder is not one it reads
+        print(f"verify: transformers cannot load {src}: {type(error).__name__}: {str(error).splitlines()[0]} -> FAIL")
+        return False
+    ids, mask = pairs.example_inputs(reloaded)
+    want = hf.transformers_output(reference, ids, mask)
+    if isinstance(reloaded, torch.nn.Module):
+        with torch.no_grad():
+            got = reloaded(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
+    else:
+        got = np.asarray(verify.flax_module_call(reloaded, ids, mask), dtype=np.float32)  # jitted
+    finite = bool(np.isfinite(want).all() and np.isfinite(got).all())  # NaN never agrees with NaN
+    err = float(np.max(np.abs(want - got))) if finite and want.shape == got.shape else float("inf")
+    ok = finite and err <= tolerance
+    note = f" (transformers initialised {len(missing)} missing keys: {', '.join(missing[:5])})" if missing else ""
+    print(f"verify: max abs err {err:.2e}{'' if finite else ' (NaN/inf)'} between {src} (transformers) and "
+          f"{dst}{what} (reloaded){note} -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")
+    return ok
 
 
 def _summary(args) -> int:
@@ -386,7 +429,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="output format (default: from DST's suffix; a folder is HF for BERT, DistilBERT, RoBERTa "
                         "and GPT-2, else orbax); "
                         "torch-state: SRC is a training run directory, DST.pt its torch training checkpoint")
-    p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model")
+    p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model "
+                                                         "(and, for an HF folder, with what transformers loads from it)")
+    p.add_argument("--no-certify", action="store_true",
+                   help="write without the torch check and certificate: for models torch cannot run, or weights "
+                        "kept non-finite (NaN/inf) on purpose (by default NaN/inf in SRC is refused, naming the tensors)")
     p.add_argument("--dtype", type=lambda name: {"float32": "fp32", "bfloat16": "bf16"}.get(name, name),
                    choices=["fp32", "float32", "bf16", "bfloat16"], default="fp32",
                    help="stored dtype of an HF folder's weights: fp32 (or float32), bf16 (or bfloat16: "

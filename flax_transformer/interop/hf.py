@@ -168,6 +168,41 @@ def torch_from_pretrained(path):
     return model.eval()
 
 
+def transformers_from_pretrained(path):
+    """(transformers' own model of an HF folder, its missing keys): loaded by transformers itself from the
+    same files, in float32 and eval mode, as the model ``from_pretrained`` reads: ``AutoModel``
+    (``BertModel``, ``DistilBertModel``, ``RobertaModel``; a classifier folder's head is left out) or
+    ``GPT2LMHeadModel``. An independent reading of the folder to check this library's against
+    (``flax-transformer port --verify``). Its progress bar and load report are kept quiet: the
+    missing keys (which transformers initialised at random) are returned instead.
+    ImportError without transformers."""
+    import torch
+    import transformers
+
+    raw = read_config(path)
+    cls = transformers.GPT2LMHeadModel if raw.get("model_type") == "gpt2" else transformers.AutoModel
+    bar, verbosity = transformers.utils.logging.is_progress_bar_enabled(), transformers.logging.get_verbosity()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    try:
+        model, info = cls.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
+    return model.eval(), sorted(info.get("missing_keys") or ())
+
+
+def transformers_output(model, input_ids, attention_mask=None) -> np.ndarray:
+    """A transformers model's last hidden state (encoders) or logits (GPT-2) as numpy, without gradients."""
+    import torch
+
+    kwargs = {} if attention_mask is None else {"attention_mask": torch.from_numpy(np.array(attention_mask))}
+    with torch.no_grad():
+        out = model(torch.from_numpy(np.array(input_ids)), **kwargs)
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).float().numpy()
+
+
 def _classifier_state(path, num_labels, pooling, seed):
     """(EncoderConfig, torch_reference-named tensors) of a sequence classifier from an HF folder.
 

@@ -248,6 +248,27 @@ def _check_value(key: str, array: np.ndarray, target) -> None:
                          f"{jnp.dtype(target).name} (max {limit:.6g}); it would become inf; nothing was loaded")
 
 
+def nonfinite(values) -> list[str]:
+    """The tensors of ``values`` holding NaN or inf, in order, each as ``"name (2 NaN, 1 inf of 64 values)"``.
+
+    A check of values only: loading takes NaN and inf as any value (a model may keep them on
+    purpose); the certified exports and ``port`` refuse them with this (``verification.export``).
+    ``values``: a mapping or (name, value) pairs; a value is a numpy array, a torch tensor or has
+    ``read()`` (``safetensors_io.Lazy``), read in turn, so the host holds one tensor at a time.
+    """
+    out = []
+    for name, value in (values.items() if isinstance(values, Mapping) else values):
+        array = value.read() if hasattr(value, "read") else _to_numpy(value)
+        if not (jnp.issubdtype(array.dtype, jnp.floating) or np.issubdtype(array.dtype, np.complexfloating)):
+            continue  # integers and booleans are always finite
+        nans, infs = int(np.count_nonzero(np.isnan(array))), int(np.count_nonzero(np.isinf(array)))
+        if nans or infs:
+            counts = ", ".join(f"{n} {what}" for n, what in ((nans, "NaN"), (infs, "inf")) if n)
+            out.append(f"{name} ({counts} of {array.size} values)")
+        del array, value
+    return out
+
+
 def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename=None) -> LoadResult:
     """Load torch-named weights (torch tensors or numpy arrays) into a Flax NNX model.
 

@@ -178,15 +178,93 @@ def read_index(path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{path}: 'weight_map' must map tensor names to shard file names, "
                          f"got {type(weight_map).__name__}")
-    for shard in set(weight_map.values()):
+    for shard in sorted(set(weight_map.values())):
         # a shard lies in the index's folder: no absolute path, no '..'
         if not shard or "\\" in shard or "\x00" in shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
             raise ValueError(f"{path}: shard {shard!r} is not a file name in the index's own folder")
         if Path(shard).suffix not in (".safetensors", ".bin", ".pt", ".pth"):
             raise ValueError(f"{path}: shard {shard!r} is not a .safetensors or torch (.bin/.pt/.pth) file")
         if not (path.parent / shard).is_file():
-            raise FileNotFoundError(f"{path}: shard {shard!r} does not exist in {path.parent}")
+            listed = [k for k, v in weight_map.items() if v == shard]
+            raise MissingShard(f"{path}: shard {shard!r} does not exist in {path.parent} (the index lists "
+                               f"{_names(listed)} in it)")
     return weight_map
+
+
+class ShardError(ValueError):
+    """A sharded checkpoint whose shards and index disagree: refused, because transformers would read
+    another set of values than the index says (see ``check_shards``)."""
+
+
+class MissingShard(ShardError, FileNotFoundError):
+    """The index names a shard that is not in its folder (transformers fails on it too)."""
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    """``a, b, c`` (and ``N more``): a list of tensor names short enough for one line."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _shard_pattern(index: Path) -> re.Pattern:
+    """The names transformers gives the shards of ``index``: ``model-00001-of-00003.safetensors`` for
+    ``model.safetensors.index.json``, ``pytorch_model-00001-of-00002.bin`` for ``pytorch_model.bin.index.json``."""
+    stem, ext = _split_ext(index.name[: -len(".index.json")])
+    return re.compile(re.escape(stem) + r"-\d+-of-\d+" + re.escape(ext))
+
+
+def _split_ext(name: str) -> tuple[str, str]:
+    suffix = Path(name).suffix
+    return (name[: -len(suffix)], suffix) if suffix else (name, "")
+
+
+def check_shards(index: Path, weight_map: dict[str, str], held: dict[str, set[str]]) -> None:
+    """Refuse (``ShardError``, one line) a sharded checkpoint whose files say something else than its index.
+
+    transformers 5 (``modeling_utils.PreTrainedModel._load_pretrained_model``, with the shard list of
+    ``utils.hub.get_checkpoint_shard_files``) opens the shards the index names, in sorted order, and
+    merges *every* tensor of each into one dict: the index says which files to open, not which copy
+    of a tensor to take. So a tensor in two shards takes the copy of the last shard in name order,
+    whatever the index says; a tensor in a listed shard loads even where the index lists it in
+    another shard or not at all; a tensor the index lists but its shard lacks is missing (newly
+    initialised, with a warning); a shard the index does not name is never opened. This reader
+    refuses each of those instead of taking one side, so that what it loads is what both the index
+    and transformers say. ``held``: {shard file: the tensor names in it}.
+    """
+    where: dict[str, list[str]] = {}
+    for shard in sorted(held):
+        for key in held[shard]:
+            where.setdefault(key, []).append(shard)
+    problems = []
+    for key in sorted(where):
+        found, listed = where[key], weight_map.get(key)
+        says = f"the index lists it in {listed}" if listed else "the index does not list it"
+        if len(found) > 1:
+            problems.append(f"{key} is in {len(found)} shards, {' and '.join(found)} ({says}; transformers "
+                            f"would take the copy in {found[-1]})")
+        elif found[0] != listed:
+            lacks = ", which does not hold it" if listed else ""
+            problems.append(f"{key} is in {found[0]}, but {says}{lacks} (transformers would load it from {found[0]})")
+    for key in sorted(set(weight_map) - set(where)):
+        problems.append(f"the index lists {key} in {weight_map[key]}, which does not hold it (transformers would "
+                        "initialise it at random)")
+    named = set(weight_map.values())
+    pattern = _shard_pattern(index)
+    strays = sorted(p.name for p in index.parent.iterdir() if pattern.fullmatch(p.name) and p.name not in named)
+    for stray in strays:
+        problems.append(f"shard {stray} is not in the index (transformers would not read it; it holds "
+                        f"{_names(sorted(_stray_keys(index.parent / stray)))})")
+    if problems:
+        more = f" (and {len(problems) - 3} more problems)" if len(problems) > 3 else ""
+        raise ShardError(f"{index}: the shards do not match the index: {'; '.join(problems[:3])}{more}; "
+                         "refusing to guess which values are meant")
+
+
+def _stray_keys(file: Path) -> list[str]:
+    try:
+        return list(open_weights(file))
+    except (OSError, ValueError):
+        return ["unreadable tensors"]
 
 
 def open_weights(path) -> dict:
@@ -203,16 +281,11 @@ def open_weights(path) -> dict:
             if (path / name).is_file():
                 return open_weights(path / name)
         raise FileNotFoundError(f"{path} holds no weights (model.safetensors, pytorch_model.bin or a sharded index)")
-    if path.name.endswith(".index.json"):
+    if path.name.endswith(".index.json"):  # every shard's tensors where the index says, and nowhere else
         weight_map = read_index(path)
-        out = {}
-        for shard in sorted(set(weight_map.values())):
-            part = open_weights(path.parent / shard)
-            out.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
-        missing = sorted(set(weight_map) - set(out))
-        if missing:
-            raise ValueError(f"{path} lists tensors its shards do not hold: {', '.join(missing[:10])}")
-        return out
+        parts = {shard: open_weights(path.parent / shard) for shard in sorted(set(weight_map.values()))}
+        check_shards(path, weight_map, {shard: set(part) for shard, part in parts.items()})
+        return {k: v for part in parts.values() for k, v in part.items()}
     if path.suffix == ".safetensors":
         return open_safetensors(path)
     if path.suffix in (".bin", ".pt", ".pth"):

@@ -333,6 +333,10 @@ def _generate(args) -> int:
     _check_text("--prompt", args.prompt)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.seed is not None:
+        from flax_transformer.models.generate import check_seed
+
+        check_seed(args.seed, "--seed")
     run = load_run(args.checkpoint)
     if run.task != "lm":
         raise ValueError(f"{args.checkpoint} is a {run.task} run; generate continues text with a train.lm run")
@@ -471,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, help="default: the run's")
     p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens whose probability reaches P")
     p.add_argument("--greedy", action="store_true", help="the most likely token each step, no sampling")
-    p.add_argument("--seed", type=int, help="default: the run's")
+    p.add_argument("--seed", type=int, help="0 to 2**32 - 1 (default: the run's)")
     p.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)

@@ -71,6 +71,16 @@ MIN_PROMPT_BUCKET = 16  # shorter prompts share one program: their prefill costs
 # Past these sizes buckets grow by a constant step instead of doubling, so that padding wastes
 # at most one step: a batch of 520 runs 576 rows, not 1024.
 BATCH_STEP, PROMPT_STEP = 64, 128
+# the seeds generate takes: jax.random.key keeps 32 bits of a seed (JAX's default int32), so a
+# negative or larger seed would give the key of another one (2**32 that of 0), and 2**63 overflows
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed, flag: str = "seed") -> None:
+    """``ValueError`` naming ``flag`` unless ``seed`` is an integer in [0, ``MAX_SEED``]."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{flag} must be an integer in [0, {MAX_SEED}] (2**32 - 1: a random key keeps 32 bits of "
+                         f"its seed), got {seed!r}")
 
 # jax records this event once per XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT);
 # test_generate_hf checks that a fresh program still counts, so a renamed event fails there.
@@ -146,7 +156,7 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
         temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``; a
             temperature below ~1.2e-38 is greedy).
         eos_id: a row that produces it keeps producing it (stops early when all rows have).
-        rng / seed: a ``jax.random`` key, or an int seed when ``rng`` is None.
+        rng / seed: a ``jax.random`` key, or an int seed in [0, 2**32 - 1] when ``rng`` is None.
         use_cache: decode with a key/value cache (True) or rerun the whole prefix each step.
         return_logits: also return the logits each new token was chosen from.
         bucket: pad the batch and prompt length up to ``bucket_shape`` so that nearby shapes
@@ -163,6 +173,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     if not is_concrete(input_ids):
         raise TypeError("generate compiles its own loop: call it with concrete arrays, not inside jit")
     check_generate_args(max_new_tokens, temperature, top_k, top_p, greedy, eos_id, vocab, seed)
+    if rng is None:
+        check_seed(seed)
     bucket = check_flag("bucket", bucket)
     lengths = prompt_lengths(input_ids, attention_mask)
     total = input_ids.shape[1] + max_new_tokens

@@ -4,6 +4,10 @@
   restore recomputes them and refuses a checkpoint whose bytes changed, naming it.
 * ``Checkpoints.restore_latest`` (what ``--resume`` uses) falls back to the newest
   checkpoint that is intact, saying so, and moves the broken ones to ``broken-checkpoints/``.
+* A reader of a run that may still be training (``restore_newest``, ``restore_model``: ``port
+  RUN_DIR``, ``load_run``, ``generate --checkpoint``) reads the newest checkpoint; when it is
+  removed while it is read (the run's ``keep``), the checkpoints are listed again and the newest
+  read, once more.
 * A save that fails (a full disk) removes its unfinished folder and raises ``RunError`` with
   the reason in one line; orbax's own tracebacks are kept off stderr (``interop.orbax_quiet``).
 """
@@ -91,6 +95,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+class _Vanished(RunError):
+    """A checkpoint removed while it was read (a run still training keeps its last ``keep``)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"checkpoint {path} was removed while it was read (a run still training removes its "
+                         "older checkpoints as it saves new ones)")
+
+
 class Checkpoints:
     """An orbax ``CheckpointManager`` over ``run_dir/checkpoints`` keeping the last ``keep`` steps.
 
@@ -154,6 +166,7 @@ class Checkpoints:
 
     def _read(self, step: int, state_args):
         ocp = self._ocp
+        path = self.directory / str(step)
         try:
             with orbax_quiet.errors_raised_not_logged():
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=state_args,
@@ -162,9 +175,46 @@ class Checkpoints:
             if not isinstance(meta, dict):
                 raise ValueError("its metadata is not a JSON object")
         except Exception as error:  # orbax/tensorstore raise many kinds; all mean the same to the user
-            raise RunError(f"checkpoint {self.directory / str(step)} is unreadable: {_first_line(error)}") from None
-        self._verify(step, state, meta)
+            if not path.exists():
+                raise _Vanished(path) from None
+            raise RunError(f"checkpoint {path} is unreadable: {_first_line(error)}") from None
+        try:
+            self._verify(step, state, meta)
+        except RunError:
+            if not path.exists():  # removed after some of its files were read
+                raise _Vanished(path) from None
+            raise
         return state, dict(meta)
+
+    def _read_newest(self, state_args) -> tuple[int, object, dict]:
+        """(step, state, meta) of the newest checkpoint, for a reader of a run that may still be training:
+        when the checkpoint is removed while it is read (the run's ``keep`` removes its older checkpoints
+        as it saves newer ones), the checkpoints are listed again and the newest read, once more."""
+        removed = None
+        while True:
+            step = self.latest()
+            if step is None:
+                raise RunError(f"no checkpoint in {self.directory}" + (
+                    "" if removed is None else f" (checkpoint {removed} was removed while it was read)"))
+            try:
+                state, meta = self._read(step, state_args)
+            except _Vanished as error:
+                if removed is not None:
+                    raise RunError(f"{error}, and so was checkpoint {removed} before it: is something removing the "
+                                   f"checkpoints in {self.directory}? Try again") from None
+                removed = step
+                with orbax_quiet.quiet_absl():
+                    self.manager.reload()
+                continue
+            return step, state, meta
+
+    def restore_newest(self, like: dict) -> tuple[int, dict, dict]:
+        """(step, state shaped like ``like``, meta) of the newest checkpoint, for a reader (``port``,
+        ``load_run``): one removed while it is read (a run still training keeps its last ``keep``) is
+        replaced by the newest listed again. ``RunError`` if it cannot be read or its arrays differ from
+        their checksums, or there is none."""
+        step, state, meta = self._read_newest(self._ocp.args.StandardRestore(_storable(like)))
+        return step, _unstorable(state, like), meta
 
     def restore(self, step: int, like: dict) -> tuple[dict, dict]:
         """(state shaped like ``like``, meta) of checkpoint ``step``; ``RunError`` if it cannot be read or
@@ -217,17 +267,18 @@ class Checkpoints:
         return target
 
     def restore_model(self, model, step: int | None = None):
-        """Fill ``model`` (a built NNX model) with checkpoint ``step`` (default: the latest), checked
-        against its checksums."""
-        step = self.latest() if step is None else step
-        if step is None:
-            raise RunError(f"no checkpoint in {self.directory}")
+        """Fill ``model`` (a built NNX model) with checkpoint ``step`` (default: the newest, listed again
+        if it is removed while it is read: ``restore_newest``), checked against its checksums."""
         graphdef, state = nnx.split(model)
         like = {"model": nnx.to_pure_dict(state)}
         ocp = self._ocp
         target = _storable(like)  # the model part only: no need to know the optimizer to predict
-        restored, _ = self._read(step, ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        if step is None:
+            step, restored, _ = self._read_newest(args)
+        else:
+            restored, _ = self._read(step, args)
         nnx.replace_by_pure_dict(state, _unstorable(restored, like)["model"])
         return nnx.merge(graphdef, state), step
 

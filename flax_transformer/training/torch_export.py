@@ -65,7 +65,8 @@ def check_export(run_dir, path, *, step: int | None = None) -> list[str]:
     * torch: the torch_reference twin, ``torch_optimizer``'s AdamW/Adam and ``LambdaLR`` load it
       with their own ``load_state_dict`` (what a plain torch loop does);
     * JAX: ``import_torch_state`` into a second copy of the run's model gives the run's parameters,
-      Adam moments and counts again, bit for bit.
+      Adam moments and counts again, bit for bit; its refusal (a moment that is not finite, an
+      ``exp_avg_sq`` below 0, ...: ``torch_state.check_torch_state``) is the one problem listed then.
     """
     model, optimizer, optim, step = restore_run(run_dir, step=step)
     data = load_torch_state(path)
@@ -80,7 +81,10 @@ def check_export(run_dir, path, *, step: int | None = None) -> list[str]:
             problems.append(f"torch's {type(target).__name__}.load_state_dict refuses its {what!r}: "
                             f"{str(error).splitlines()[0][:200]}")
     fresh, _, _, _ = restore_run(run_dir, step=step)
-    again, again_step = import_torch_state(data, fresh, optim)
+    try:  # it checks the numbers too: a moment that is not finite, an exp_avg_sq below 0, state for no parameter
+        again, again_step = import_torch_state(data, fresh, optim)
+    except TorchStateError as error:
+        return [*problems, f"import_torch_state refuses it: {error}"]
     if again_step != step:
         problems.append(f"the file continues at step {again_step}, the run's checkpoint is step {step}")
     pairs = (("parameter", nnx.state(model, nnx.Param), nnx.state(fresh, nnx.Param)),

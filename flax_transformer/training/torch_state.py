@@ -36,11 +36,18 @@ groups, so the file must say, in one of three ways:
 Anything else is refused (``TorchStateError``, before anything is changed), as are optimizers
 other than Adam/AdamW, ``amsgrad``, ``maximize``, Adam's coupled (L2) weight decay, scheduler
 types other than LambdaLR, a model or optimizer state for another model, and a step that
-disagrees with the optimizer's or the scheduler's own count.
+disagrees with the optimizer's or the scheduler's own count. The file is checked as numbers too,
+before anything reads it: malformed ``param_groups`` (a setting of the wrong type, a missing
+one, a parameter index or name in two groups), state for an index no group holds (``state[999]``),
+a per-parameter ``step`` that is not the checkpoint's (for any parameter), a moment that is not
+finite or an ``exp_avg_sq`` below 0, a weight that is not finite. Each refusal is one line naming
+the file and the entry (``ckpt.pt: the optimizer's state[3] (encoder.0.weight) exp_avg_sq holds
+1 inf value (of 96): ...``). ``torch_write.save_torch_state`` refuses to write such numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 from collections.abc import Mapping
@@ -221,6 +228,192 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=1e-12)
 
 
+def _source_name(source) -> str | None:
+    """The file a checkpoint came from, for the messages (None for a dict handed over)."""
+    if isinstance(source, Mapping):
+        return None
+    if isinstance(source, (str, Path)):
+        return str(source)
+    name = getattr(source, "name", None)
+    return name if isinstance(name, str) else None
+
+
+@contextlib.contextmanager
+def _naming(name: str | None):
+    """Every refusal raised inside names the file ``name`` (once)."""
+    try:
+        yield
+    except TorchStateError as error:
+        text = str(error)
+        if name is None or text.startswith((f"{name}: ", f"{name} ")):
+            raise
+        raise TorchStateError(f"{name}: {text}") from None
+
+
+def value_problem(value, *, second_moment: bool = False) -> str | None:
+    """What is wrong with the numbers of a moment or parameter (a torch tensor or an array), in words
+    ("holds 2 NaN values (of 96)"), or None when they are fine: every value finite, and for an Adam
+    second moment (``exp_avg_sq``, optax's ``nu``: a running mean of squared gradients) none below 0."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return f"is a {value.dtype} tensor, not floating point"
+        nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+        negative = int((value < 0).sum()) if second_moment else 0
+        size = value.numel()
+    else:
+        value = np.asarray(value)
+        if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
+            return f"is a {value.dtype} array, not floating point"
+        as_float = value.astype(np.float32) if value.dtype.name == "bfloat16" else value
+        nan, inf = int(np.isnan(as_float).sum()), int(np.isinf(as_float).sum())
+        negative = int((as_float < 0).sum()) if second_moment else 0
+        size = value.size
+    found = [f"{count} {what}" for count, what in ((nan, "NaN"), (inf, "inf"), (negative, "negative")) if count]
+    if not found:
+        return None
+    return f"holds {' and '.join(found)} value{'s' if nan + inf + negative > 1 else ''} (of {size})"
+
+
+def _shown(value) -> str:
+    """``repr(value)`` on one line, cut short (a tensor's repr spans lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _real(value):
+    """``value`` as a float when it is a real number (or a one-element tensor), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    if type(value).__module__.startswith("torch") and hasattr(value, "numel") and value.numel() == 1 and not (
+            value.dtype.is_complex or str(value.dtype) == "torch.bool"):
+        return float(value.item())
+    return None
+
+
+def _check_groups(groups: list) -> None:
+    """Each group a dict of Adam/AdamW settings of the right types, with a list of parameter indices
+    (and, when given, as many distinct names); each index and name in one group only."""
+    for i, g in enumerate(groups):
+        where = f"the optimizer's param_groups[{i}]"
+        if not isinstance(g, Mapping):
+            raise TorchStateError(f"{where} is a {type(g).__name__}, not a parameter group (a dict)")
+        if not isinstance(g.get("params"), list):
+            raise TorchStateError(f"{where} has no \"params\" list (its entries are {sorted(map(str, g))})")
+        odd = [p for p in g["params"] if not _is_index(p)]
+        if odd:
+            raise TorchStateError(f"{where}[\"params\"] holds {_shown(odd[0])}, not a parameter index (an int)")
+        if "param_names" in g:
+            names = g["param_names"]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise TorchStateError(f"{where}[\"param_names\"] is not a list of parameter names (str)")
+            if len(names) != len(g["params"]):
+                raise TorchStateError(f"the optimizer's param_names and params differ in length in param_groups[{i}] "
+                                      f"({len(names)} names, {len(g['params'])} params)")
+        if "amsgrad" not in g:  # only Adam and AdamW have amsgrad: another optimizer, said below
+            continue
+        missing = [k for k in _ADAM_KEYS if k not in g]
+        if missing:
+            raise TorchStateError(f"{where} has no {', '.join(repr(k) for k in missing)}: not a whole Adam/AdamW "
+                                  "parameter group")
+        for key, low, low_included in (("lr", 0.0, True), ("eps", 0.0, False), ("weight_decay", 0.0, True),
+                                       ("initial_lr", 0.0, True)):
+            if key not in g:
+                continue
+            value = _real(g[key])
+            if value is None or not math.isfinite(value) or value < low or (value == low and not low_included):
+                raise TorchStateError(f"{where}[{key!r}] is {_shown(g[key])}: it must be a finite number "
+                                      f"{'>=' if low_included else '>'} {low:g}")
+        betas = g["betas"]
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(_real(b) is not None and 0 <= _real(b) < 1 for b in betas)):
+            raise TorchStateError(f"{where}['betas'] is {_shown(betas)}: it must be two numbers in [0, 1)")
+        for key in ("amsgrad", "maximize", "decoupled_weight_decay"):
+            if key in g and not isinstance(g[key], (bool, np.bool_)):
+                raise TorchStateError(f"{where}[{key!r}] is {_shown(g[key])}, not True or False")
+    for what in ("params", "param_names"):
+        first = {}
+        for i, g in enumerate(groups):
+            for entry in g.get(what, []):
+                if entry in first:
+                    raise TorchStateError(f"the optimizer's {what} entry {_shown(entry)} is in param_groups[{first[entry]}] "
+                                          f"and param_groups[{i}]: each parameter belongs to one group, once")
+                first[entry] = i
+
+
+def _check_moments(opt: Mapping, step: int) -> None:
+    """The optimizer's state as numbers, before anything reads it: an entry for a parameter of the groups
+    only, with Adam's ``step`` (a number, the checkpoint's ``step`` for every parameter, as torch's
+    Adam/AdamW keep it) and its moments (floating point tensors, finite, ``exp_avg_sq`` >= 0)."""
+    import torch
+
+    groups = opt["param_groups"]
+    label = {}
+    for g in groups:
+        names = g.get("param_names") or [None] * len(g["params"])
+        for position, name in zip(g["params"], names):
+            label[position] = f"state[{position}]" + (f" ({name})" if name else "")
+    state = opt["state"]
+    unknown = [k for k in state if not _is_index(k) or k not in label]
+    if unknown:
+        known = sorted(label)
+        held = f"{len(known)} parameter indices, {known[0]} to {known[-1]}" if known else "no parameter"
+        raise TorchStateError(f"the optimizer's state[{_shown(unknown[0])}] is for no parameter: its param_groups hold "
+                              f"{held}")
+    steps = {}
+    for position, entry in state.items():
+        if not isinstance(entry, Mapping) or set(entry) != _STATE_KEYS:
+            kind = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+            raise TorchStateError(f"the optimizer's {label[position]} has {kind}, not Adam's {sorted(_STATE_KEYS)}")
+        own = entry["step"]
+        if isinstance(own, torch.Tensor) and own.numel() != 1:
+            raise TorchStateError(f"the optimizer's {label[position]} step is a tensor of shape {tuple(own.shape)}, "
+                                  "not one count (torch's Adam keeps a scalar tensor)")
+        value = _real(own)
+        if value is None or not math.isfinite(value) or value < 0 or not value.is_integer():
+            raise TorchStateError(f"the optimizer's {label[position]} step is {_shown(own)}, not a count of updates")
+        steps[position] = value
+    for position, own in steps.items():
+        if own != step:
+            others = sorted({v for p, v in steps.items() if p != position})
+            besides = f" (its other parameters: {', '.join(f'{v:g}' for v in others)})" if others else ""
+            raise TorchStateError(f'the checkpoint\'s "step" is {step}, but the optimizer has taken {own:g} steps '
+                                  f"for {label[position]}{besides}")
+    for position, entry in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry[key]
+            if not isinstance(value, torch.Tensor):
+                raise TorchStateError(f"the optimizer's {label[position]} {key} is a {type(value).__name__}, not a "
+                                      "tensor")
+            problem = value_problem(value, second_moment=key == "exp_avg_sq")
+            if problem:
+                what = "an Adam second moment is finite and >= 0" if key == "exp_avg_sq" else \
+                    "an Adam first moment is finite"
+                raise TorchStateError(f"the optimizer's {label[position]} {key} {problem}: {what} (a damaged file, "
+                                      "or a run that diverged), so the run cannot continue from it")
+        if entry["exp_avg"].shape != entry["exp_avg_sq"].shape:
+            raise TorchStateError(f"the optimizer's {label[position]} exp_avg has shape {tuple(entry['exp_avg'].shape)}"
+                                  f" and exp_avg_sq {tuple(entry['exp_avg_sq'].shape)}: one parameter has one shape")
+
+
+def _check_weights(weights: Mapping) -> None:
+    """Every floating point tensor of the ``"model"`` entry finite."""
+    import torch
+
+    for key, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            problem = value_problem(value)
+            if problem:
+                raise TorchStateError(f'the "model" entry\'s {key} {problem}: the run cannot continue from it')
+
+
 def _group_names(groups: list, torch_names: list[str], library: frozenset) -> list[list[str]]:
     """The parameter name of every position of every group (see the module docstring), or refused."""
     sizes = [len(g["params"]) for g in groups]
@@ -243,9 +436,16 @@ def _group_names(groups: list, torch_names: list[str], library: frozenset) -> li
 
 def check_torch_state(source, optim: OptimConfig, *, total_steps: int | None = None) -> dict:
     """The checks that need no model: the entries, the optimizer's kind and settings, the scheduler, the
-    step (below ``total_steps`` when given: a run that continues must have updates left). Returns the
-    checkpoint as a dict. The entry points run it before they create anything."""
-    ckpt = load_torch_state(source)
+    step (below ``total_steps`` when given: a run that continues must have updates left), and the
+    numbers: the optimizer's state for the groups' parameters only, every parameter at the same
+    ``step``, its moments finite and ``exp_avg_sq`` >= 0, the weights finite. Returns the checkpoint
+    as a dict. The entry points run it before they create anything. A refusal names the file (when
+    ``source`` is one) and the entry (``state[3] (encoder.0.weight) exp_avg_sq``)."""
+    with _naming(_source_name(source)):
+        return _check_torch_state(load_torch_state(source), optim, total_steps)
+
+
+def _check_torch_state(ckpt: dict, optim: OptimConfig, total_steps: int | None) -> dict:
     if "optimizer" not in ckpt:
         raise TorchStateError('the checkpoint has no "optimizer" entry, so it cannot continue a run (Adam moments, '
                               "step, schedule). To start from its weights alone, load them as a fresh run's initial "
@@ -255,16 +455,15 @@ def check_torch_state(source, optim: OptimConfig, *, total_steps: int | None = N
         raise TorchStateError('the checkpoint has no "model" entry (the model.state_dict())')
     step = ckpt.get("step")
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise TorchStateError(f'the checkpoint\'s "step" must be a count of optimizer updates >= 0, got {step!r}')
+        raise TorchStateError(f'the checkpoint\'s "step" must be a count of optimizer updates >= 0, got {_shown(step)}')
     step = int(step)
     opt = ckpt["optimizer"]
     if not isinstance(opt, Mapping) or not isinstance(opt.get("param_groups"), list) or not isinstance(
             opt.get("state"), Mapping):
         raise TorchStateError('"optimizer" is not an optimizer.state_dict() (a dict with "state" and "param_groups")')
     groups = opt["param_groups"]
-    for i, g in enumerate(groups):
-        if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
-            raise TorchStateError(f"optimizer group {i} is not a parameter group")
+    _check_groups(groups)
+    for g in groups:
         if not all(k in g for k in _ADAM_KEYS):  # only Adam and AdamW have amsgrad
             others = sorted(k for k in g if k not in ("params", "param_names", "initial_lr"))
             raise TorchStateError(f"the optimizer is not torch.optim.Adam or AdamW (its group settings are "
@@ -286,6 +485,8 @@ def check_torch_state(source, optim: OptimConfig, *, total_steps: int | None = N
             _refuse_finished(g["lr"], optim, step)
             raise TorchStateError(f"optimizer group {i}'s learning rate is {g['lr']} at step {step}; the run's "
                                   f"schedule gives {optim.lr * lr_factor(optim, step)} (another warmup or decay?)")
+    _check_moments(opt, step)
+    _check_weights(ckpt["model"])
     if total_steps is not None and step >= total_steps:
         raise TorchStateError(f"the checkpoint is at step {step}, and the run ends at step {total_steps} (--steps is "
                               f"the run's total): nothing is left to train. A run of --steps larger than {step} "
@@ -298,6 +499,11 @@ def read_torch_state(source, model, optim: OptimConfig) -> TorchState:
     """Check a torch training checkpoint against ``model`` (a flax_transformer model, only read) and
     ``optim``; every refusal of the module docstring is raised here, before anything is changed."""
     ckpt = check_torch_state(source, optim)
+    with _naming(_source_name(source)):
+        return _read_checked(ckpt, model, optim)
+
+
+def _read_checked(ckpt: dict, model, optim: OptimConfig) -> TorchState:
     step, opt = int(ckpt["step"]), ckpt["optimizer"]
     groups = opt["param_groups"]
     if ckpt.get("config") is not None:
@@ -354,14 +560,7 @@ def read_torch_state(source, model, optim: OptimConfig) -> TorchState:
         if state is None:
             raise TorchStateError(f"the optimizer has no state for {name} after {step} steps (a parameter that got "
                                   "no gradient): the optax chain updates every parameter")
-        if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
-            raise TorchStateError(f"the optimizer's state for {name} has {sorted(state)}, not Adam's "
-                                  f"{sorted(_STATE_KEYS)}")
-        own = state["step"]
-        own = float(own.item() if hasattr(own, "item") else own)
-        if own != step:
-            raise TorchStateError(f'the checkpoint\'s "step" is {step}, but the optimizer has taken {own:g} steps '
-                                  f"for {name}")
+        # its entries, step and values were checked (check_torch_state: _check_moments)
         for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             out[name] = _numpy(state[key], f"the optimizer's {key} of {name}")
             if out[name].shape != shapes[name]:
@@ -451,7 +650,11 @@ def import_torch_state(source, model, optim: OptimConfig, *, tx=None, optimizer:
         whose Adam moments, counts and ``step`` are the file's (fp32, the parameters' dtype), and
         the step N. Train it with ``make_steps``' step: update N+1 uses ``lr * lr_factor(optim, N)``.
     """
-    state = read_torch_state(source, model, optim)
+    with _naming(_source_name(source)):
+        return _import_checked(read_torch_state(source, model, optim), model, optim, tx=tx, optimizer=optimizer)
+
+
+def _import_checked(state: TorchState, model, optim: OptimConfig, *, tx, optimizer) -> tuple[nnx.Optimizer, int]:
     flax_of = {"mu": _to_flax_tree(model, state.exp_avg), "nu": _to_flax_tree(model, state.exp_avg_sq)}
     flags = _to_flax_tree(model, {k: np.full(v.shape, float(k in state.decayed), np.float32)
                                   for k, v in state.params.items()})

@@ -38,6 +38,7 @@ from flax_transformer.training.torch_state import (
     check_torch_state,
     lr_factor,
     torch_optimizer,
+    value_problem,
 )
 
 # ----------------------------------------------------------------------------- writing
@@ -49,7 +50,8 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
     ``optimizer`` runs ``make_optimizer(optim)`` over ``model``'s parameters (float32); ``decayed``
     (torch names) says which parameters its weight decay covers when its mask is not
     ``decay_mask``. The dict loads into ``torch_optimizer``'s optimizer and scheduler for the
-    torch_reference twin: ``optimizer.load_state_dict(ckpt["optimizer"])`` etc.
+    torch_reference twin: ``optimizer.load_state_dict(ckpt["optimizer"])`` etc. A parameter or moment
+    that is not finite, or an ``exp_avg_sq`` below 0, is refused (``TorchStateError`` naming it).
     """
     import torch
 
@@ -78,6 +80,15 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
                    for field in flat}
     except KeyError as missing:
         raise TorchStateError(f"the optimizer has no Adam moments for {missing}: not this model's optimizer") from None
+    # numbers torch's Adam cannot continue from are not written (an import would refuse them: torch_state)
+    for n in names:
+        for what, values, second in ((f"the parameter {n}", weights[n], False),
+                                     (f"the optimizer's exp_avg of {n}", moments["mu"][n], False),
+                                     (f"the optimizer's exp_avg_sq of {n}", moments["nu"][n], True)):
+            problem = value_problem(values, second_moment=second)
+            if problem:
+                raise TorchStateError(f"{what} {problem} at step {step}: a torch training checkpoint is not written "
+                                      "with it (the run diverged, or its state was damaged)")
     torch_opt, sched = torch_optimizer(twin, optim, decayed=decayed)
     lr = optim.lr * lr_factor(optim, step)
     opt_sd = torch_opt.state_dict()
@@ -128,9 +139,11 @@ def restore_checkpoint(run_dir, model, optim: OptimConfig, *, step: int | None =
     model_state, opt_state = nnx.state(model), nnx.state(optimizer)
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:
-        step = checkpoints.latest() if step is None else step
-        restored, _ = checkpoints.restore(step, {"model": nnx.to_pure_dict(model_state),
-                                                 "optimizer": nnx.to_pure_dict(opt_state)})
+        like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
+        if step is None:  # the newest, listed again if a run still training removes it meanwhile
+            step, restored, _ = checkpoints.restore_newest(like)
+        else:
+            restored, _ = checkpoints.restore(step, like)
     finally:
         checkpoints.close()
     nnx.replace_by_pure_dict(model_state, restored["model"])

@@ -96,7 +96,8 @@ def _open(path, *, classifier: bool = False) -> tuple[dict, str, object, dict]:
     """(config.json, model_type, our config, the folder's tensors unread) of an HF folder.
 
     A RoBERTa gets a pooler when the folder has one (``RobertaForSequenceClassification``
-    folders have none), and never inside a classifier (its head reads ``<s>`` itself).
+    folders have none), and never inside a classifier (its head reads ``<s>`` itself). A BERT
+    folder without one (``BertForMaskedLM``) gives an encoder without one.
     A config field of the wrong type or value is named with the file.
     """
     path = Path(path)
@@ -111,6 +112,8 @@ def _open(path, *, classifier: bool = False) -> tuple[dict, str, object, dict]:
     if kind == "roberta":
         pooler = not classifier and bool({"pooler.dense.weight", "roberta.pooler.dense.weight"} & set(weights))
         config = dataclasses.replace(config, pooler=pooler)
+    elif kind == "bert" and not classifier and not {"pooler.dense.weight", "bert.pooler.dense.weight"} & set(weights):
+        config = dataclasses.replace(config, pooler=False)  # BertForMaskedLM saves no pooler
     return raw, kind, config, weights
 
 

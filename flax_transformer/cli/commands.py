@@ -85,15 +85,16 @@ def _verify_checkpoint(path, start) -> int:
         if report is None or report.passed:
             raise
         rows = []  # a changed tensor can make the weights unloadable: the certificate names it
-        print(f"cannot load {path} for the table: {error}")
+        print(f"cannot load {path} for the table: {certificate._brief(error)}")
     if rows:
         print(verify.format_table(rows))
     failed = [r for r in rows if not r.passed]
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
-          f"(tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
+    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed" if rows else
+          "\nnothing compared: the table has no rows (a failure)", end="")
+    print(f" (tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
     if report is not None:
         print("\n" + report.format())
-    return 1 if failed or (report is not None and not report.passed) else 0
+    return 1 if failed or not rows or (report is not None and not report.passed) else 0
 
 
 def _verify_training(args, start) -> int:

@@ -47,38 +47,60 @@ def _short(digest) -> str:
     return str(digest)[:12]
 
 
+SHOWN = 5  # a group of more failures than this is one line: the count, the first names, "… and N more"
+
+
+def _group(report: Report, what: str, items: list[str], single) -> None:
+    """One failure per item, or for more than ``SHOWN`` one line: the count, the first few, and how many more."""
+    if len(items) <= SHOWN:
+        report.failures.extend(single(item) for item in items)
+    else:
+        report.failures.append(f"{what} ({len(items)}): {', '.join(items[:SHOWN])} … and {len(items) - SHOWN} more")
+
+
 def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
     fmt = record["format"]
     if fmt in ("safetensors", "torch"):  # the one weights file, whatever it is called now (renamed with its certificate)
-        found = {name: files.sha256_file(path) for name in record["files"]}
+        found = {name: files.sha256_file(path) for name in record["files"]}  # one entry: the schema says so
     else:
         found = cert.file_hashes(path, fmt)
+    missing, changed = [], []
     for fname, digest in record["files"].items():
-        shown = fname if fname == path.name or fmt in ("orbax", "hf") else f"{path.name} (certified as {fname})"
+        shown = cert._brief(fname if fname == path.name or fmt in ("orbax", "hf") else
+                            f"{path.name} (certified as {fname})", 120)
         if fname not in found:
-            report.failures.append(f"file {shown} is missing")
+            missing.append(shown)
         elif found[fname] != digest:
-            report.failures.append(f"file {shown} changed (sha256 {_short(digest)}… at export, "
-                                   f"{_short(found[fname])}… now)")
-    for fname in sorted(set(found) - set(record["files"])):
-        report.failures.append(f"file {fname} is not in the certificate (added after the export)")
+            changed.append(f"file {shown} changed (sha256 {_short(digest)}… at export, {_short(found[fname])}… now)")
+    _group(report, "files missing", missing, lambda f: f"file {f} is missing")
+    _group(report, "files changed", changed, lambda line: line)
+    added = [cert._brief(f, 80) for f in sorted(set(found) - set(record["files"]))]
+    _group(report, "files not in the certificate (added after the export)", added,
+           lambda f: f"file {f} is not in the certificate (added after the export)")
     try:
         tensors = cert.read_tensors(path, fmt)
     except (OSError, ValueError) as error:
-        report.failures.append(f"cannot read the tensors: {error}")
+        report.failures.append(f"cannot read the tensors: {cert._brief(error)}")
         return None
     now, recorded = cert.tensor_hashes(tensors), record["tensors"]
+    gone, new, differ = [], [], []
     for key in sorted(set(recorded) | set(now)):
         if key not in now:
-            report.failures.append(f"tensor {key!r} is missing")
+            gone.append(cert._name(key))
         elif key not in recorded:
-            report.failures.append(f"tensor {key!r} is not in the certificate")
+            new.append(cert._name(key))
         elif now[key] != recorded[key]:
-            was, new = recorded[key], now[key]
-            detail = (f"sha256 {_short(was.get('sha256'))}… at export, {_short(new['sha256'])}… now"
-                      if (was.get("dtype"), was.get("shape")) == (new["dtype"], new["shape"]) else
-                      f"{was.get('dtype')} {was.get('shape')} at export, {new['dtype']} {new['shape']} now")
-            report.failures.append(f"tensor {key!r} changed ({detail})")
+            was, new_ = recorded[key], now[key]
+            detail = (f"sha256 {_short(was['sha256'])}… at export, {_short(new_['sha256'])}… now"
+                      if (was["dtype"], was["shape"]) == (new_["dtype"], new_["shape"]) else
+                      f"{was['dtype']} {was['shape']} at export, {new_['dtype']} {new_['shape']} now")
+            differ.append((cert._name(key), detail))
+    _group(report, "tensors missing", gone, lambda k: f"tensor {k} is missing")
+    _group(report, "tensors not in the certificate", new, lambda k: f"tensor {k} is not in the certificate")
+    if len(differ) <= SHOWN:
+        report.failures.extend(f"tensor {k} changed ({detail})" for k, detail in differ)
+    else:
+        _group(report, "tensors changed", [k for k, _ in differ], None)
     if not report.failures:
         report.passes.append(f"{len(recorded)} tensors and {len(record['files'])} files unchanged (sha256)")
     return tensors
@@ -92,7 +114,8 @@ def _compare_errors(report: Report, record: dict, measured: dict, same_environme
             report.notes.append(f"{key}: {now['not_measured']}{at_export}")
             continue
         value = cert._error(now)  # held to the tolerance: relative to the outputs' / gradients' scale
-        tolerance = float(was.get("tolerance", now["tolerance"]))
+        # a recorded tolerance can tighten the library's, never loosen it
+        tolerance = min(float(was.get("tolerance", now["tolerance"])), float(now["tolerance"]))
         # like with like: a forward entry from before the relative error has the absolute one alone
         relative = "not_measured" in was or "max_rel_err" in was
         recorded = None if "not_measured" in was else cert._error(was, relative)
@@ -117,7 +140,10 @@ def _compare_errors(report: Report, record: dict, measured: dict, same_environme
 
 def recheck(path) -> Report:
     """Re-check an export against its certificate: hashes, the measurement on the recorded
-    inputs, versions and platform. Raises ``CertificateError`` when there is no readable one."""
+    inputs (the library's defaults where none are recorded), versions and platform. Raises
+    ``CertificateError`` when there is no readable one (``certificate.read``: the schema is
+    checked first). The errors are always measured now, never copied from the certificate: where
+    that cannot be done the report says "not re-measured: <reason>", a note, not a pass."""
     path = Path(path)
     record = cert.read(path)
     report = Report(path, cert.path_for(path))
@@ -132,22 +158,27 @@ def recheck(path) -> Report:
     changed += [f"platform {k}: {record['platform'].get(k)!r} at export, {now_platform.get(k)!r} now"
                 for k in sorted(set(record["platform"]) | set(now_platform))
                 if record["platform"].get(k) != now_platform.get(k)]
+    changed = [cert._brief(c, 200) for c in changed]
+    if len(changed) > 2 * SHOWN:
+        changed = changed[:SHOWN] + [f"… and {len(changed) - SHOWN} more versions or platform fields changed"]
     report.notes.extend(changed)
+    inputs = record.get("inputs")
+    if inputs is None:  # the schema has checked any that are recorded
+        inputs = cert.INPUTS
+        report.notes.append("no inputs recorded in the certificate: re-measured on the library's defaults (seed "
+                            f"{inputs['seed']}, batch {inputs['batch']}, length {inputs['length']}), as every export "
+                            "measures")
     if cert._torch() is None:
         measured = cert._not_measured("not re-measured: torch not installed")
-    elif record.get("inputs") is None:  # a sub-module: no inputs to draw, nothing to run
-        measured = {k: record[k] for k in ("forward", "backward")}
     else:
         fmt, description = record["format"], record["model"]
-        inputs = record.get("inputs") or cert.INPUTS
-        try:
-            torch_model = cert._torch_model(path, fmt, description, tensors if fmt != "hf" else None)
+        try:  # the Flax model first: built abstract and loaded strictly, it holds the description to the file
             flax_model = cert._flax_model(path, fmt, description, tensors if fmt != "hf" else None)
+            torch_model = cert._torch_model(path, fmt, description, tensors if fmt != "hf" else None)
         except (OSError, ValueError, TypeError, RuntimeError) as error:  # RuntimeError: torch's load_state_dict
-            report.failures.append(f"cannot load the export to re-measure it: {str(error).splitlines()[0]}")
+            report.failures.append(f"cannot load the export to re-measure it: {cert._brief(error)}")
             return report
-        measured = cert.measure(flax_model, torch_model, seed=int(inputs.get("seed", 0)),
-                           batch=int(inputs.get("batch", 2)), length=int(inputs.get("length", 9)))
+        measured = cert.measure(flax_model, torch_model, seed=inputs["seed"], batch=inputs["batch"],
+                                length=inputs["length"])
     _compare_errors(report, record, measured, same_environment=not changed)
     return report
-

@@ -23,8 +23,9 @@ introduced one but some diverged (an error built up gradually), it is the first 
 
 With ``grads=True`` the same three models also give every parameter's gradient of
 ``sum_i <output_i, W_i>`` (fixed random W, as ``verify.compare``), each judged by the same
-budget (scale: the largest |fp64 gradient| of the parameter's module, since an attention key
-bias has an exactly zero gradient). ``first_divergent_grad`` names a parameter: when the
+budget, taken over the whole model (``grad_budget``: torch's largest gradient error and the
+largest fp64 gradient; a gradient that is a small residue of cancelling terms, such as an
+attention key bias's, exactly zero, has rounding that follows the terms, not its own size). ``first_divergent_grad`` names a parameter: when the
 forward diverged, the first parameter under ``first_divergent`` whose gradient diverged (a
 wrong forward makes every gradient it reaches wrong; the place to fix is where the forward
 went wrong); otherwise the first diverged parameter in backward order (owning modules in
@@ -137,6 +138,7 @@ class GradRow:
     nonfinite_jax: int = 0
     nonfinite_torch: int = 0
     nonfinite_both: int = 0
+    budget: float | None = None  # grad_budgets: over the parameter's module
 
     @property
     def ratio(self) -> float:
@@ -588,39 +590,59 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[G
     holder = nnx.clone(flax_model)
     nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
     gj = porting.state_dict(holder)
-    scales = grad_scales(g64)
+    budgets = grad_budgets(g32, g64)
     rows = []
     for name, want in g64.items():
         if name not in gj:
             rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"))
             continue
-        scale, got_t, got_j = scales[name], [g32[name]], [np.asarray(gj[name])]
+        (scale, limit), got_t, got_j = budgets[name], [g32[name]], [np.asarray(gj[name])]
         torch_err, jax_err = _err(got_t, [want]), _err(got_j, [want])
         jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
         if jax_only:
             jax_err = float("inf")
         elif both and not torch_only:
             torch_err, jax_err = _finite_part_errs(got_t, got_j, [want])
-        status = "ok" if jax_err <= budget(torch_err, scale) and not jax_only else "diverged"
+        status = "ok" if jax_err <= limit and not jax_only else "diverged"
         if torch_only and not jax_only:
             status = TORCH_NONFINITE
         elif both and status == "ok":
             status = BOTH_NONFINITE
-        rows.append(GradRow(name, torch_err, jax_err, scale, status, jax_only, torch_only, both))
+        rows.append(GradRow(name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit))
     return rows
 
 
-def grad_scales(g64: dict[str, np.ndarray]) -> dict[str, float]:
-    """{parameter: the scale its gradient's budget uses}: the largest |fp64 gradient| of its module.
-
-    An attention key bias has an exactly zero gradient (adding q.b to a whole row of scores leaves
-    the softmax alone), so its own scale is rounding noise, which the two frameworks draw
-    differently; its module's other gradients give the scale."""
-    module_scale: dict[str, float] = {}
+def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
+    """{parameter: (scale, budget)} of its gradient: one budget for all of a model's gradients,
+    ``grad_budget`` of each one's torch fp32 error (finite values) and largest |fp64| value."""
+    own = {}
     for name, want in g64.items():
-        owner = name.rpartition(".")[0]
-        module_scale[owner] = max(module_scale.get(owner, 0.0), _scale([want]))
-    return {name: module_scale[name.rpartition(".")[0]] for name in g64}
+        err = 0.0
+        if name in g32:
+            t64, w64 = np.atleast_1d(np.asarray(g32[name], np.float64)), np.atleast_1d(np.asarray(want, np.float64))
+            keep = np.isfinite(t64) & np.isfinite(w64)
+            err = float(np.abs(t64 - w64)[keep].max(initial=0.0))
+        own[name] = (err, _scale([want]))
+    shared = grad_budget(own)
+    return {name: shared for name in own}
+
+
+def grad_budget(own: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """(scale, budget) for every gradient of one model, from each parameter's own (torch fp32
+    error, largest |fp64 gradient|): ``budget(torch_err, scale)`` with both the largest over the
+    model. JAX's gradients must be as accurate as torch's, within ``SLACK``, taken over the model.
+
+    Not parameter by parameter: a gradient can be a small residue of large cancelling terms, and
+    its rounding then follows the terms, which torch and XLA sum differently. An attention key
+    bias's gradient is exactly zero, all noise (on all-MiniLM-L6-v2 JAX's error was 17 times
+    torch's); the query and key weights behind a saturated softmax are small residues (the
+    classic Transformer's first attention layers, whose inputs are embeddings times
+    sqrt(d_model): on correct ports JAX's error reached 36 times torch's there, and 0.6 of a
+    budget taken over each module). Over the model, correct ports of every family use at most
+    0.35 of it; a wrong backward (a doubled gradient) is orders of magnitude beyond."""
+    torch_err = max((err for err, _ in own.values()), default=0.0)
+    scale = max((s for _, s in own.values()), default=0.0)
+    return scale, budget(torch_err, scale)
 
 
 def _first_divergent_grad(report: BisectReport, t32_calls) -> str | None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.verification.bisect import _cast, _scale, budget, budget_rule, grad_scales
+from flax_transformer.verification.bisect import _cast, _scale, budget, budget_rule, grad_budget
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import finite_abs_err, nonfinite, to_jax, to_numpy, to_torch
 from flax_transformer.verification.frameworks import flax_grads as _flax_grads
@@ -230,8 +230,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             some such ``W``, so a random one checks the whole backward pass. Each parameter's
             error is relative to its gradient's scale, ``max(1, max |g_torch|)``; parameters are
             named by their torch keys. Each gradient is also held to the float64 rule (the
-            float64 copy's gradient; scale: the largest |float64 gradient| of the parameter's
-            module, as in ``bisect``).
+            float64 copy's gradient; one budget for all of them, torch's largest gradient error
+            and the largest gradient over the model, ``bisect.grad_budget``, as in ``bisect``).
         use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
         fp64: measure against the float64 copy (one more torch forward, and backward with
             ``grads``); False leaves the float64 columns empty and the rule unapplied.
@@ -294,11 +294,15 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     flax_grads = porting.state_dict(holder)
     if set(flax_grads) != set(torch_grads):
         raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
-    scales = grad_scales(ref_grads) if ref_grads is not None else {}
+    checks = {key: _check(g, flax_grads[key], None if ref_grads is None else ref_grads[key],
+                          measured=fp64 and not why_not) for key, g in torch_grads.items()}
+    # one budget for all gradients: torch's largest error and the largest gradient (bisect.grad_budget)
+    measured = {k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None}
+    grad_scale, limit = grad_budget(measured)
+    for key in measured:
+        checks[key].update(scale=grad_scale, budget=limit)
     worst, worst_key, all_finite = 0.0, "", True
-    for key, g in torch_grads.items():
-        check = _check(g, flax_grads[key], None if ref_grads is None else ref_grads[key],
-                       measured=fp64 and not why_not, scale=scales.get(key))
+    for key, check in checks.items():
         g_err = check["max_abs_err"] / max(1.0, check["torch_scale"])  # relative to the gradient's scale
         row = _row(family, key, "given inputs", "grads", [check], tol, check["skipped"], **allow)
         rows.append(dataclasses.replace(row, max_abs_err=g_err))
@@ -338,9 +342,9 @@ def _is_numeric(a) -> bool:
     return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
 
 
-def _check(t, j, r, *, measured: bool, scale: float | None = None) -> dict | None:
+def _check(t, j, r, *, measured: bool) -> dict | None:
     """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
-    torch ``r`` where ``measured``; None when both are None."""
+    torch ``r`` where ``measured`` (the budget from this leaf's own figures); None when both are None."""
     t, j = to_numpy(t), to_numpy(j)
     if t is None and j is None:
         return None
@@ -354,22 +358,30 @@ def _check(t, j, r, *, measured: bool, scale: float | None = None) -> dict | Non
         return check
     if t.shape != j.shape:
         raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
-    only_t, only_j, both, differ = nonfinite(t, j)
-    check.update(max_abs_err=finite_abs_err(t, j), finite=bool(np.isfinite(t).all() and np.isfinite(j).all()),
-                 torch_scale=_scale([t]), nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ,
-                 nonfinite_both=both)
+    t64, j64 = np.atleast_1d(np.asarray(t, np.float64)), np.atleast_1d(np.asarray(j, np.float64))
+    keep = np.isfinite(t64) & np.isfinite(j64)
+    finite = bool(keep.all())
+    if finite:  # the common case, without the masks
+        check.update(max_abs_err=float(np.abs(t64 - j64).max(initial=0.0)),
+                     torch_scale=float(np.abs(t64).max(initial=0.0)))
+    else:
+        only_t, only_j, both, differ = nonfinite(t64, j64)
+        check.update(max_abs_err=finite_abs_err(t64, j64), finite=False, torch_scale=_scale([t64]),
+                     nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ, nonfinite_both=both)
     if not measured or not jnp.issubdtype(t.dtype, jnp.floating):
         return check  # integer outputs are compared exactly; nothing to measure against float64
     if r is None:
         check["skipped"] = "no float64 reference for it"
         return check
-    t64, j64, r64 = (np.asarray(a, np.float64) for a in (t, j, to_numpy(r)))
-    keep = np.isfinite(t64) & np.isfinite(j64)
-    lost = int((keep & ~np.isfinite(r64)).sum())
-    keep &= np.isfinite(r64)
-    torch_err = float(np.abs(t64 - r64)[keep].max(initial=0.0))
-    jax_err = float(np.abs(j64 - r64)[keep].max(initial=0.0))
-    scale = _scale([r64]) if scale is None else scale
+    r64 = np.atleast_1d(np.asarray(to_numpy(r), np.float64))
+    finite_r = np.isfinite(r64)
+    lost = 0 if finite and finite_r.all() else int((keep & ~finite_r).sum())
+    if not (finite and finite_r.all()):
+        keep &= finite_r
+        t64, j64, r64 = t64[keep], j64[keep], r64[keep]
+    torch_err = float(np.abs(t64 - r64).max(initial=0.0))
+    jax_err = float(np.abs(j64 - r64).max(initial=0.0))
+    scale = float(np.abs(r64).max(initial=0.0))
     check.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale))
     if lost:
         check["skipped"] = f"{lost} values NaN/inf in the float64 reference, finite in both frameworks"

@@ -19,7 +19,7 @@ class Report:
 
     Fails: a changed, missing or added tensor or file (an added file: one of those the
     certificate hashes, a weights file, ``config.json`` or an index); an error above the
-    tolerance; an error above ``max(2 x recorded, recorded + 1e-7)`` while versions and platform
+    tolerance, or JAX beyond its float64 budget (``float64`` in the entry); an error above ``max(2 x recorded, recorded + 1e-7)`` while versions and platform
     are unchanged (the margin absorbs thread counts and reduction order; a real change moves the
     error by orders of magnitude). Notes: changed versions or platform (and an error that grew
     past that margin with them but stays within the tolerance), a measurement that cannot run.

@@ -3,7 +3,8 @@
 ``run()`` builds each module with random weights in one framework, ports it to the
 other, runs both in eval mode on the same random inputs (with no mask, a padding
 mask, a causal mask, both, and a row whose keys are all masked) and reports the
-largest absolute difference. ``flax-transformer verify`` prints the table.
+largest absolute difference, and JAX's error against a float64 torch copy with its budget
+(``compare``; NaN or inf never passes). ``flax-transformer verify`` prints the table.
 
 ``compare`` does one comparison for any pair (a ``CompareReport``, gradients too with
 ``grads=True``); ``bisect`` (``bisect.py``) finds the first submodule where a pair diverges.
@@ -33,6 +34,7 @@ from flax_transformer.verification.compare import (  # noqa: F401  (verify.compa
     grads_row,
 )
 from flax_transformer.verification.frameworks import apply as _apply
+from flax_transformer.verification.frameworks import leaves as _leaves  # noqa: F401  (verify._leaves, read by tests)
 from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
 
 # ------------------------------------------------------------------ inputs

@@ -48,7 +48,7 @@ def _assert_named(report, path):
     assert row.status == "introduced", str(report)
     # what ran before it, apart from its own submodules (inside it: they may carry its error)
     upstream = [r for r in report.rows[:rows.index(path)] if not r.path.startswith(path + ".")]
-    assert all(r.status == "ok" or r.status.startswith("skipped") for r in upstream), str(report)
+    assert all(r.status == "ok" or r.status.startswith(("skipped", "covered")) for r in upstream), str(report)
 
 
 def test_transposed_square_kernel():
@@ -120,14 +120,12 @@ def test_a_correct_port_of_every_family_flags_nothing(name):
     spec = next(s for s in verify.specs() if s.name == name)
     torch_model, args, kwargs = verify.case_inputs(spec, spec.cases[1], 0)  # padding (GPT: causal+padding)
     verify.perturb_torch(torch_model, 0)
-    report = bisect.bisect(torch_model, porting.torch_to_flax(torch_model), args, kwargs, use_jit=False,
-                           allow_skipped=True)
+    report = bisect.bisect(torch_model, porting.torch_to_flax(torch_model), args, kwargs, use_jit=False)
     assert report.first_divergent is None and report.passed, str(report)
     assert sum(r.status == "ok" for r in report.rows) >= 10  # it did compare modules, not skip them all
-    # torch modules the Flax twin does not call (embeddings it reads as tables) are listed, skipped: the
-    # report says so on its first line, and without allow_skipped they fail it (test_verdicts.py)
-    assert any(r.status.startswith("skipped") for r in report.rows)
-    assert report.summary().startswith("ALLOWED INCOMPLETE")
+    # torch modules the Flax twin does not call (embeddings it reads as tables, parameter-free layers) are
+    # listed as covered by their parent's row: no gap, so a correct port passes without allow_skipped
+    assert not report.incomplete and not any(r.status.startswith("skipped") for r in report.rows), str(report)
 
 
 def test_grads_name_the_transposed_parameter():
@@ -189,10 +187,7 @@ def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     export.save_safetensors(flax_model, tmp_path / "model.safetensors")
     out = tmp_path / "bisect.json"
     assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--json", str(out),
-                 "--no-jit"]) == 1  # the embeddings the Flax model reads as tables are not compared: incomplete
-    assert "INCOMPLETE: " in capsys.readouterr().out
-    assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--json", str(out),
-                 "--no-jit", "--allow-skipped", "--overwrite"]) == 0
+                 "--no-jit"]) == 0  # the embeddings the Flax model reads as tables are covered, not gaps
     data = json.loads(out.read_text())
     assert data["first_divergent"] is None and data["passed"]
     assert {"tblocks.1.mhattention.tokeys", ""} <= {m["path"] for m in data["modules"]}
@@ -200,7 +195,7 @@ def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     assert main(["verify", "--checkpoint", str(tmp_path / "model.safetensors"), "--bisect", "--text", "hi"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
     pt = export.save_torch(flax_model, tmp_path / "m.pt")  # a bare .pt: its certificate says its model
-    assert main(["verify", "--checkpoint", str(pt), "--bisect", "--no-jit", "--allow-skipped"]) == 0
+    assert main(["verify", "--checkpoint", str(pt), "--bisect", "--no-jit"]) == 0
     assert "every module within budget" in capsys.readouterr().out
 
 

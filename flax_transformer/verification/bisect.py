@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from flax_transformer.verification import capture, frameworks
 
@@ -72,6 +73,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
 GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
 INCOMPLETE = "<incomplete>"  # first_divergent when nothing disagrees but something was not compared
+# a torch call with no Flax call that is no gap in the report (``_not_called_status``)
+COVERED_FREE = "covered: parameter-free, computed inline in Flax (in its parent's row)"
+COVERED_READ = "covered: the Flax twin reads this module without calling it (in its parent's row)"
 BOTH_NONFINITE = "not finite in either framework"  # a status: fails unless allow_nonfinite
 TORCH_NONFINITE = "not finite in torch only"  # a status: always fails
 DIVERGED = ("introduced", "inherited", "diverged")
@@ -175,7 +179,7 @@ class BisectReport:
             return "the whole model's output was not compared (no call of the model itself)"
         if root.status.startswith("skipped"):
             return f"the whole model's output was not compared ({root.status})"
-        if all(r.status.startswith("skipped") for r in self.rows):
+        if all(r.status.startswith(("skipped", "covered")) for r in self.rows):
             return "no module's output was compared"
         return None
 
@@ -465,14 +469,48 @@ def _status(jax_err, torch_err, scale, local) -> str:
     return "introduced" if local_jax > budget(local_torch, scale) else "inherited"
 
 
-def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool) -> list[ModuleRow]:
+def _not_called_status(module, name: str, flax_names: tuple[set[str], set[str]] | None) -> str:
+    """The status of a torch module call that has no Flax call at its path.
+
+    Covered (not a gap in the report): a parameter-free module (a dropout in eval mode, an
+    activation as a module) whose effect the Flax twin computes inline, or a module the Flax
+    twin has at the same path, or whose every parameter it holds under the same torch name,
+    but reads rather than calls (an embedding table indexed directly; BERT's per-head
+    projections, which the Flax attention folds into one matmul). Its effect is in its parent's row, and its parameters' in their gradients.
+    Skipped (incomplete): a module with parameters and no Flax module of its name (a layout
+    the port renamed, say), which nothing in the report stands for."""
+    base = name.split("#")[0]
+    if not any(True for _ in module.parameters()):
+        return COVERED_FREE
+    flax_paths, flax_keys = flax_names or (set(), set())
+    if base in flax_paths or all((f"{base}.{key}" if base else key) in flax_keys
+                                 for key, _ in module.named_parameters()):
+        return COVERED_READ
+    return "skipped: no Flax call at this path"
+
+
+def _flax_names(flax_model) -> tuple[set[str], set[str]]:
+    """(the Flax model's module paths, its parameters' torch names): what a torch call with no Flax
+    call may be covered by (``_not_called_status``)."""
+    from flax_transformer.interop import porting
+
+    paths = {".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model) if isinstance(node, nnx.Module)}
+    try:
+        keys = set(porting.state_dict(flax_model))
+    except (TypeError, ValueError):  # a model the porting cannot name: by path alone
+        keys = set()
+    return paths, keys
+
+
+def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
+                 flax_names: tuple[set[str], set[str]] | None = None) -> list[ModuleRow]:
     rows = []
     for name, ref in ref_calls.items():
         kind = type(ref.module).__name__
         t32, jx = t32_calls.get(name), jax_calls.get(name)
         want = _floats(ref.output)
         if jx is None:
-            rows.append(ModuleRow(name, kind, status="skipped: no Flax call at this path",
+            rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names),
                                   produced="torch" if _produced(t32) else ""))
             continue
         got_t, got_j = _floats(t32.output), _floats(jx.output)
@@ -546,7 +584,8 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
         _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
     _, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
     modules32 = dict(torch_model.named_modules())
-    rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True)
+    rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
+                        _flax_names(flax_model))
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from flax_transformer.cli.commands import main
-from flax_transformer.interop import checkpoints, files, porting
+from flax_transformer.interop import files, porting
 from flax_transformer.models.configs import GPTConfig
 from flax_transformer.verification import certificate, certificate_check, export
 

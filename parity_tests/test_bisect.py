@@ -292,3 +292,28 @@ def test_cli_pair_float64_inputs_and_mismatched_shapes(tmp_path, capsys):
     assert main(["verify", "--pair", f"{tmp_path}/lin.py:narrow", "--no-jit"]) == 2  # compare: shapes differ
     err = capsys.readouterr().err
     assert "shapes differ" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_cli_pair_factory_that_exits_or_a_model_that_raises_is_one_line(tmp_path, capsys):
+    """A factory calling sys.exit(0) must not end the check with exit 0 and no verdict; a Flax model
+    that raises KeyError when run is one line and exit 2, not a traceback."""
+    from flax_transformer.cli.commands import main
+
+    (tmp_path / "odd.py").write_text(
+        "import sys\n"
+        "import numpy as np\n"
+        "import torch\n"
+        "from flax import nnx\n"
+        "def exits():\n"
+        "    sys.exit(0)\n"
+        "class Raises(nnx.Module):\n"
+        "    def __call__(self, x):\n"
+        "        raise KeyError('no such head')\n"
+        "def raises():\n"
+        "    return torch.nn.Identity(), Raises(), (np.zeros((2, 3), np.float32),)\n")
+    for spec, message in ((f"{tmp_path}/odd.py:exits", "called sys.exit(0) instead of returning a pair"),
+                          (f"{tmp_path}/odd.py:raises", "failed: KeyError")):
+        for bisect_flag in ([], ["--bisect"]):
+            assert main(["verify", "--pair", spec, "--no-jit", *bisect_flag]) == 2, (spec, bisect_flag)
+            err = capsys.readouterr().err
+            assert message in err and len(err.strip().splitlines()) == 1, err

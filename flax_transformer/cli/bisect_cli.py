@@ -59,6 +59,8 @@ def call_factory(spec: str):
     factory = load_factory(spec)
     try:
         made = factory()
+    except SystemExit as error:  # a factory that exits must not end the check as if it had passed
+        raise ValueError(f"--pair: {spec} called sys.exit({error.code!r}) instead of returning a pair") from None
     except Exception as error:
         raise ValueError(f"--pair: {spec} raised {type(error).__name__}: {error}") from None
     if not isinstance(made, tuple) or len(made) not in (3, 4):
@@ -140,7 +142,7 @@ def run(args) -> int:
         else:
             report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
                                     use_jit=not args.no_jit, seed=args.seed, **allow)
-    except (AssertionError, RuntimeError, TypeError) as error:  # the user's models, run: one line, not a traceback
+    except Exception as error:  # the user's models, run (a KeyError, anything): one line, not a traceback
         message = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None
     print(report)

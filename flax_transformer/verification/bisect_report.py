@@ -1,0 +1,286 @@
+"""What ``bisect`` reports: the budget rule, one row per module call (``ModuleRow``) and per
+parameter gradient (``GradRow``), and ``BisectReport`` (verdict, summary, tree, JSON).
+
+``bisect`` (the measuring) builds these; this module holds no measuring code, so a change to
+how a report reads or judges touches only this file. The module docstring of ``bisect``
+describes the statuses and the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SLACK = 10.0  # JAX may be this many times less accurate than torch fp32 ...
+FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magnitude
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
+GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
+INCOMPLETE = "<incomplete>"  # first_divergent when nothing disagrees but something was not compared
+# a torch call with no Flax call that is no gap in the report (``_not_called_status``)
+COVERED_FREE = "covered: parameter-free, computed inline in Flax (in its parent's row)"
+COVERED_READ = "covered: the Flax twin reads this module without calling it (in its parent's row)"
+BOTH_NONFINITE = "not finite in either framework"  # a status: fails unless allow_nonfinite
+TORCH_NONFINITE = "not finite in torch only"  # a status: always fails
+DIVERGED = ("introduced", "inherited", "diverged")
+
+
+def budget(torch_err: float, scale: float) -> float:
+    """The largest JAX error (vs fp64) that is still float32 rounding, by the rule above."""
+    return max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)
+
+
+def budget_rule() -> dict:
+    """The rule's constants, as the reports' ``to_dict()`` record them."""
+    return {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
+
+
+def _path(name: str) -> str:
+    """A row's path from a name in a report: ``MODEL`` is the model's own row, path ""."""
+    return "" if name == MODEL else name
+
+
+def _fails(status: str, allow_nonfinite: bool) -> bool:
+    return status in DIVERGED or status == TORCH_NONFINITE or (status == BOTH_NONFINITE and not allow_nonfinite)
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One submodule call: errors against the fp64 reference, end to end and rerun alone."""
+
+    path: str  # torch naming, "" = the model; "#k" marks the k-th repeated call
+    kind: str  # the torch class
+    torch_err: float | None = None  # torch fp32 vs fp64
+    jax_err: float | None = None  # JAX vs fp64
+    scale: float = 0.0  # max |fp64 output|
+    local_torch_err: float | None = None  # rerun alone on the fp64 input
+    local_jax_err: float | None = None
+    # ok | introduced | inherited | diverged (no rerun possible) | not finite in either framework |
+    # not finite in torch only | skipped: why
+    status: str = "ok"
+    nonfinite_jax: int = 0  # output values NaN/inf in JAX where torch fp32 has another value
+    nonfinite_torch: int = 0  # ... in torch fp32 where JAX has another value
+    nonfinite_both: int = 0  # ... NaN/inf in both, the same value
+    produced: str = ""  # "JAX", "torch" or "JAX, torch": its inputs finite there, its output not
+
+    @property
+    def ratio(self) -> float | None:
+        if self.jax_err is None or self.torch_err is None:
+            return None
+        return self.jax_err / self.torch_err if self.torch_err > 0 else (0.0 if self.jax_err == 0 else float("inf"))
+
+    @property
+    def budget(self) -> float | None:
+        return None if self.torch_err is None else budget(self.torch_err, self.scale)
+
+
+@dataclass(frozen=True)
+class GradRow:
+    """One parameter's gradient (torch key) against the fp64 reference's."""
+
+    name: str
+    torch_err: float
+    jax_err: float
+    scale: float
+    status: str  # ok | diverged | not finite in either framework | not finite in torch only | skipped: why
+    nonfinite_jax: int = 0
+    nonfinite_torch: int = 0
+    nonfinite_both: int = 0
+    budget: float | None = None  # grad_budgets: over the parameter's module
+
+    @property
+    def ratio(self) -> float:
+        return self.jax_err / self.torch_err if self.torch_err > 0 else (0.0 if self.jax_err == 0 else float("inf"))
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2e}" if x == x and abs(x) != float("inf") else str(x)
+
+
+@dataclass
+class BisectReport:
+    """``bisect``'s findings; ``str(report)`` is a table, ``report.tree()`` an indented tree.
+
+    ``first_divergent`` is None exactly when the report passed; when it failed, a non-empty
+    name (a module path, ``MODEL``, ``GRADIENTS`` or ``INCOMPLETE``: see the module docstring),
+    so ``if report.first_divergent:`` never reads a failure as agreement.
+    """
+
+    rows: list[ModuleRow]
+    first_divergent: str | None
+    grad_rows: list[GradRow] = field(default_factory=list)
+    first_divergent_grad: str | None = None
+    allow_nonfinite: bool = False
+    allow_skipped: bool = False
+    first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
+
+    @property
+    def unverified(self) -> str | None:
+        """Why the forward pass was not verified (the whole model's row skipped, or no row
+        compared), None when it was: a report that compared nothing must not pass."""
+        root = self._row("")
+        if root is None:
+            return "the whole model's output was not compared (no call of the model itself)"
+        if root.status.startswith("skipped"):
+            return f"the whole model's output was not compared ({root.status})"
+        if all(r.status.startswith(("skipped", "covered")) for r in self.rows):
+            return "no module's output was compared"
+        return None
+
+    @property
+    def incomplete(self) -> list[str]:
+        """What could not be compared: module calls (``(model)`` for the model) and ``gradient NAME``s."""
+        return ([r.path or "(model)" for r in self.rows if r.status.startswith("skipped")]
+                + [f"gradient {g.name}" for g in self.grad_rows if g.status.startswith("skipped")])
+
+    def _failed(self) -> bool:
+        return (any(_fails(r.status, self.allow_nonfinite) for r in self.rows)
+                or any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows)
+                or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped))
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergent is None and self.first_divergent_grad is None and not self._failed()
+
+    def settle(self) -> BisectReport:
+        """Set ``first_divergent`` from the rows (None when nothing fails); returns the report."""
+        self.first_divergent = None
+        if not self._failed():
+            return self
+        path = _first_divergent(self.rows)
+        if path is None and any(_fails(r.status, self.allow_nonfinite) for r in self.rows):  # NaN/inf, no divergence
+            bad = next(r for r in self.rows if _fails(r.status, self.allow_nonfinite))
+            path = _path(self.first_nonfinite) if self.first_nonfinite is not None else bad.path
+        if path is not None:
+            self.first_divergent = MODEL if path == "" else path
+        elif any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows):
+            self.first_divergent = GRADIENTS
+        else:
+            self.first_divergent = INCOMPLETE
+        return self
+
+    def _row(self, path: str) -> ModuleRow | None:
+        path = _path(path)
+        return next((r for r in self.rows if r.path == path), None)
+
+    def _incomplete_line(self) -> str | None:
+        missing = self.incomplete
+        if not missing:
+            return None
+        modules = sum(r.status.startswith("skipped") for r in self.rows)
+        counts = f"{modules} of {len(self.rows)} module calls"
+        if self.grad_rows:
+            counts += f" and {sum(g.status.startswith('skipped') for g in self.grad_rows)} of {len(self.grad_rows)} gradients"
+        names = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
+        if self.allow_skipped:
+            return f"ALLOWED INCOMPLETE (allow_skipped): {counts} not compared: {names}"
+        return (f"INCOMPLETE: {counts} not compared, so the report fails (allow_skipped=True, on the command line "
+                f"--allow-skipped, accepts that): {names}")
+
+    def summary(self) -> str:
+        lines = [line for line in (self._incomplete_line(),) if line]
+        path = _first_divergent(self.rows)
+        bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
+        produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None
+        at = "" if produced is None else (f"NaN/inf first produced at {self.first_nonfinite} ({produced.kind}, in "
+                                          f"{produced.produced}; its inputs finite)")
+        if self.unverified is not None and path is None:
+            line = f"forward: NOT VERIFIED: {self.unverified}"
+        elif path is not None:
+            row = self._row(path)
+            where = "introduced in" if row.status == "introduced" else "first seen at (built up gradually)"
+            line = (f"forward: error {where} {path or MODEL} ({row.kind}): JAX {_fmt(row.jax_err)} "
+                    f"vs torch {_fmt(row.torch_err)} against float64" + (f"; {at}" if at else ""))
+        elif bad:
+            line = f"forward: {bad[0].status}: " + (at or f"first at {bad[0].path or MODEL} ({bad[0].kind})")
+        else:
+            line = "forward: every module within budget"
+            if any(r.status == BOTH_NONFINITE for r in self.rows):
+                line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite" + (f"; {at})" if at else ")")
+        lines.append(line)
+        if self.grad_rows:
+            if self.first_divergent_grad is None:
+                line = "gradients: every parameter within budget"
+                if any(g.status == BOTH_NONFINITE for g in self.grad_rows):
+                    line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite)"
+            else:
+                g = next(g for g in self.grad_rows if g.name == self.first_divergent_grad)
+                line = f"gradients: first wrong at {self.first_divergent_grad}" + (
+                    f" ({g.status})" if g.status != "diverged" else "")
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        header = ("module", "class", "torch err", "jax err", "ratio", "rerun alone: torch", "jax", "status")
+        body = [(r.path or "(model)", r.kind, _fmt(r.torch_err), _fmt(r.jax_err),
+                 "-" if r.ratio is None else f"{r.ratio:.1f}", _fmt(r.local_torch_err), _fmt(r.local_jax_err),
+                 r.status) for r in self.rows]
+        parts = [_table(header, body)]
+        if self.grad_rows:
+            body = [(g.name, _fmt(g.torch_err), _fmt(g.jax_err), f"{g.ratio:.1f}", g.status) for g in self.grad_rows]
+            parts.append(_table(("parameter gradient", "torch err", "jax err", "ratio", "status"), body))
+        return "\n\n".join(parts + [self.summary()])
+
+    def tree(self) -> str:
+        """Modules indented by depth, in call order (each under the parent that contains it)."""
+        lines = []
+        called = {r.path.split("#")[0] for r in self.rows}
+        first = None if self.first_divergent is None else _path(self.first_divergent)
+        for r in self.rows:
+            path = r.path.split("#")[0]
+            depth = sum(1 for p in called if p != path and (not p or path.startswith(p + ".")))
+            mark = " <-- first divergent" if r.path == first else ""
+            lines.append(f"{'  ' * depth}{r.path or '(model)'} [{r.kind}] "
+                         f"jax {_fmt(r.jax_err)} torch {_fmt(r.torch_err)}: {r.status}{mark}")
+        return "\n".join(lines + [self.summary()])
+
+    def to_dict(self) -> dict:
+        rows = [asdict(r) | {"ratio": r.ratio, "budget": r.budget} for r in self.rows]
+        grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
+        return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
+                "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
+                "incomplete": self.incomplete, "allow_skipped": self.allow_skipped,
+                "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(), "modules": rows,
+                "gradients": grads}
+
+    def to_json(self, path=None, *, overwrite: bool = False) -> str:
+        """The report as JSON text; also written to ``path`` (through ``files``) when given."""
+        text = json_text(self.to_dict())
+        if path is not None:
+            from flax_transformer.interop import files
+
+            files.check_target(path, kind="file", overwrite=overwrite)
+            files.write_text(path, text + "\n", overwrite=overwrite)
+        return text
+
+
+def json_text(data: dict) -> str:
+    """JSON of a report's ``to_dict()`` (infinities and NaN as strings: JSON has no such numbers)."""
+    return json.dumps(_finite(data), indent=1)
+
+
+def _finite(x):
+    """inf/NaN as strings: JSON has no such numbers."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _table(header, body) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def _first_divergent(rows: list[ModuleRow]) -> str | None:
+    introduced = [r.path for r in rows if r.status == "introduced"]
+    diverged = [r.path for r in rows if r.status in ("inherited", "diverged")]
+    return (introduced or diverged or [None])[0]

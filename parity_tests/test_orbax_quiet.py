@@ -73,3 +73,29 @@ def test_closed_loop_tracebacks_are_dropped_and_others_pass(monkeypatch):
     assert seen == []
     hook(Unraisable(ValueError("something else")))
     assert [str(u.exc_value) for u in seen] == ["something else"]
+
+
+def test_never_retrieved_tensorstore_errors_with_no_python_frames_are_dropped(caplog):
+    """What CI printed 290 lines of: tensorstore sets the future's exception from C++, so its
+    traceback has no orbax frame; its text names the OCDBT database and orbax's temporary folder."""
+    import asyncio
+    import logging
+
+    orbax_quiet.install_filters()
+    log = logging.getLogger("asyncio")
+    error = ValueError('OUT_OF_RANGE: Error writing "opt_state.mu/0" in OCDBT database at local file '
+                       '"/r/checkpoints/10.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": '
+                       "File too large [os_error_code='27']")
+    future = asyncio.Future(loop=asyncio.new_event_loop())
+    future.set_exception(error)
+    future._log_traceback = False  # this test logs it itself
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error(f"Future exception was never retrieved\nfuture: {future!r}", exc_info=(ValueError, error, None))
+        other = KeyError("a user's own future")
+        log.error("Future exception was never retrieved\nfuture: <Future finished exception=KeyError()>",
+                  exc_info=(KeyError, other, None))
+        log.error("Task was destroyed but it is pending! (orbax)")  # not a never-retrieved record: kept
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("OCDBT" in m for m in messages)
+    assert any("KeyError" in m for m in messages) and any("Task was destroyed" in m for m in messages)
+    future.get_loop().close()

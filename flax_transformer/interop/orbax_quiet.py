@@ -34,15 +34,25 @@ QUIET_S = 0.25  # fd 2 unchanged this long, with the block's threads idle or don
 WAIT_LIMIT_S = 10.0  # never wait longer than this on a failure
 
 
+ORBAX_MARKS = ("OCDBT", "orbax-checkpoint-tmp", "tensorstore", "orbax")
+
+
 class OrbaxLeftovers(logging.Filter):
     """asyncio's "exception was never retrieved" for orbax's own futures, logged when they are
     collected (often at exit), after the clean error that reported the same failure."""
 
     def filter(self, record):
-        if "was never retrieved" not in record.getMessage() or not record.exc_info:
+        message = record.getMessage()
+        if "was never retrieved" not in message:
             return True
-        return not any("orbax" in frame.filename or "tensorstore" in frame.filename
-                       for frame in traceback.extract_tb(record.exc_info[2]))
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and any("orbax" in frame.filename or "tensorstore" in frame.filename
+                                     for frame in traceback.extract_tb(error.__traceback__)):
+            return False
+        # tensorstore sets the exception from C++: no Python frame to go by, so its text says whose it is
+        # ("... in OCDBT database at local file .../10.orbax-checkpoint-tmp/...")
+        text = f"{message} {error!r}"
+        return not any(mark in text for mark in ORBAX_MARKS)
 
 
 def install_filters() -> None:

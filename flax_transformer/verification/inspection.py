@@ -70,16 +70,21 @@ def bert_attentions(folder, text: str, text_b: str | None = None):
     from tokenizers import Tokenizer
 
     from flax_transformer.interop import hf
+    from flax_transformer.models._shared import input_spec
 
     folder = Path(folder)
     if not (folder / "tokenizer.json").exists():
         raise FileNotFoundError(f"{folder} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)
+    tokenizer.no_truncation()  # and cut at its own length (MiniLM's at 128): a longer text is refused below instead
     encoding = tokenizer.encode(text, text_b) if text_b is not None else tokenizer.encode(text)
     model = hf.from_pretrained(folder)
     if type(model).__name__ != "TransformerEncoder":
         raise ValueError(f"{folder} is not a BERT checkpoint")
+    longest = input_spec(model).max_length
+    if len(encoding.ids) > longest:
+        raise ValueError(f"the text is {len(encoding.ids)} tokens (special tokens included); the model reads at most {longest}")
     ids = np.array([encoding.ids])
     types = np.array([encoding.type_ids])
     _, attentions = model(ids, None, types, return_attentions=True)

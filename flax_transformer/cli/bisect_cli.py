@@ -90,6 +90,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 
     tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
     tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)
+    tokenizer.no_truncation()  # and cut at its own length (MiniLM's at 128): a longer text is refused below instead
     encodings = [tokenizer.encode(t).ids for t in texts]
     spec = input_spec(flax_model)
     longest = max(len(e) for e in encodings)

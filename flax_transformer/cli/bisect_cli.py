@@ -25,8 +25,9 @@ def load_factory(spec: str):
     """The callable named by ``MODULE:FACTORY``.
 
     MODULE is a path to a ``.py`` file when it ends in ``.py`` (imported under its file name,
-    without touching ``sys.path``), else a dotted module name importable from here (the
-    current directory is on the path, as for ``python -m``).
+    with its folder first on ``sys.path`` while it imports, so that it can import the modules
+    beside it), else a dotted module name importable from here (the current directory is on
+    the path, as for ``python -m``).
     """
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
@@ -37,10 +38,15 @@ def load_factory(spec: str):
             raise FileNotFoundError(f"--pair: no such file: {path}")
         loader_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(loader_spec)
+        folder = str(path.resolve().parent)
+        sys.path.insert(0, folder)  # as `python FILE.py` would: its sibling modules import
         try:
             loader_spec.loader.exec_module(module)
         except Exception as error:
             raise ValueError(f"--pair: importing {path} failed: {type(error).__name__}: {error}") from None
+        finally:
+            if folder in sys.path:  # the file may have taken it off itself
+                sys.path.remove(folder)
     else:
         if "" not in sys.path and "." not in sys.path:
             sys.path.insert(0, "")

@@ -12,6 +12,19 @@ module path -> kind), and otherwise from the module's own type
 Loading is all or nothing: every missing, unexpected, mis-shaped or doubly placed key
 is collected and reported in one ``StateDictError`` before a single parameter is written.
 
+Tied weights are placed once, with no rename and no key deleted. ``tied_keys(module)`` gives the
+groups of torch names that are one tensor: for a torch module, its state_dict keys that share
+storage (nanoGPT's ``self.lm_head.weight = self.tok_emb.weight``); for a Flax model, the groups it
+declares with a ``tied_keys`` class attribute (``ties.py``). Loading takes every
+name of such a group once one of them has a place: a Flax twin that computes its head with
+``self.tok_emb.attend(x)`` needs no ``lm_head`` (torch tensors, and numpy views of them, are known
+tied by memory; separate copies must be equal and declared). ``flax_to_torch`` fills every name of
+a tied torch tensor, and refuses, naming both keys, a Flax model whose two tensors for it differ.
+
+A target built with ``nnx.eval_shape`` leaves its RNG state abstract: loading gives it keys from
+``seed`` so the model runs. Other abstract non-parameter state (batch statistics, a user's
+``nnx.Variable``) has no value in the torch weights: loading refuses it up front.
+
 torch is imported lazily, inside the functions that need it, so that a JAX-only user
 can import ``flax_transformer`` without it.
 """
@@ -45,10 +58,23 @@ from flax_transformer.interop.layer_kinds import (
     torch_shape,
     why_not_placed,
 )
+from flax_transformer.interop.targets import build_unfilled, fill_rng_state, refuse_abstract_state
+from flax_transformer.interop.ties import (
+    conflicts,
+    declared_groups,
+    equal_hint,
+    fill_torch_names,
+    memory_groups,
+    tie_groups,
+)
+from flax_transformer.interop.values import check_value as _check_value
+from flax_transformer.interop.values import nonfinite
+from flax_transformer.interop.values import to_numpy as _to_numpy
 from flax_transformer.models._shared import StateDictError, check_state_dict_mapping
 
 __all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
-           "flax_class", "flax_to_torch", "load_state_dict", "state_dict", "torch_class", "torch_to_flax"]
+           "flax_class", "flax_to_torch", "load_state_dict", "nonfinite", "state_dict", "tied_keys", "torch_class",
+           "torch_to_flax"]
 
 # --------------------------------------------------------------------- the tables
 
@@ -160,20 +186,6 @@ def _flax_params(model) -> dict[str, nnx.Param]:
     return out
 
 
-def _to_numpy(value) -> np.ndarray:
-    """A torch tensor (any dtype, any device, with or without grad) or array -> numpy."""
-    if type(value).__module__.startswith("torch"):
-        import torch
-
-        value = value.detach().cpu()
-        if value.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return value.numpy()
-    return np.asarray(value)
-
-
 # ------------------------------------------------------------------ placing keys
 
 
@@ -181,13 +193,16 @@ RENAME_HINT = ("if the checkpoint names things differently, pass rename=[(regex,
                "(re.sub on each key, in order)")
 
 
-def _refusal(missing=(), unexpected=(), mismatched=(), ambiguous=(), why=None) -> StateDictError:
-    """One StateDictError with every problem, the keys placed two ways (``.ambiguous``) and why keys were not placed."""
+def _refusal(missing=(), unexpected=(), mismatched=(), ambiguous=(), why=None, tied=()) -> StateDictError:
+    """One StateDictError with every problem: also the keys placed two ways (``.ambiguous``), the tied
+    keys whose values differ (``.tied``) and why keys were not placed."""
     error = StateDictError(missing, unexpected, mismatched)
-    error.ambiguous = list(ambiguous)
+    error.ambiguous, error.tied = list(ambiguous), list(tied)
     lines = [str(error).rstrip()]
     if ambiguous:
         lines.append(f"keys placed two ways ({len(ambiguous)}): " + "; ".join(ambiguous))
+    if tied:
+        lines.append(f"tied keys whose values differ ({len(tied)}): " + "; ".join(tied))
     if why:
         lines.append("not placed: " + "; ".join(f"{key}: {reason}" for key, reason in why.items()))
     if missing or unexpected:
@@ -201,75 +216,60 @@ def _plan(model) -> Plan:
     return plan_keys(model, None if family is None else functools.partial(_table_kinds, family))
 
 
+def tied_keys(module) -> list[tuple[str, ...]]:
+    """Groups of torch names that are one tensor, two or more names each.
+
+    A torch module: the keys of its ``state_dict()`` that share storage (nanoGPT's, GPT-2's
+    ``lm_head.weight`` and ``tok_emb.weight``), in state_dict order. A Flax NNX model: the groups it
+    declares with ``tied_keys`` class attributes (``layer_kinds.declared_groups``). A model with no
+    tie gives ``[]``.
+    """
+    if isinstance(module, nnx.Module):
+        return declared_groups(_plan(module))
+    if not callable(getattr(module, "state_dict", None)):
+        raise TypeError(f"tied_keys takes a torch nn.Module or a Flax NNX module, got {type(module).__name__}")
+    return memory_groups(module.state_dict())
+
+
 def state_dict(model, *, rename=None) -> dict[str, np.ndarray]:
     """The parameters of an NNX model under torch names and layouts.
 
     Names come from the family's table or else each layer's type, as in
-    ``load_state_dict``. ``rename`` pairs then apply to these names (our names -> the
-    checkpoint's: the reverse of the pairs that loading the same checkpoint takes).
+    ``load_state_dict``; every name of a tied group the model declares (``tied_keys``) is
+    written, each with the one array. ``rename`` pairs then apply to these names (our names ->
+    the checkpoint's: the reverse of the pairs that loading the same checkpoint takes).
     """
     pairs = check_rename(rename)
     plan = _plan(model)
-    out, source, ambiguous = {}, {}, []
+    ours, ambiguous = {}, []  # our torch name -> (Flax path, array)
     for path, param in plan.params.items():
         slots = plan.slots[path]
         if len(slots) > 1:
             ambiguous.append(f"{path} could be " + " or ".join(f"{s.torch_key} ({s.kind})" for s in slots))
             continue
-        key = apply_rename(slots[0].torch_key, pairs)
-        if key in source:
-            ambiguous.append(f"{source[key]} and {path} both become {key}")
+        if slots[0].torch_key in ours:
+            ambiguous.append(f"{ours[slots[0].torch_key][0]} and {path} both become {slots[0].torch_key}")
             continue
-        source[key] = path
-        out[key] = np.ascontiguousarray(to_torch(slots[0].rule, np.asarray(param[...])))
+        ours[slots[0].torch_key] = path, np.ascontiguousarray(to_torch(slots[0].rule, np.asarray(param[...])))
+    for group in declared_groups(plan):
+        source = next((name for name in group if name in ours), None)
+        for name in group if source else ():
+            ours.setdefault(name, ours[source])
+    out, source = {}, {}
+    for name, (path, array) in ours.items():
+        key = apply_rename(name, pairs)
+        if key in source:
+            if source[key] != path:  # one parameter under two tied names that the rename joins is one key
+                ambiguous.append(f"{source[key]} and {path} both become {key}")
+            continue
+        source[key], out[key] = path, array
     if ambiguous:
         raise _refusal(ambiguous=ambiguous)
     return out
 
 
-def _check_value(key: str, array: np.ndarray, target) -> None:
-    """Refuse a value that would not survive the cast to the parameter's dtype ``target``."""
-    source = array.dtype
-    if np.issubdtype(source, np.complexfloating):
-        raise TypeError(f"state_dict[{key!r}] is complex ({source}); parameters are real, and casting would "
-                        "drop the imaginary part; nothing was loaded")
-    if not (jnp.issubdtype(source, jnp.floating) or jnp.issubdtype(source, jnp.integer)):
-        raise TypeError(f"state_dict[{key!r}] has dtype {source}; parameters take real numbers; nothing was loaded")
-    if not jnp.issubdtype(target, jnp.floating) or array.size == 0:
-        return
-    limit = float(jnp.finfo(target).max)
-    widest = float(jnp.finfo(source).max if jnp.issubdtype(source, jnp.floating) else jnp.iinfo(source).max)
-    if widest <= limit:
-        return  # every value fits
-    finite = np.isfinite(array) if jnp.issubdtype(source, jnp.floating) else True
-    largest = float(np.max(np.abs(array), initial=0, where=finite))
-    if largest > limit:
-        raise ValueError(f"state_dict[{key!r}] holds {largest:.6g}, beyond the range of the parameter's dtype "
-                         f"{jnp.dtype(target).name} (max {limit:.6g}); it would become inf; nothing was loaded")
-
-
-def nonfinite(values) -> list[str]:
-    """The tensors of ``values`` holding NaN or inf, in order, each as ``"name (2 NaN, 1 inf of 64 values)"``.
-
-    A check of values only: loading takes NaN and inf as any value (a model may keep them on
-    purpose); the certified exports and ``port`` refuse them with this (``verification.export``).
-    ``values``: a mapping or (name, value) pairs; a value is a numpy array, a torch tensor or has
-    ``read()`` (``safetensors_io.Lazy``), read in turn, so the host holds one tensor at a time.
-    """
-    out = []
-    for name, value in (values.items() if isinstance(values, Mapping) else values):
-        array = value.read() if hasattr(value, "read") else _to_numpy(value)
-        if not (jnp.issubdtype(array.dtype, jnp.floating) or np.issubdtype(array.dtype, np.complexfloating)):
-            continue  # integers and booleans are always finite
-        nans, infs = int(np.count_nonzero(np.isnan(array))), int(np.count_nonzero(np.isinf(array)))
-        if nans or infs:
-            counts = ", ".join(f"{n} {what}" for n, what in ((nans, "NaN"), (infs, "inf")) if n)
-            out.append(f"{name} ({counts} of {array.size} values)")
-        del array, value
-    return out
-
-
-def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename=None) -> LoadResult:
+def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename=None, *,
+                    seed: int = 0) -> LoadResult:
     """Load torch-named weights (torch tensors or numpy arrays) into a Flax NNX model.
 
     Any NNX model whose parameter paths follow the torch module's loads: each key goes to
@@ -280,47 +280,70 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename
     raise. Values are cast to each parameter's own dtype (``param_dtype``), so bf16
     weights load into fp32 models and the other way round.
 
+    Tied keys (one tensor under two names) are placed once: a key with no place of its own
+    is taken when another name of its tensor has one. They are known tied when their values
+    share memory (a torch state_dict, or ``.numpy()`` views of it) or when the model declares
+    them (``tied_keys``; their values must then be equal).
+
     Args:
         rename: ``[(regex, replacement), ...]`` applied with ``re.sub``, in order, to
             each key before it is placed, for checkpoints that name things differently.
+        seed: seeds the RNG state (dropout keys) that ``nnx.eval_shape`` left abstract.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)``, as torch's ``load_state_dict``.
     """
     pairs = check_rename(rename)
     check_state_dict_mapping(state)
-    return _load(model, state, strict, pairs)
+    return _load(model, state, strict, pairs, seed=seed)
 
 
-def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozenset()) -> LoadResult:
+def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozenset(), seed: int = 0) -> LoadResult:
     """``load_state_dict``; keys in ``optional`` (torch buffers) are skipped where nothing takes them."""
     plan = _plan(model)
     params = plan.params
+    refuse_abstract_state(model)  # before any work: nothing in the weights could fill it
     by_key: dict[str, list[tuple[str, Slot]]] = {}
     for path, slots in plan.slots.items():
         for slot in slots:
             by_key.setdefault(slot.torch_key, []).append((path, slot))
-    placed, claims, shown, unexpected, why, ambiguous = {}, {}, {}, [], {}, []
+    renamed = {key: apply_rename(key, pairs) for key in state}
+    shown = {key: key if name == key else f"{key} (renamed {name})" for key, name in renamed.items()}
+    tie = tie_groups(plan, state, renamed)
+    present = {}  # our name -> the state's keys of its tied group
+    for key, name in renamed.items():
+        for member in tie.get(name, ()):
+            present.setdefault(member, []).append(key)
+    placed, claims, unexpected, why, ambiguous = [], {}, [], {}, []
     contested: set[str] = set()
-    for original_key in state:
-        key = apply_rename(original_key, pairs)
-        shown[original_key] = original_key if key == original_key else f"{original_key} (renamed {key})"
-        targets = by_key.get(key, [])
+    for key, name in renamed.items():
+        targets = by_key.get(name, [])
         if len(targets) > 1:
-            ambiguous.append(f"{shown[original_key]} fits " +
-                             " and ".join(f"{slot.kind} -> {path}" for path, slot in targets))
+            ambiguous.append(f"{shown[key]} fits " + " and ".join(f"{slot.kind} -> {path}" for path, slot in targets))
             contested.update(path for path, _ in targets)  # placed twice, not missing
         elif targets:
-            placed[original_key] = targets[0]
-            claims.setdefault(targets[0][0], []).append(original_key)
-        elif original_key not in optional:
-            unexpected.append(original_key)
-            why[shown[original_key]] = why_not_placed(plan, key)
+            placed.append((key, *targets[0]))
+            claims.setdefault(targets[0][0], []).append(key)
+        elif any(by_key.get(member) for member in tie.get(name, ())):
+            continue  # another name of its tensor has a place: placed there, once
+        elif key not in optional:
+            unexpected.append(key)
+            why[shown[key]] = why_not_placed(plan, name)
     for path, keys in claims.items():
-        if len(keys) > 1:
-            ambiguous.append(" and ".join(shown[k] for k in keys) + f" all land on {path}")
+        if len(keys) > 1:  # even one tied tensor's names: a rename that joins names hides other mistakes
+            tied_note = (" (one tied tensor: tied keys load with no rename; leave it out)"
+                         if all(k in present.get(renamed[keys[0]], ()) for k in keys) else "")
+            ambiguous.append(" and ".join(shown[k] for k in keys) + f" all land on {path}{tied_note}")
+    for path in params:  # a tied name the state lacks takes its tensor from a name the state has
+        slots = plan.slots[path]
+        donors = present.get(slots[0].torch_key, ())
+        if path not in claims and path not in contested and len(slots) == 1 and donors:
+            placed.append((donors[0], path, slots[0]))
+            claims[path] = [donors[0]]
+    tied = [c for keys in {tuple(ks) for ks in present.values() if len(ks) > 1}
+            for c in conflicts(state, list(keys), shown)]
     updates, mismatched = {}, []
-    for original_key, (path, slot) in placed.items():
+    for original_key, path, slot in placed:
         try:
             original = _to_numpy(state[original_key])
         except (TypeError, ValueError) as error:
@@ -338,9 +361,12 @@ def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozens
         updates[path] = array
     missing = list(dict.fromkeys(plan.slots[p][0].torch_key for p in params
                                  if p not in claims and p not in contested))
-    if ambiguous or mismatched or (strict and (missing or unexpected)):
+    if ambiguous or mismatched or tied or (strict and (missing or unexpected)):
+        if strict:
+            for key in unexpected:
+                why[shown[key]] += equal_hint(state, key, [p[0] for p in placed])
         raise _refusal(missing if strict else (), unexpected if strict else (), mismatched, ambiguous,
-                       why if strict else None)
+                       why if strict else None, tied)
     unfilled = [plan.slots[p][0].torch_key for p in params
                 if p not in claims and isinstance(params[p].get_value(), jax.ShapeDtypeStruct)]
     if unfilled:
@@ -354,6 +380,7 @@ def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozens
         raise TypeError(f"state_dict values must be numeric arrays; nothing was loaded ({error})") from None
     for path, array in converted.items():
         params[path].set_value(array)
+    fill_rng_state(model, seed)
     return LoadResult(missing, unexpected)
 
 
@@ -378,25 +405,6 @@ def torch_class(flax_module) -> type:
     return getattr(module, type(flax_module).__name__)
 
 
-def build_unfilled(cls, kwargs: dict, *, seed: int = 0):
-    """Build a Flax module without initialising its parameters (they stay abstract).
-
-    Random initialisation of a large model costs time and memory that porting throws
-    away. ``nnx.eval_shape`` gives the structure; the dropout RNG streams get concrete
-    keys here, and the parameters are filled by ``load_state_dict``.
-    """
-    abstract = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(seed)))
-    base = jax.random.key(seed)
-    for i, (path, variable) in enumerate(nnx.iter_graph(abstract)):
-        if isinstance(variable, nnx.RngKey):
-            variable.set_value(jax.random.fold_in(base, i))
-        elif isinstance(variable, nnx.RngCount):
-            variable.set_value(jnp.zeros((), jnp.uint32))
-        elif isinstance(variable, nnx.Variable) and not isinstance(variable, nnx.Param):
-            raise TypeError(f"cannot build {cls.__name__} unfilled: unexpected state {type(variable).__name__} at {path}")
-    return abstract
-
-
 def torch_to_flax(torch_module, flax_module=None, *, rename=None, dtype=None, param_dtype=None, seed: int = 0):
     """The Flax twin of a torch module, with its weights and train/eval mode.
 
@@ -411,7 +419,8 @@ def torch_to_flax(torch_module, flax_module=None, *, rename=None, dtype=None, pa
             model's (see ``load_state_dict``).
         dtype, param_dtype: compute and storage types of the built twin (default float32);
             with ``flax_module`` the module's own are kept, and these must be left out.
-        seed: seeds the built twin's ``nnx.Rngs`` (dropout streams).
+        seed: seeds the built twin's ``nnx.Rngs`` (dropout streams), or the RNG state that
+            ``nnx.eval_shape`` left abstract in a given one.
     """
     pairs = check_rename(rename)
     if not callable(getattr(torch_module, "state_dict", None)):
@@ -431,7 +440,7 @@ def torch_to_flax(torch_module, flax_module=None, *, rename=None, dtype=None, pa
                          "and keeps its own types")
     state = torch_module.state_dict()
     buffers = frozenset(name for name, _ in torch_module.named_buffers()) & state.keys()
-    _load(flax_module, state, True, pairs, optional=buffers)
+    _load(flax_module, state, True, pairs, optional=buffers, seed=seed)
     if torch_module.training:
         flax_module.train()
     else:
@@ -478,13 +487,14 @@ def _load_torch(torch_module, state: dict[str, np.ndarray]) -> None:
     import torch
 
     own = torch_module.state_dict()
+    state, tied = fill_torch_names(own, state)  # one torch tensor under several names: each name gets it
     buffers = {name for name, _ in torch_module.named_buffers()}
     missing = [k for k in own if k not in state and k not in buffers]
     unexpected = [k for k in state if k not in own]
     mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
                   if k in own and tuple(v.shape) != tuple(own[k].shape)]
-    if missing or unexpected or mismatched:
-        raise _refusal(missing, unexpected, mismatched)
+    if missing or unexpected or mismatched or tied:
+        raise _refusal(missing, unexpected, mismatched, tied=tied)
     tensors = {}
     for key, array in state.items():
         if own[key].dtype.is_floating_point:  # torch's copy would turn a value beyond the range into inf

@@ -1,0 +1,304 @@
+"""Llama-style decoders in Flax NNX: Llama, Mistral, Qwen2, Qwen3 and Gemma, one family.
+
+The twin of ``torch_reference.llama``: same class names, constructor arguments (plus
+keyword-only ``rngs``, ``dtype``, ``param_dtype``), call signatures and parameter paths
+(``model.layers.0.self_attn.q_proj.kernel``, ``...input_layernorm.scale``,
+``model.embed_tokens.embedding``), so ``porting`` maps transformers' state_dict keys one to one.
+The math is transformers': half-split RoPE (``rotate_half``) with float32 frequencies computed
+by the same operations, key/value heads repeated head by head (``jnp.repeat``, not ``tile``),
+Gemma's ``1 + w`` norm in float32 and its embedding scale rounded to the compute dtype.
+
+``attention_mask`` is (b, t) with 1 = token (or any mask ``normalize_mask`` takes); it becomes
+a boolean mask (True = may attend) with the causal mask and the sliding window here. A query
+whose keys are all masked gets a zero output, never NaN. Norms, RoPE angles and softmax run in
+float32 whatever ``dtype`` is; logits are float32. ``set_attention`` switches the attention to
+``jax.nn.dot_product_attention``. Where this family differs from transformers on purpose (RoPE
+computed per attention, ``dynamic`` scaling read from each call alone, packed sequences) is
+listed in ``torch_reference.llama``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_transformer.models._shared import InputSpec, RecordsInit
+from flax_transformer.models.attention import attend, normalize_mask
+from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
+from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
+from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+
+__all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
+           "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]
+
+
+def check_position_ids(position_ids, batch: int, length: int) -> jax.Array:
+    """(b|1, t) integer positions >= 0 (values checked when concrete); None = 0, 1, ..., t - 1."""
+    if position_ids is None:
+        return jnp.arange(length)[None]
+    if not hasattr(position_ids, "shape") or not hasattr(position_ids, "dtype"):
+        raise TypeError(f"position_ids must be an array, got {type(position_ids).__name__}")
+    if not jnp.issubdtype(position_ids.dtype, jnp.integer):
+        raise TypeError(f"position_ids must hold integers, got dtype {position_ids.dtype}")
+    if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise ValueError(f"position_ids must have shape (batch, length)=({batch}, {length}) or (1, {length}), "
+                         f"got {tuple(position_ids.shape)}")
+    if is_concrete(position_ids) and np.any(np.asarray(position_ids) < 0):
+        raise ValueError("position_ids must be >= 0")
+    return jnp.asarray(position_ids)
+
+
+def attention_keep(attention_mask, batch: int, length: int, window: int | None) -> jax.Array:
+    """bool (b|1, 1, t, t): key j <= query i, within the window (j > i - window), and a real token."""
+    query, key = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    keep = key <= query
+    if window is not None:
+        keep = keep & (key > query - window)
+    padding = normalize_mask(attention_mask, batch, length, length, name="attention_mask")
+    return keep[None, None] if padding is None else keep[None, None] & padding
+
+
+# ------------------------------------------------------------------------ RoPE
+
+
+def inverse_frequencies(config: LlamaConfig, positions=None) -> jax.Array:
+    """RoPE's inverse frequencies (head_dim / 2,), float32, computed as transformers does.
+
+    ``positions``: the call's position ids, which ``dynamic`` scaling reads (its largest + 1).
+    """
+    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    exponents = jnp.arange(0, dim, 2).astype(jnp.float32) / dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "dynamic":  # NTK: theta grows once the call reaches max_position_embeddings
+        trained = config.max_position_embeddings
+        length = jnp.maximum(jnp.max(positions) + 1, trained)
+        stretched = theta * ((scaling.factor * length.astype(jnp.float32) / trained) - (scaling.factor - 1)) ** (
+            dim / (dim - 2))
+        return jnp.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
+    return llama3_frequencies(inv_freq, scaling)
+
+
+def llama3_frequencies(inv_freq: jax.Array, scaling: RopeScaling) -> jax.Array:
+    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a blend between."""
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    context = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = context / low, context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+class _LlamaConfigModule(RecordsInit, nnx.Module):
+    _init_converters = {"config": LlamaConfig.from_any}
+
+
+class LlamaRotaryEmbedding(_LlamaConfigModule):
+    """RoPE's cos and sin for given positions (no parameters)."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.config = LlamaConfig.from_any(config)
+
+    def __call__(self, x, position_ids):
+        """x: any array of the compute dtype; position_ids (b|1, t). Returns cos, sin (b|1, t, head_dim)."""
+        inv_freq = inverse_frequencies(self.config, position_ids)
+        freqs = position_ids[..., None].astype(jnp.float32) * inv_freq  # (b, t, d / 2)
+        angles = jnp.concatenate((freqs, freqs), axis=-1)  # (b, t, d): the two halves share frequencies
+        return jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+
+
+def rotate_half(x):
+    """(..., d) -> (-x[d/2:], x[:d/2]): transformers' half-split layout (not Meta's interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return jnp.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q (b, h, t, d), k (b, h_kv, t, d); cos, sin (b, t, d). Returns q, k rotated."""
+    cos, sin = cos[:, None], sin[:, None]  # (b, 1, t, d)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x, groups: int):
+    """(b, h_kv, t, d) -> (b, h_kv * groups, t, d), each key/value head repeated for its ``groups``
+    consecutive query heads (``jnp.repeat``, not ``tile``)."""
+    return x if groups == 1 else jnp.repeat(x, groups, axis=1)
+
+
+# ------------------------------------------------------------------------ layers
+
+
+class LlamaRMSNorm(RecordsInit, nnx.Module):
+    """x / rms(x) * scale, statistics in float32.
+
+    ``plus_one`` (Gemma): the scale is stored as ``w`` (initialised to zeros) and applied as
+    ``1 + w``, and the product runs in float32 before the cast; Llama casts first, then scales.
+    """
+
+    def __init__(self, hidden_size, eps=1e-6, plus_one=False, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((hidden_size,), param_dtype))
+        self.variance_epsilon, self.plus_one, self.dtype = eps, plus_one, dtype
+
+    def __call__(self, x):
+        """(..., hidden_size) -> (..., hidden_size) in ``dtype``."""
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.variance_epsilon)
+        if self.plus_one:
+            return (h * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+        return self.scale[...].astype(self.dtype) * h.astype(self.dtype)
+
+
+class LlamaMLP(_LlamaConfigModule):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(use_bias=config.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(hidden, inner, **kw)
+        self.up_proj = Linear(hidden, inner, **kw)
+        self.down_proj = Linear(inner, hidden, **kw)
+        self.hidden_act = config.hidden_act
+
+    def __call__(self, x):
+        """(b, t, hidden) -> (b, t, hidden)."""
+        return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(_LlamaConfigModule):
+    """Causal grouped-query attention with RoPE (and Qwen3's q/k norms, Mistral's window).
+
+    ``num_attention_heads`` query heads share ``num_key_value_heads`` key/value heads: query head
+    i reads key/value head i // groups.
+    """
+
+    def __init__(self, config, layer_idx=0, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        hidden, d, heads, kv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.hidden_size, self.head_dim, self.num_key_value_groups = hidden, d, config.num_key_value_groups
+        self.scaling, self.dtype = d ** -0.5, dtype
+        self.sliding_window = config.layer_window(layer_idx)
+        self.attention_impl = "reference"  # see set_attention
+        self.q_proj = Linear(hidden, heads * d, use_bias=config.attention_bias, **kw)
+        self.k_proj = Linear(hidden, kv * d, use_bias=config.attention_bias, **kw)
+        self.v_proj = Linear(hidden, kv * d, use_bias=config.attention_bias, **kw)
+        self.o_proj = Linear(heads * d, hidden, use_bias=config.o_proj_bias, **kw)
+        # per head, over head_dim
+        self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.rotary_emb = LlamaRotaryEmbedding(config, **kw)
+        self.attn_dropout = nnx.Dropout(config.attention_dropout, rngs=rngs)
+
+    def __call__(self, x, attention_mask=None, position_ids=None):
+        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden)."""
+        check_features(x, self.hidden_size)
+        b, t, _ = x.shape
+        position_ids = check_position_ids(position_ids, b, t)
+        keep = attention_keep(attention_mask, b, t, self.sliding_window)
+        x = x.astype(self.dtype)
+        q = self.q_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h, d)
+        k = self.k_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
+        v = self.v_proj(x).reshape(b, t, -1, self.head_dim)
+        if self.q_norm is not None:  # before RoPE, as Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # (b, h|h_kv, t, d)
+        cos, sin = self.rotary_emb(x, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, t, d)
+        out, _ = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
+                        implementation=self.attention_impl, need_weights=False)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+
+
+class LlamaDecoderLayer(_LlamaConfigModule):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config, layer_idx=0, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
+        self.dtype = dtype
+        self.self_attn = LlamaAttention(config, layer_idx, **kw)
+        self.mlp = LlamaMLP(config, **kw)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+
+    def __call__(self, x, attention_mask=None, position_ids=None):
+        """(b, t, hidden) -> (b, t, hidden)."""
+        x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
+        x = x + self.self_attn(self.input_layernorm(x), attention_mask, position_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(_LlamaConfigModule):
+    """Token embeddings (times ``embed_scale``), the decoder layers, the final norm."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.config, self.dtype = config, dtype
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, std=0.02, **kw)  # transformers' init
+        if config.pad_token_id is not None:  # the pad row starts at zero, as nn.Embedding(padding_idx=) has it
+            table = self.embed_tokens.embedding
+            table.set_value(table[...].at[config.pad_token_id].set(0))
+        self.layers = nnx.List([LlamaDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        """(b, t) ids -> last hidden state (b, t, hidden)."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        x = lookup(self.embed_tokens, input_ids, self.dtype)  # (b, t, hidden)
+        if self.config.pad_token_id is not None:  # the pad row gets no gradient (nn.Embedding's padding_idx)
+            x = jnp.where((input_ids == self.config.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the compute dtype
+            x = x * jnp.asarray(self.config.embed_scale, jnp.float32).astype(self.dtype)
+        for layer in self.layers:
+            x = layer(x, attention_mask, position_ids)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(_LlamaConfigModule):
+    """The decoder and its LM head; called as ``model(input_ids, attention_mask=None, position_ids=None)``.
+
+    Returns float32 logits (b, t, vocab_size). With ``tie_word_embeddings`` there is no
+    ``lm_head``: the head is the embedding table transposed, and porting gives torch's
+    ``lm_head.weight`` (the same tensor there) to the table.
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.config, self.dtype = config, dtype
+        self.model = LlamaModel(config, **kw)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, **kw)
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids, positions for RoPE's trained context), so tools need not know its class."""
+        return InputSpec(self.config.vocab_size, self.config.max_position_embeddings, generates=True)
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+        """Args:
+            input_ids: (b, t) token ids.
+            attention_mask: optional (b, t), 1 = token, 0 = pad.
+            position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
+
+        Returns:
+            (b, t, vocab_size) float32 logits.
+        """
+        hidden = self.model(input_ids, attention_mask, position_ids)
+        if self.lm_head is None:
+            return (hidden @ self.model.embed_tokens.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)

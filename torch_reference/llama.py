@@ -1,0 +1,330 @@
+"""Llama-style decoders in PyTorch: Llama, Mistral, Qwen2, Qwen3 and Gemma, one family.
+
+Class names, module names and ``state_dict`` keys are transformers' own
+(``model.embed_tokens.weight``, ``model.layers.0.self_attn.q_proj.weight``, ``...mlp.gate_proj``,
+``...input_layernorm``, ``model.norm.weight``, ``lm_head.weight``), so
+``LlamaForCausalLM(config).load_state_dict(hf_model.state_dict())`` loads strictly for any of the
+five ``model_type``s; ``LlamaConfig.from_hf`` reads their configs. The math is transformers'
+(``modeling_llama``, ``modeling_gemma``, ``modeling_qwen3``, ``modeling_rope_utils``): RoPE on
+half-split features (``rotate_half``) with the same float32 frequencies, grouped key/value heads
+repeated head by head (``repeat_kv``), Gemma's ``1 + w`` norm in float32 and its embedding scale.
+
+Where this differs from transformers, on purpose:
+    * each attention computes its RoPE cos/sin from ``position_ids`` (its parameter-free
+      ``rotary_emb``), where transformers computes them once in the model; the numbers are the same;
+    * ``dynamic`` RoPE scaling depends on this call's largest position alone (transformers'
+      module remembers the longest call it has seen);
+    * a query whose keys are all masked gets a zero output (transformers': the mean of the
+      values); real tokens never are;
+    * position ids place tokens for RoPE only; the causal mask runs over the sequence, and
+      restarting positions do not separate packed sequences (transformers does that without a mask).
+
+Masks: ``attention_mask`` is (b, t) with 1 = token and 0 = pad (or any mask ``normalize_mask``
+takes), combined here with the causal mask and the sliding window (boolean, True = may attend).
+Statistics (norms, RoPE angles, softmax) run in float32, or float64 in a float64 model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+
+from ._common import InputSpec, Module, attend, check_features, check_token_ids, check_values, normalize_mask
+
+__all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
+           "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32 and narrower models, float64 for a float64 one (the verification's reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_position_ids(position_ids, batch: int, length: int, device) -> torch.Tensor:
+    """(b|1, t) integer positions >= 0; None = 0, 1, ..., t - 1. Returns (b|1, t) int64."""
+    if position_ids is None:
+        return torch.arange(length, device=device)[None]
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"position_ids must hold integers (int64 or int32), got dtype {position_ids.dtype}")
+    if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise ValueError(f"position_ids must have shape (batch, length)=({batch}, {length}) or (1, {length}), "
+                         f"got {tuple(position_ids.shape)}")
+    check_values(position_ids >= 0, "position_ids must be >= 0")
+    return position_ids.long()
+
+
+def attention_keep(attention_mask, batch: int, length: int, window: int | None, device) -> torch.Tensor:
+    """bool (b|1, 1, t, t): key j <= query i, within the window (j > i - window), and a real token."""
+    query, key = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)[None, :]
+    keep = key <= query
+    if window is not None:
+        keep = keep & (key > query - window)
+    padding = normalize_mask(attention_mask, batch, length, length, name="attention_mask")
+    return keep[None, None] if padding is None else keep[None, None] & padding
+
+
+# ------------------------------------------------------------------------ RoPE
+
+
+def inverse_frequencies(config: LlamaConfig, dtype: torch.dtype, device, positions=None) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,), in ``dtype``, computed as transformers does.
+
+    ``positions``: the call's position ids, which ``dynamic`` scaling reads (its largest + 1).
+    """
+    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "dynamic":  # NTK: theta grows once the call reaches max_position_embeddings
+        trained = config.max_position_embeddings
+        length = torch.clamp(positions.max() + 1, min=trained)
+        stretched = theta * ((scaling.factor * length.to(dtype) / trained) - (scaling.factor - 1)) ** (dim / (dim - 2))
+        return torch.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
+    return llama3_frequencies(inv_freq, scaling)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a blend between."""
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    context = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = context / low, context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class LlamaRotaryEmbedding(Module):
+    """RoPE's cos and sin for given positions (no parameters)."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = LlamaConfig.from_any(config)
+
+    def forward(self, x, position_ids):
+        """x: any tensor of the compute dtype; position_ids (b|1, t). Returns cos, sin (b|1, t, head_dim)."""
+        dtype = _statistics_dtype(x.dtype)
+        inv_freq = inverse_frequencies(self.config, dtype, x.device, position_ids)
+        freqs = position_ids[..., None].to(dtype) * inv_freq  # (b, t, d / 2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (b, t, d): the two halves share frequencies
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def rotate_half(x):
+    """(..., d) -> (-x[d/2:], x[:d/2]): transformers' half-split layout (not Meta's interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q (b, h, t, d), k (b, h_kv, t, d); cos, sin (b, t, d). Returns q, k rotated."""
+    cos, sin = cos[:, None], sin[:, None]  # (b, 1, t, d)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x, groups: int):
+    """(b, h_kv, t, d) -> (b, h_kv * groups, t, d), each key/value head repeated for its ``groups``
+    consecutive query heads (``repeat_interleave``, not ``tile``)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+# ------------------------------------------------------------------------ layers
+
+
+class LlamaRMSNorm(Module):
+    """x / rms(x) * weight, statistics in float32.
+
+    ``plus_one`` (Gemma): the weight is stored as ``w`` (initialised to zeros) and applied as
+    ``1 + w``, and the product runs in float32 before the cast; Llama casts first, then scales.
+    """
+
+    def __init__(self, hidden_size, eps=1e-6, plus_one=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if plus_one else torch.ones(hidden_size))
+        self.variance_epsilon, self.plus_one = eps, plus_one
+
+    def forward(self, x):
+        """(..., hidden_size) -> (..., hidden_size)."""
+        h = x.to(_statistics_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.plus_one:
+            return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaMLP(Module):
+    """down(act(gate(x)) * up(x))."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act_fn = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x):
+        """(b, t, hidden) -> (b, t, hidden)."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(Module):
+    """Causal grouped-query attention with RoPE (and Qwen3's q/k norms, Mistral's window).
+
+    ``num_attention_heads`` query heads share ``num_key_value_heads`` key/value heads: query head
+    i reads key/value head i // groups.
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, layer_idx=0):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        hidden, d, heads, kv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.hidden_size, self.head_dim, self.num_key_value_groups = hidden, d, config.num_key_value_groups
+        self.scaling = d ** -0.5
+        self.sliding_window = config.layer_window(layer_idx)
+        self.q_proj = nn.Linear(hidden, heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(heads * d, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:  # per head, over head_dim
+            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.attn_dropout = nn.Dropout(config.attention_dropout)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden)."""
+        check_features(x, self.hidden_size)
+        b, t, _ = x.shape
+        position_ids = check_position_ids(position_ids, b, t, x.device)
+        keep = attention_keep(attention_mask, b, t, self.sliding_window, x.device)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (b, t, h, d)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if self.qk_norm:  # before RoPE, as Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # (b, h|h_kv, t, d)
+        cos, sin = self.rotary_emb(x, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, t, d)
+        out, _ = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+
+
+class LlamaDecoderLayer(Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, layer_idx=0):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        """(b, t, hidden) -> (b, t, hidden)."""
+        x = x + self.self_attn(self.input_layernorm(x), attention_mask, position_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(Module):
+    """Token embeddings (times ``embed_scale``), the decoder layers, the final norm."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        self.config = config
+        # the pad row gets no gradient (nn.Embedding's padding_idx, as transformers builds it)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        with torch.no_grad():  # transformers' initializer_range; the pad row stays zero
+            self.embed_tokens.weight.normal_(0.0, 0.02)
+            if config.pad_token_id is not None:
+                self.embed_tokens.weight[config.pad_token_id].zero_()
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """(b, t) ids -> last hidden state (b, t, hidden)."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the model's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, attention_mask, position_ids)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(Module):
+    """The decoder and its LM head; called as ``model(input_ids, attention_mask=None, position_ids=None)``.
+
+    Returns logits (b, t, vocab_size). With ``tie_word_embeddings`` the head's weight is the
+    embedding itself, one tensor under both names (``lm_head.weight``, ``model.embed_tokens.weight``),
+    as transformers keeps it.
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def input_spec(self) -> InputSpec:
+        """What the model reads (ids, positions for RoPE's trained context), so tools need not know its class."""
+        return InputSpec(self.config.vocab_size, self.config.max_position_embeddings, generates=True)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """All or nothing, as every torch_reference model; a tied model also refuses a checkpoint
+        whose head differs from its embedding (an untied checkpoint would load one over the other)."""
+        head, table = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+        if (self.config.tie_word_embeddings and isinstance(head, torch.Tensor) and isinstance(table, torch.Tensor)
+                and head.shape == table.shape and not torch.equal(head, table)):
+            raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but this model ties them "
+                             "(tie_word_embeddings=True): the checkpoint has its own head; build the model with "
+                             "tie_word_embeddings=False; nothing was loaded")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """Args:
+            input_ids: (b, t) token ids.
+            attention_mask: optional (b, t), 1 = token, 0 = pad.
+            position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
+
+        Returns:
+            (b, t, vocab_size) logits.
+        """
+        return self.lm_head(self.model(input_ids, attention_mask, position_ids))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -38,12 +37,22 @@ import numpy as np
 
 from flax_transformer.interop import files
 from flax_transformer.verification import pairs
+from flax_transformer.verification.certificate_schema import (  # noqa: F401 (re-exported: certificate.X as before)
+    DTYPES,
+    FORMAT,
+    FORMATS,
+    INPUT_BOUNDS,
+    MAX_BYTES,
+    MAX_TOKENS,
+    CertificateError,
+    _brief,
+    _name,
+    validate,
+)
 from flax_transformer.verification.compare import TOLERANCE, compare, grads_row
 
 FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
 FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
-FORMAT = "flax_transformer verification certificate 1"
-FORMATS = ("safetensors", "torch", "orbax", "hf")
 INPUTS = {"seed": 0, "batch": 2, "length": 9}  # one small batch: the whole check stays cheap
 # A parameter's gradient sums over every position of the batch (an embedding's over its rows too),
 # and torch and XLA sum in different orders: with real weights the fp32 rounding grows past 1e-5
@@ -60,9 +69,6 @@ RECHECK_FACTOR, RECHECK_SLACK = 2.0, 1e-7
 VERSIONED = ("flax_transformer", "jax", "jaxlib", "flax", "torch", "transformers", "numpy", "safetensors",
              "orbax-checkpoint")
 
-
-class CertificateError(ValueError):
-    """An export failed its check (nothing was written), or a certificate cannot be read."""
 
 
 def path_for(path) -> Path:
@@ -385,202 +391,3 @@ def read(path) -> dict:
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # JSONDecodeError, too many digits, nesting
         raise CertificateError(f"{cert} is not valid JSON: {_brief(error)}") from None
     return validate(record, cert)
-
-
-# --------------------------------------------------------------------------- the schema
-
-MAX_BYTES = 16 << 20  # 16 MiB: all-MiniLM-L6-v2's certificate is ~40 KB; a 1000-layer model's stays under 16 MiB
-# the recorded inputs: every export records INPUTS (seed 0, batch 2, length 9); these bounds only keep a
-# tampered certificate from driving the re-check's allocation (a length beyond the model's context is
-# cut to it when the inputs are drawn, at export as now: pairs.example_inputs)
-INPUT_BOUNDS = {"seed": (0, 2**32 - 1), "batch": (1, 64), "length": (1, 4096)}  # seed: a random key keeps 32 bits
-MAX_TOKENS = 4096  # batch x length
-DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
-                    "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"})
-MAX_DIMS, MAX_ELEMENTS = 8, 2**40  # a tensor's shape: at most 8 dimensions, 2**40 elements
-MAX_TENSORS, MAX_FILES, MAX_TEXT = 200_000, 10_000, 1024
-_HEX = frozenset("0123456789abcdef")
-
-
-def _brief(text, limit: int = 200) -> str:
-    """``text``'s first line, cut to ``limit`` characters (for messages that name things from a file)."""
-    lines = str(text).strip().splitlines() or [""]
-    line = lines[0]
-    return line if len(line) <= limit else line[:limit] + f"… ({len(line) - limit} more characters)"
-
-
-def _name(key) -> str:
-    return repr(key) if len(repr(key)) <= 80 else repr(key)[:80] + "…"
-
-
-class _Schema:
-    """Checks of one certificate's fields: each failure is a ``CertificateError`` naming the file and the field."""
-
-    def __init__(self, cert):
-        self.cert = cert
-
-    def fail(self, field: str, why: str):
-        raise CertificateError(f"{self.cert}: field {field}: {why}")
-
-    def kind(self, field, value, kind, what: str):
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            self.fail(field, f"{what}, not {_json_type(value)}")
-        return value
-
-    def text(self, field, value, limit: int = MAX_TEXT, *, empty: bool = True):
-        self.kind(field, value, str, "a string")
-        if len(value) > limit or (not empty and not value):
-            self.fail(field, f"a string of 1 to {limit} characters, not one of {len(value)}")
-        return value
-
-    def integer(self, field, value, low: int, high: int):
-        if type(value) is not int or not low <= value <= high:
-            self.fail(field, f"an integer in [{low}, {high}], not {_short_value(value)}")
-        return value
-
-    def number(self, field, value, low: float = 0.0, high: float = float("inf"), *, finite: bool = True):
-        if type(value) not in (int, float):
-            self.fail(field, f"a number, not {_json_type(value)}")
-        try:
-            x = float(value)
-        except OverflowError:  # an integer of hundreds of digits
-            x = float("inf")
-        if (finite and not math.isfinite(x)) or not (low <= x <= high or (not finite and math.isnan(x))):
-            self.fail(field, f"a {'finite ' if finite else ''}number in [{low:g}, {high:g}], not {_short_value(value)}")
-        return value
-
-    def digest(self, field, value):
-        if not isinstance(value, str) or len(value) != 64 or not set(value) <= _HEX:
-            self.fail(field, f"a sha256 (64 lowercase hex digits), not {_short_value(value)}")
-        return value
-
-    def mapping(self, field, value, limit: int, *, key_limit: int = MAX_TEXT):
-        self.kind(field, value, dict, "a JSON object")
-        if len(value) > limit:
-            self.fail(field, f"at most {limit} entries, not {len(value)}")
-        for key in value:
-            if not key or len(key) > key_limit:
-                self.fail(f"{field}[{_name(key)}]", f"a name of 1 to {key_limit} characters")
-        return value
-
-    def optional(self, record: dict, key: str, check):
-        if key in record and record[key] is not None:
-            check(key, record[key])
-
-
-def _json_type(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _short_value(value) -> str:
-    shown = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else _json_type(value)
-    return shown if len(shown) <= 40 else shown[:40] + "…"
-
-
-def _check_error_entry(s: _Schema, key: str, entry) -> None:
-    """``forward``/``backward``: measured (errors, finite, tolerance) or ``{"not_measured": reason}``."""
-    s.kind(key, entry, dict, "a JSON object")
-    if "not_measured" in entry:
-        s.text(f"{key}.not_measured", entry["not_measured"], 500, empty=False)
-        return
-    errors = ("max_abs_err", "max_rel_err") if key == "forward" else ("max_rel_err",)
-    if not any(e in entry for e in errors):
-        s.fail(key, f"needs {' or '.join(errors)} (or not_measured): it has "
-                    f"{', '.join(map(_name, list(entry)[:5])) or 'no field'}")
-    for e in errors:
-        s.optional(entry, e, lambda f, v: s.number(f"{key}.{f}", v))
-    s.kind(f"{key}.finite", entry.get("finite"), bool, "true or false")
-    s.number(f"{key}.tolerance", entry.get("tolerance"), 0.0, 1.0)
-    if entry["tolerance"] <= 0:
-        s.fail(f"{key}.tolerance", "a number in (0, 1], not 0")
-    s.optional(entry, "scale", lambda f, v: s.number(f"{key}.{f}", v, 1.0))
-    for f in ("relative_to", "worst"):
-        s.optional(entry, f, lambda f, v: s.text(f"{key}.{f}", v))
-    s.optional(entry, "passed", lambda f, v: s.kind(f"{key}.{f}", v, bool, "true or false"))
-    if entry.get("float64") is not None:
-        f64 = s.kind(f"{key}.float64", entry["float64"], dict, "a JSON object")
-        for f in ("jax_err", "torch_err", "budget"):
-            s.optional(f64, f, lambda f, v: s.number(f"{key}.float64.{f}", v, finite=False))
-        s.optional(f64, "rule", lambda f, v: s.text(f"{key}.float64.{f}", v))
-        s.optional(f64, "passed", lambda f, v: s.kind(f"{key}.float64.{f}", v, bool, "true or false"))
-
-
-def _check_inputs(s: _Schema, inputs) -> None:
-    s.kind("inputs", inputs, dict, "a JSON object or null")
-    for key, (low, high) in INPUT_BOUNDS.items():
-        if key not in inputs:
-            s.fail(f"inputs.{key}", "missing")
-        s.integer(f"inputs.{key}", inputs[key], low, high)
-    if inputs["batch"] * inputs["length"] > MAX_TOKENS:
-        s.fail("inputs.length", f"batch x length at most {MAX_TOKENS} tokens, not {inputs['batch']} x {inputs['length']}")
-    if inputs.get("shapes") is not None:
-        shapes = s.kind("inputs.shapes", inputs["shapes"], list, "a list")
-        if len(shapes) > 8:
-            s.fail("inputs.shapes", f"at most 8 inputs, not {len(shapes)}")
-        for i, shape in enumerate(shapes):
-            if shape is not None:
-                _check_shape(s, f"inputs.shapes[{i}]", shape)
-    s.optional(inputs, "drawn_by", lambda f, v: s.text(f"inputs.{f}", v))
-
-
-def _check_shape(s: _Schema, field: str, shape) -> None:
-    s.kind(field, shape, list, "a list of dimensions")
-    if len(shape) > MAX_DIMS:
-        s.fail(field, f"at most {MAX_DIMS} dimensions, not {len(shape)}")
-    count = 1
-    for i, n in enumerate(shape):
-        count *= s.integer(f"{field}[{i}]", n, 0, MAX_ELEMENTS)
-    if count > MAX_ELEMENTS:
-        s.fail(field, f"at most 2**40 elements, not {count}")
-
-
-def validate(record, cert) -> dict:
-    """``record`` (a parsed certificate), checked field by field before anything uses it: types,
-    ranges and required fields (``CertificateError`` naming ``cert`` and the field). Required:
-    certificate, format, model, files, tensors, forward, backward, versions, platform; optional:
-    created, inputs (null or absent: the re-check draws the library's defaults), dtypes,
-    matmul_precision, and a forward's ``max_rel_err`` (certificates before it have ``max_abs_err``)."""
-    s = _Schema(cert)
-    if not isinstance(record, dict):
-        raise CertificateError(f"{cert}: field (top level): a JSON object, not {_json_type(record)}: not a {FORMAT!r}")
-    if record.get("certificate") != FORMAT:
-        s.fail("certificate", f"{_short_value(record.get('certificate'))}: not a {FORMAT!r}")
-    if record.get("format") not in FORMATS:
-        s.fail("format", f"one of {', '.join(FORMATS)}, not {_short_value(record.get('format'))}")
-    s.optional(record, "created", lambda f, v: s.text(f, v, 64))
-    model = s.kind("model", record.get("model"), dict, "a JSON object")
-    s.text("model.family", model.get("family"), 64, empty=False)
-    s.text("model.class", model.get("class"), 128, empty=False)
-    s.mapping("model.init_kwargs", model.get("init_kwargs"), 256)
-    files_ = s.mapping("files", record.get("files"), MAX_FILES, key_limit=255)
-    if record["format"] in ("safetensors", "torch") and len(files_) != 1:
-        s.fail("files", f"one weights file for a {record['format']} export, not {len(files_)}")
-    for name, digest in files_.items():
-        s.digest(f"files[{_name(name)}]", digest)
-    tensors = s.mapping("tensors", record.get("tensors"), MAX_TENSORS)
-    for name, entry in tensors.items():
-        field = f"tensors[{_name(name)}]"
-        s.kind(field, entry, dict, "a JSON object {sha256, dtype, shape}")
-        s.digest(f"{field}.sha256", entry.get("sha256"))
-        if entry.get("dtype") not in DTYPES:
-            s.fail(f"{field}.dtype", f"one of {', '.join(sorted(DTYPES))}, not {_short_value(entry.get('dtype'))}")
-        _check_shape(s, f"{field}.shape", entry.get("shape"))
-    for key in ("forward", "backward"):
-        _check_error_entry(s, key, record.get(key))
-    s.optional(record, "inputs", lambda f, v: _check_inputs(s, v))
-    if record.get("dtypes") is not None:
-        dtypes = s.kind("dtypes", record["dtypes"], dict, "a JSON object")
-        listed = s.kind("dtypes.tensors", dtypes.get("tensors", []), list, "a list")
-        for i, d in enumerate(listed):
-            if d not in DTYPES:
-                s.fail(f"dtypes.tensors[{i}]", f"a known dtype, not {_short_value(d)}")
-        if dtypes.get("compute") not in DTYPES | {None}:
-            s.fail("dtypes.compute", f"a known dtype, not {_short_value(dtypes.get('compute'))}")
-    s.optional(record, "matmul_precision", lambda f, v: s.text(f, v, 32))
-    for key, limit in (("versions", 128), ("platform", 512)):
-        entries = s.mapping(key, record.get(key), 64, key_limit=64)
-        for name, value in entries.items():
-            if value is not None:
-                s.text(f"{key}[{_name(name)}]", value, limit)
-    return record

@@ -84,6 +84,30 @@ def call_factory(spec: str):
     return torch_model, flax_model, tuple(args), dict(kwargs or {})
 
 
+def parse_renames(texts: list[str] | None) -> list[tuple[str, str]]:
+    """``--rename REGEX=REPL`` (repeatable) as porting's ``[(regex, replacement), ...]``, checked
+    (``layer_kinds.check_rename``: the same rule as ``porting.torch_to_flax(..., rename=)``).
+
+    Each text is split at its first ``=`` that is not escaped (``\\=``, a literal ``=`` in the
+    regex) and not part of a group's syntax (``(?=``, ``(?<=``, ``(?P=``).
+    """
+    from flax_transformer.interop.layer_kinds import check_rename
+
+    pairs = []
+    for text in texts or ():
+        at = next((i for i, ch in enumerate(text) if ch == "=" and not text[:i].endswith(("\\", "(?", "(?<", "(?P"))),
+                  None)
+        if at is None or at == 0:
+            raise ValueError(f"--rename must be REGEX=REPL (torch name pattern = the Flax model's torch name), "
+                             f"got {text!r}")
+        pairs.append((text[:at], text[at + 1:]))
+    try:
+        check_rename(pairs)  # a bad regex or replacement: one line naming it
+    except ValueError as error:
+        raise ValueError(f"--rename: {error}") from None
+    return pairs
+
+
 def _kind(x) -> str:
     return f"a tuple of {len(x)}" if isinstance(x, tuple) else type(x).__name__
 
@@ -124,6 +148,9 @@ def run(args) -> int:
         raise ValueError("--bisect needs --checkpoint PATH or --pair MODULE:FACTORY")
     if args.text and not (args.checkpoint and args.bisect):
         raise ValueError("--text goes with --checkpoint PATH --bisect")
+    if getattr(args, "rename", None) and not args.pair:
+        raise ValueError("--rename goes with --pair MODULE:FACTORY (a checkpoint's names are the library's own)")
+    rename = parse_renames(getattr(args, "rename", None))
     if args.json:
         files.check_target(args.json, kind="file", overwrite=args.overwrite)  # before any computation
     if args.text and not (Path(args.checkpoint) / "tokenizer.json").is_file():
@@ -141,7 +168,7 @@ def run(args) -> int:
         call_kwargs = {}
     call_args, call_kwargs = bisect.fp32_inputs(tuple(call_args)), bisect.fp32_inputs(call_kwargs)
     what = args.pair or args.checkpoint
-    allow = dict(allow_skipped=args.allow_skipped, allow_nonfinite=args.allow_nonfinite)
+    allow = dict(allow_skipped=args.allow_skipped, allow_nonfinite=args.allow_nonfinite, rename=rename or None)
     try:
         if args.bisect:
             report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,

@@ -43,8 +43,8 @@ def _verify(args) -> int:
         from flax_transformer.cli import bisect_cli
 
         return bisect_cli.run(args)
-    if args.text or args.json or args.allow_skipped or args.allow_nonfinite:
-        raise ValueError("--text, --json, --allow-skipped and --allow-nonfinite go with --bisect or --pair")
+    if args.text or args.json or args.allow_skipped or args.allow_nonfinite or args.rename:
+        raise ValueError("--text, --json, --allow-skipped, --allow-nonfinite and --rename go with --bisect or --pair")
     if args.through_torch_state and not args.train_steps:
         raise ValueError("--through-torch-state goes with --train-steps K")
     if args.train_steps:
@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="with --bisect or --pair: pass values that are NaN/inf in both frameworks alike (by default "
                         "they fail; NaN/inf on one side always fails)")
+    p.add_argument("--rename", action="append", metavar="REGEX=REPL",
+                   help="with --pair: torch names that differ from the Flax model's (repeatable, applied in order "
+                        "with re.sub, as porting's rename=): module paths and gradients are matched through them")
     p.add_argument("--json", metavar="OUT", help="with --bisect or --pair: also write the report as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace --json OUT if it exists")
     p.set_defaults(func=_verify)

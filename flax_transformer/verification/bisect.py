@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename, kinds_of
 from flax_transformer.verification import capture, frameworks
 from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect.X: the public names)
     BOTH_NONFINITE,
@@ -88,14 +89,56 @@ from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect
 # ---------------------------------------------------------------- measuring
 
 
-def _floats(tree) -> list[np.ndarray]:
-    """The floating-point arrays of a (nested) output, as numpy."""
-    out = []
-    for leaf in frameworks.leaves(list(tree.values()) if isinstance(tree, dict) else tree):
+def _float_leaves(tree) -> dict[str, np.ndarray]:
+    """{path: array} of the floating-point leaves of any output structure (``frameworks.flatten``), as numpy."""
+    out = {}
+    for path, leaf in frameworks.flatten(tree):
         a = frameworks.to_numpy(leaf)
         if isinstance(a, np.ndarray) and jnp.issubdtype(a.dtype, jnp.floating):  # bfloat16 too (kind "V")
-            out.append(a)
+            out[path] = a
     return out
+
+
+def _floats(tree) -> list[np.ndarray]:
+    """The floating-point arrays of a (nested) output, as numpy, in order."""
+    return list(_float_leaves(tree).values())
+
+
+# Kinds of layer (``layer_kinds``) whose inputs and outputs torch and Flax hold in transposed
+# layouts: torch convolves channels first, (b, c, *spatial); Flax's ``nnx.Conv`` channels last,
+# (b, *spatial, c). A user's layer registered as a kind in ``layer_kinds.LAYER_KINDS`` counts too.
+CHANNELS_LAST_KINDS = ("conv",)
+
+
+def _channels_last(flax_module) -> bool:
+    return flax_module is not None and any(k in CHANNELS_LAST_KINDS for k in kinds_of(flax_module))
+
+
+def _channels_last_axes(ndim: int) -> tuple[int, ...]:
+    """flax.shape[j] = torch.shape[axes[j]]: (b, c, *spatial) -> (b, *spatial, c)."""
+    return (0, *range(2, ndim), 1)
+
+
+def _to_torch_layout(a: np.ndarray, shape: tuple, channels_last: bool) -> np.ndarray | None:
+    """A Flax array in torch's layout of ``shape``: moved from channels last where the layer's kind
+    says so (always: the shapes may agree either way, a 3-channel 3x3 map), else as it is; None
+    when the result does not have torch's shape."""
+    if channels_last and a.ndim >= 3:
+        a = np.transpose(a, np.argsort(_channels_last_axes(a.ndim)))  # (b, *spatial, c) -> (b, c, *spatial)
+    return a if tuple(a.shape) == tuple(shape) else None
+
+
+def _aligned(ref_out, t32_out, jax_out, channels_last: bool):
+    """(fp64, torch fp32, JAX) float leaves of one call, matched by ``frameworks.pair_paths`` and JAX's
+    in torch's layout; None when they do not line up (count or shapes)."""
+    want, got_t, got_j = _float_leaves(ref_out), _float_leaves(t32_out), _float_leaves(jax_out)
+    pairs, torch_only, flax_only = frameworks.pair_paths(list(want), list(got_j))
+    if torch_only or flax_only or set(want) != set(got_t):
+        return None
+    js = [_to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
+    if any(j is None for j in js):
+        return None
+    return [want[t] for t, _ in pairs], [got_t[t] for t, _ in pairs], js
 
 
 def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
@@ -149,20 +192,26 @@ def fp32_inputs(tree):
     return tree
 
 
-def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call):
+def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: bool = False):
     """The JAX call's own arguments with each float array replaced by the fp64 reference's input
-    to the same module (cast to float32): masks and ids keep JAX's own form, which may differ
-    from torch's. None when the float inputs do not line up (count or shapes)."""
+    to the same module (cast to float32; moved to channels last for a layer that takes them so):
+    masks and ids keep JAX's own form, which may differ from torch's. None when the float inputs
+    do not line up (count or shapes)."""
     leaves, treedef = jax.tree.flatten((jax_call.args, jax_call.kwargs))  # keyword arguments sorted by name
     ref_kwargs = [ref_call.kwargs[k] for k in sorted(ref_call.kwargs)]
     ref = [a for a in frameworks.leaves((*ref_call.args, *ref_kwargs))
            if hasattr(a, "is_floating_point") and a.is_floating_point()]
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype,
                                                                                                   jnp.floating)]
-    if len(slots) != len(ref) or any(tuple(leaves[i].shape) != tuple(r.shape) for i, r in zip(slots, ref)):
+    if len(slots) != len(ref):
         return None
     for i, r in zip(slots, ref):
-        leaves[i] = jnp.asarray(r.detach().numpy().astype(np.float32)).astype(leaves[i].dtype)
+        a = r.detach().numpy().astype(np.float32)
+        if channels_last and a.ndim >= 3:
+            a = np.transpose(a, _channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
+        if tuple(leaves[i].shape) != a.shape:
+            return None
+        leaves[i] = jnp.asarray(a).astype(leaves[i].dtype)
     return treedef.unflatten(leaves)
 
 
@@ -170,14 +219,16 @@ def _rerun_alone(torch_module, ref_call, jax_call, want):
     """(torch fp32 error, JAX error) of the module rerun alone on the fp64 input; None if it cannot be."""
     import torch
 
-    inputs = _jax_inputs(jax_call, ref_call)
+    channels_last = _channels_last(jax_call.module)
+    inputs = _jax_inputs(jax_call, ref_call, channels_last)
     if inputs is None or jax_call.module is None:
         return None, None
     with torch.no_grad():
         torch_out = torch_module(*_cast(ref_call.args, torch.float32), **_cast(ref_call.kwargs, torch.float32))
     jax_out = jax_call.module(*inputs[0], **inputs[1])
-    got_t, got_j = _floats(torch_out), _floats(jax_out)
-    if len(got_t) != len(want) or len(got_j) != len(want):
+    got_t = _floats(torch_out)
+    got_j = [_to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
+    if len(got_t) != len(want) or len(got_j) != len(want) or any(a is None for a in got_j):
         return None, None
     return _err(got_t, want), _err(got_j, want)
 
@@ -205,7 +256,7 @@ def _finite_part_errs(got_t: list, got_j: list, want: list) -> tuple[float, floa
 
 def _all_finite(tree) -> bool:
     """Every floating value of a call's inputs or output (JAX or torch, nested) finite."""
-    return all(bool(np.isfinite(np.asarray(a, np.float64)).all()) for a in _floats(jax.tree.leaves(tree)))
+    return all(bool(np.isfinite(np.asarray(a, np.float64)).all()) for a in _floats(tree))
 
 
 def _produced(call) -> bool:
@@ -222,24 +273,50 @@ def _status(jax_err, torch_err, scale, local) -> str:
     return "introduced" if local_jax > budget(local_torch, scale) else "inherited"
 
 
-def _not_called_status(module, name: str, flax_names: tuple[set[str], set[str]] | None) -> str:
-    """The status of a torch module call that has no Flax call at its path.
+def _not_called_status(module, name: str, flax_names: tuple[set[str], set[str]] | None, pairs=(),
+                       tied: dict[str, tuple[str, ...]] | None = None) -> str:
+    """The status of a torch module call that has no Flax call at its path (after ``rename``).
 
     Covered (not a gap in the report): a parameter-free module (a dropout in eval mode, an
     activation as a module) whose effect the Flax twin computes inline, or a module the Flax
     twin has at the same path, or whose every parameter it holds under the same torch name,
     but reads rather than calls (an embedding table indexed directly; BERT's per-head
-    projections, which the Flax attention folds into one matmul). Its effect is in its parent's row, and its parameters' in their gradients.
+    projections, which the Flax attention folds into one matmul; a head tied to the embedding,
+    computed with ``embed.attend``: any key of a tied tensor, ``tied``, will do). Its effect is in
+    its parent's row, and its parameters' in their gradients.
     Skipped (incomplete): a module with parameters and no Flax module of its name (a layout
-    the port renamed, say), which nothing in the report stands for."""
+    the port renamed, say, without ``rename=``), which nothing in the report stands for."""
     base = name.split("#")[0]
     if not any(True for _ in module.parameters()):
         return COVERED_FREE
     flax_paths, flax_keys = flax_names or (set(), set())
-    if base in flax_paths or all((f"{base}.{key}" if base else key) in flax_keys
-                                 for key, _ in module.named_parameters()):
+    tied = tied or {}
+
+    def held(key: str) -> bool:
+        return any(apply_rename(k, pairs) in flax_keys for k in tied.get(key, (key,)))
+
+    if flax_path(base, module, pairs) in flax_paths or all(held(f"{base}.{key}" if base else key)
+                                                           for key, _ in module.named_parameters()):
         return COVERED_READ
-    return "skipped: no Flax call at this path"
+    return "skipped: no Flax call at this path" + ("" if pairs else " (rename=? torch and Flax may name it apart)")
+
+
+def flax_path(path: str, module, pairs) -> str:
+    """The Flax module path of the torch module at ``path`` under ``rename``'s compiled ``pairs``:
+    the part its parameters' keys keep after renaming (``a.attention.tokeys.weight`` ->
+    ``a.mhattention.tokeys.weight``: ``a.mhattention``), else ``path + "."`` renamed (a module with
+    no parameters), so the same pairs as porting's match whole keys and module paths alike."""
+    if not pairs or not path:
+        return path
+    found = set()
+    for key, _ in module.named_parameters():
+        renamed = apply_rename(f"{path}.{key}", pairs)
+        if renamed.endswith("." + key):
+            found.add(renamed[: -len(key) - 1])
+    if len(found) == 1:
+        return found.pop()
+    probe = apply_rename(path + ".", pairs)
+    return probe[:-1] if probe.endswith(".") else apply_rename(path, pairs)
 
 
 def _flax_names(flax_model) -> tuple[set[str], set[str]]:
@@ -255,23 +332,37 @@ def _flax_names(flax_model) -> tuple[set[str], set[str]]:
     return paths, keys
 
 
+def _tied(torch_model) -> dict[str, tuple[str, ...]]:
+    """{torch key: every key of its tensor} for the tensors torch holds under several keys."""
+    from flax_transformer.interop import porting
+
+    return {key: group for group in porting.tied_keys(torch_model) for key in group}
+
+
 def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
-                 flax_names: tuple[set[str], set[str]] | None = None) -> list[ModuleRow]:
+                 flax_names: tuple[set[str], set[str]] | None = None, pairs=(),
+                 tied: dict[str, tuple[str, ...]] | None = None) -> list[ModuleRow]:
     rows = []
     for name, ref in ref_calls.items():
         kind = type(ref.module).__name__
-        t32, jx = t32_calls.get(name), jax_calls.get(name)
-        want = _floats(ref.output)
+        base, mark, count = name.partition("#")
+        at = flax_path(base, ref.module, pairs) + mark + count  # the Flax call's label
+        t32, jx = t32_calls.get(name), jax_calls.get(at)
+        renamed = at if at != name else ""
         if jx is None:
-            rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names),
-                                  produced="torch" if _produced(t32) else ""))
+            rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names, pairs, tied),
+                                  produced="torch" if _produced(t32) else "", flax_path=renamed))
             continue
-        got_t, got_j = _floats(t32.output), _floats(jx.output)
-        if len(got_j) != len(want) or any(a.shape != b.shape for a, b in zip(got_j, want)):
+        channels_last = _channels_last(jx.module)
+        aligned = _aligned(ref.output, t32.output, jx.output, channels_last)
+        if aligned is None:
             shapes = lambda xs: [tuple(x.shape) for x in xs]  # noqa: E731
-            rows.append(ModuleRow(name, kind, status=f"skipped: the Flax output has another structure or shape "
-                                                     f"({shapes(got_j)} vs torch {shapes(want)})"))
+            rows.append(ModuleRow(name, kind, flax_path=renamed, status=(
+                f"skipped: the Flax output has another structure or shape ({shapes(_floats(jx.output))} vs "
+                f"torch {shapes(_floats(ref.output))})")))
             continue
+        want, got_t, got_j = aligned
+        moved = channels_last and any(w.ndim >= 3 for w in want)
         torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
         jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
         if jax_only:  # NaN/inf in JAX where torch has another value: never agreement
@@ -290,13 +381,14 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
             status = BOTH_NONFINITE
         produced = ", ".join(side for side, call in (("JAX", jx), ("torch", t32)) if _produced(call))
         rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, status, jax_only, torch_only, both,
-                              produced))
+                              produced, flax_path=renamed,
+                              note="channels last in Flax, compared in torch's layout" if moved else ""))
     return rows
 
 
 def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
            use_jit: bool = True, seed: int = 0, allow_nonfinite: bool = False,
-           allow_skipped: bool = False) -> BisectReport:
+           allow_skipped: bool = False, rename=None, loss_fn=None) -> BisectReport:
     """Find the first submodule where the Flax model's output leaves the float64 torch reference.
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
@@ -313,6 +405,19 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     values NaN or inf in both frameworks fail unless ``allow_nonfinite`` (NaN or inf on one side
     always fails). See the module docstring.
 
+    Outputs of any structure (tuples, dicts, dataclasses, HF ``ModelOutput``s, ``None`` leaves)
+    are compared leaf by leaf, their floating-point arrays matched by path
+    (``frameworks.pair_paths``). A layer whose kind holds its inputs and outputs in another
+    layout in Flax (``CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
+    Flax) is compared through that transposition, its rerun too.
+
+    ``rename`` is porting's ``[(regex, replacement), ...]``: a torch module path is looked up in
+    Flax at the path its parameters' keys take after the pairs (``flax_path``), and a torch key's
+    gradient is compared with the Flax parameter of the renamed key. ``grads=True``
+    differentiates ``loss_fn(outputs)`` when given, else ``sum_i <output_i, W_i>`` (both as in
+    ``compare``); a tensor torch ties under several keys is one gradient row, summed over its
+    uses, with a note naming the keys (``frameworks.grad_keys``).
+
     Returns:
         a ``BisectReport``: ``rows``, ``first_divergent`` (None exactly when the report passed),
         ``first_nonfinite``, and with ``grads=True`` ``grad_rows`` and ``first_divergent_grad``.
@@ -320,6 +425,8 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     import torch
 
     kwargs = kwargs or {}
+    pairs = check_rename(rename)  # a bad rename fails before any work
+    frameworks.split_loss_fn(loss_fn)
     torch_model.eval()
     flax_model.eval()
     reference = copy.deepcopy(torch_model).double()
@@ -332,12 +439,12 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     _, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
     modules32 = dict(torch_model.named_modules())
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
-                        _flax_names(flax_model))
+                        _flax_names(flax_model), pairs, _tied(torch_model))
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite)
     if grads:
-        report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed)
+        report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn)
         report.first_divergent_grad = _first_divergent_grad(report, t32)
     return report.settle()
 
@@ -345,44 +452,53 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 # ---------------------------------------------------------------- gradients
 
 
-def _torch_grads(model, args, kwargs, weights, dtype) -> dict[str, np.ndarray]:
+def _torch_grads(model, args, kwargs, weights, loss_fn, dtype) -> dict[str, np.ndarray]:
     import torch
 
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        outs = list(frameworks.leaves(model(*_cast(args, dtype), **_cast(kwargs, dtype))))
-        sum((o * torch.from_numpy(w).to(dtype)).sum() for o, w in zip(outs, weights)).backward()
+        frameworks.torch_scalar(model(*_cast(args, dtype), **_cast(kwargs, dtype)), weights, loss_fn).backward()
     grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
              for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads
 
 
-def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[GradRow]:
+def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None) -> list[GradRow]:
     import torch
     from flax import nnx
 
     from flax_transformer.interop import porting
 
+    torch_fn, flax_fn = frameworks.split_loss_fn(loss_fn)
     with torch.no_grad():
-        outs = list(frameworks.leaves(torch_model(*args, **kwargs)))
-    rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]  # verify.compare's W
-    g32 = _torch_grads(torch_model, args, kwargs, weights, torch.float32)
-    g64 = _torch_grads(reference, args, kwargs, weights, torch.float64)
+        out = torch_model(*args, **kwargs)
+    weights = {} if torch_fn is not None else frameworks.default_weights(out, seed)  # verify.compare's W
+    if torch_fn is None and not weights:
+        raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; give loss_fn=")
+    g32 = _torch_grads(torch_model, args, kwargs, weights, torch_fn, torch.float32)
+    g64 = _torch_grads(reference, args, kwargs, weights, torch_fn, torch.float64)
     j_args = tuple(map(frameworks.to_jax, args))
     j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
-    _, grads = frameworks.flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
+    t_paths = tuple(p for p, v in frameworks.flatten(out) if v is not None)
+    _, grads = frameworks.flax_grads(flax_model, j_args, j_kwargs, {p: jnp.asarray(w) for p, w in weights.items()},
+                                     t_paths, flax_fn)
     holder = nnx.clone(flax_model)
     nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
     gj = porting.state_dict(holder)
+    keys, flax_only = frameworks.grad_keys(torch_model, gj, rename, porting.tied_keys(flax_model))
+    # one gradient per tensor: a tied one summed over its uses (torch's autograd sums already)
+    g32 = {k.name: frameworks.sum_grads(g32, k.torch) for k in keys}
+    g64 = {k.name: frameworks.sum_grads(g64, k.torch) for k in keys}
     budgets = grad_budgets(g32, g64)
     rows = []
-    for name, want in g64.items():
-        if name not in gj:
-            rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"))
+    for key in keys:
+        want = g64[key.name]
+        if not key.flax:
+            rows.append(GradRow(key.name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"
+                                + ("" if rename else " (rename=?)"), note=key.note))
             continue
-        (scale, limit), got_t, got_j = budgets[name], [g32[name]], [np.asarray(gj[name])]
+        (scale, limit), got_t, got_j = budgets[key.name], [g32[key.name]], [frameworks.sum_grads(gj, key.flax)]
         torch_err, jax_err = _err(got_t, [want]), _err(got_j, [want])
         jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
         if jax_only:
@@ -394,7 +510,10 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed) -> list[G
             status = TORCH_NONFINITE
         elif both and status == "ok":
             status = BOTH_NONFINITE
-        rows.append(GradRow(name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit))
+        rows.append(GradRow(key.name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit,
+                            note=key.note))
+    rows += [GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
+                     + ("" if rename else " (rename=?)")) for name in flax_only]
     return rows
 
 

@@ -66,6 +66,8 @@ class ModuleRow:
     nonfinite_torch: int = 0  # ... in torch fp32 where JAX has another value
     nonfinite_both: int = 0  # ... NaN/inf in both, the same value
     produced: str = ""  # "JAX", "torch" or "JAX, torch": its inputs finite there, its output not
+    flax_path: str = ""  # the Flax call's path where rename= gives another one
+    note: str = ""  # how it was compared, where that is not as it is (a layout moved)
 
     @property
     def ratio(self) -> float | None:
@@ -90,11 +92,18 @@ class GradRow:
     nonfinite_jax: int = 0
     nonfinite_torch: int = 0
     nonfinite_both: int = 0
-    budget: float | None = None  # grad_budgets: over the parameter's module
+    budget: float | None = None  # grad_budgets: over the model
+    note: str = ""  # "tied: lm_head.weight = tok_emb.weight": a tensor with several keys, its uses summed
 
     @property
     def ratio(self) -> float:
         return self.jax_err / self.torch_err if self.torch_err > 0 else (0.0 if self.jax_err == 0 else float("inf"))
+
+
+def _status_text(row) -> str:
+    """A row's status with its notes: how it was compared, the Flax path ``rename=`` gave it."""
+    notes = [n for n in (row.note, f"Flax: {row.flax_path}" if getattr(row, "flax_path", "") else "") if n]
+    return row.status + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _fmt(x) -> str:
@@ -218,10 +227,11 @@ class BisectReport:
         header = ("module", "class", "torch err", "jax err", "ratio", "rerun alone: torch", "jax", "status")
         body = [(r.path or "(model)", r.kind, _fmt(r.torch_err), _fmt(r.jax_err),
                  "-" if r.ratio is None else f"{r.ratio:.1f}", _fmt(r.local_torch_err), _fmt(r.local_jax_err),
-                 r.status) for r in self.rows]
+                 _status_text(r)) for r in self.rows]
         parts = [_table(header, body)]
         if self.grad_rows:
-            body = [(g.name, _fmt(g.torch_err), _fmt(g.jax_err), f"{g.ratio:.1f}", g.status) for g in self.grad_rows]
+            body = [(g.name, _fmt(g.torch_err), _fmt(g.jax_err), f"{g.ratio:.1f}", _status_text(g))
+                    for g in self.grad_rows]
             parts.append(_table(("parameter gradient", "torch err", "jax err", "ratio", "status"), body))
         return "\n\n".join(parts + [self.summary()])
 
@@ -235,7 +245,7 @@ class BisectReport:
             depth = sum(1 for p in called if p != path and (not p or path.startswith(p + ".")))
             mark = " <-- first divergent" if r.path == first else ""
             lines.append(f"{'  ' * depth}{r.path or '(model)'} [{r.kind}] "
-                         f"jax {_fmt(r.jax_err)} torch {_fmt(r.torch_err)}: {r.status}{mark}")
+                         f"jax {_fmt(r.jax_err)} torch {_fmt(r.torch_err)}: {_status_text(r)}{mark}")
         return "\n".join(lines + [self.summary()])
 
     def to_dict(self) -> dict:

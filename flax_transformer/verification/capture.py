@@ -27,6 +27,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flax_transformer.verification import frameworks
+
 
 @dataclass
 class Call:
@@ -170,7 +172,9 @@ def nnx_calls(model, args: tuple, kwargs: dict, *, use_jit: bool = True) -> tupl
     """Run a Flax NNX model and record every submodule call, in the order calls return.
 
     Under ``use_jit`` the calls are recorded while ``nnx.jit`` traces, and their arrays come
-    back as outputs of the compiled function. Each ``Call.module`` is the caller's own instance.
+    back as outputs of the compiled function; outputs come back as ``frameworks.freeze`` gives
+    them (``{path: leaf}``), so any structure does (a plain dataclass, a string leaf), which JAX
+    could not return as it is. Each ``Call.module`` is the caller's own instance.
     """
     if not use_jit:
         with _recording(model) as calls:
@@ -182,10 +186,10 @@ def nnx_calls(model, args: tuple, kwargs: dict, *, use_jit: bool = True) -> tupl
     def traced(m, a, k):
         static.clear()  # what the last trace recorded, should JAX ever trace twice
         with _recording(m) as recorded:
-            result = m(*a, **k)
+            result = frameworks.freeze(m(*a, **k))
         dynamic = []
         for call in recorded:
-            arrays, rebuild = _arrays((call.args, call.kwargs, call.output))
+            arrays, rebuild = _arrays((call.args, call.kwargs, frameworks.freeze(call.output)))
             static.append((call.path, rebuild))
             dynamic.append(arrays)
         return result, dynamic

@@ -20,11 +20,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_transformer.interop.layer_kinds import check_rename
 from flax_transformer.verification.bisect import _cast, _scale, budget, budget_rule, grad_budget
 from flax_transformer.verification.frameworks import apply as _apply
-from flax_transformer.verification.frameworks import finite_abs_err, nonfinite, to_jax, to_numpy, to_torch
+from flax_transformer.verification.frameworks import (
+    apply_flat,
+    default_weights,
+    finite_abs_err,
+    flatten,
+    grad_keys,
+    is_array,
+    nonfinite,
+    pair_paths,
+    split_loss_fn,
+    sum_grads,
+    to_jax,
+    to_numpy,
+    to_torch,
+    torch_scalar,
+)
 from flax_transformer.verification.frameworks import flax_grads as _flax_grads
-from flax_transformer.verification.frameworks import leaves as _leaves
 
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
@@ -57,6 +72,8 @@ class Row:
     skipped: str = ""  # what could not be compared ("" = everything was)
     allow_nonfinite: bool = False
     allow_skipped: bool = False
+    mismatched: str = ""  # what differs outright: a non-array output leaf, a leaf on one side only
+    note: str = ""  # e.g. "tied: lm_head.weight = tok_emb.weight" (a gradient summed over its uses)
 
     @property
     def within_budget(self) -> bool | None:
@@ -69,7 +86,7 @@ class Row:
             return False
         if not self.finite and not (self.allow_nonfinite and self.nonfinite_both):
             return False
-        if self.skipped and not self.allow_skipped:
+        if self.skipped and not self.allow_skipped or self.mismatched:
             return False
         return bool(self.max_abs_err <= self.tol) and self.within_budget is not False
 
@@ -92,6 +109,8 @@ class Row:
             out.append(f"JAX {over:.1f}x its float64 budget")
         if self.skipped:
             out.append(f"not compared: {self.skipped}" + (" (allowed)" if self.allow_skipped else ""))
+        if self.mismatched:
+            out.append(f"differs: {self.mismatched}")
         return out
 
 
@@ -106,6 +125,7 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         problems = r.problems()
         result = ("pass" if r.passed else "FAIL") + (f": {'; '.join(problems)}" if problems else "")
+        result += f" ({r.note})" if r.note else ""
         body.append((r.family, r.module, r.case, r.direction,
                      f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"), _e(r.jax_err), _e(r.budget), result))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
@@ -130,7 +150,8 @@ class CompareReport:
     grad_finite: bool | None = None
     worst_grad_key: str | None = None
     scale: float = 0.0  # max |torch output| (finite values): max_rel_err is max_abs_err / max(1, scale)
-    outputs: tuple[dict, ...] = ()  # one per output leaf: its errors, against float64 too
+    outputs: tuple[dict, ...] = ()  # one per array output leaf (by path): its errors, against float64 too
+    others: tuple[dict, ...] = ()  # one per output leaf that is not an array (None, a string): both values, equal
     skipped: tuple[str, ...] = ()  # what could not be compared (an output leaf, the float64 reference)
     allow_nonfinite: bool = False
     allow_skipped: bool = False
@@ -179,6 +200,10 @@ class CompareReport:
         if out.jax_err is not None:
             line += f"; against float64 torch: JAX {out.jax_err:.2e}, torch {out.torch_err:.2e}, budget {out.budget:.2e}"
         lines.append(line)
+        if self.others:
+            lines.append("outputs that are not arrays (must be equal): " + "; ".join(
+                f"{o['output']}: {o['torch']}" + ("" if o["equal"] else f" vs flax {o['flax']} DIFFERENT")
+                for o in self.others))
         grads = self.rows[1:]
         if grads:
             failed = [r.module for r in grads if not r.passed]
@@ -195,19 +220,30 @@ class CompareReport:
                 "torch_err": self.torch_err, "budget": self.budget, "budget_rule": budget_rule(),
                 "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
                 "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
-                "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs),
+                "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs), "others": list(self.others),
                 "rows": [dataclasses.asdict(r) | {"passed": r.passed, "problems": r.problems()} for r in self.rows]}
 
 
 def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
             grads: bool = False, use_jit: bool = True, seed: int = 0, fp64: bool = True,
-            allow_nonfinite: bool = False, allow_skipped: bool = False) -> CompareReport:
+            allow_nonfinite: bool = False, allow_skipped: bool = False, rename=None,
+            loss_fn=None) -> CompareReport:
     """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
 
     Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
     tensors (each framework gets its own copy); ``None`` and Python scalars pass through.
 
-    Each output is judged three ways: its max abs error (``tol``), its error relative to the
+    Outputs may have any structure: an array, tuples, lists, dicts, dataclasses, namedtuples, HF
+    ``ModelOutput``s, with ``None`` or other non-array leaves (a torch ``(logits, None)``). Leaves
+    are named by their path (``output[0]``, ``output.logits``: ``frameworks.flatten``) and
+    matched by path, or by position where the two frameworks' structures differ but hold as many
+    leaves (``frameworks.pair_paths``). Array leaves are compared by value; any other leaf
+    (``None``, a string, an int) must be equal in both frameworks, of the same type, and is
+    listed (``report.others``); ``None`` counts as equal to a leaf that is absent (an HF
+    ``ModelOutput`` drops its ``None`` fields). A leaf that differs, or is on one side only,
+    fails the report (``Row.mismatched``).
+
+    Each array output is judged three ways: its max abs error (``tol``), its error relative to the
     outputs' scale (``report.max_rel_err``, for the certificate), and against a float64 copy of the
     torch model (``deepcopy(torch_model).double()``, float inputs cast; ids and masks kept), with
     ``bisect``'s budget rule: JAX's error against float64 may be at most
@@ -218,24 +254,40 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
 
     Non-finite values never agree: NaN or inf on one side only fails; NaN or inf on both sides
     (the same value) is "not finite in either framework" and fails unless ``allow_nonfinite``.
-    Anything that could not be compared (an output leaf that is not an array, the float64
-    reference when it does not run) is listed in ``report.skipped`` and fails unless
-    ``allow_skipped``; the summary's first line then says so.
+    Anything that could not be compared (an array leaf that is not numeric, a gradient with no
+    counterpart, the float64 reference when it does not run) is listed in ``report.skipped`` and
+    fails unless ``allow_skipped``; the summary's first line then says so.
 
     Args:
         args, kwargs: the call's arguments, e.g. ``(ids, mask)``.
         tol: the max abs error a row may have and pass (fp32, matmul precision "highest": 1e-5).
-        grads: also compare every parameter's gradient of ``sum_i <output_i, W_i>`` with fixed
-            random ``W_i`` (seeded by ``seed``): the gradient of any loss is the backward pass of
-            some such ``W``, so a random one checks the whole backward pass. Each parameter's
-            error is relative to its gradient's scale, ``max(1, max |g_torch|)``; parameters are
-            named by their torch keys. Each gradient is also held to the float64 rule (the
-            float64 copy's gradient; one budget for all of them, torch's largest gradient error
-            and the largest gradient over the model, ``bisect.grad_budget``, as in ``bisect``).
+        grads: also compare every parameter's gradient of one scalar: ``loss_fn(outputs)`` when
+            given, else ``sum_i <output_i, W_i>`` over the floating output leaves with fixed random
+            ``W_i`` (``frameworks.default_weights``, seeded by ``seed``, placed on Flax's leaves by
+            path): the gradient of any loss is the backward pass of some such ``W``, so a random one
+            checks the whole backward pass. Each parameter's error is relative to its gradient's
+            scale, ``max(1, max |g_torch|)``; parameters are named by their torch keys. A tensor
+            torch holds under several keys (a head tied to the embedding) is one row, its gradient
+            the sum over its uses, as torch's autograd gives it; the Flax side sums its gradients
+            too where it holds the tensor more than once; the row's note says it is tied. Each
+            gradient is also held to the float64 rule (the float64 copy's gradient; one budget for
+            all of them, torch's largest gradient error and the largest gradient over the model,
+            ``bisect.grad_budget``, as in ``bisect``).
         use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
         fp64: measure against the float64 copy (one more torch forward, and backward with
             ``grads``); False leaves the float64 columns empty and the rule unapplied.
         allow_nonfinite, allow_skipped: see above.
+        rename: porting's ``[(regex, replacement), ...]`` (``porting.torch_to_flax(..., rename=)``):
+            a torch key's gradient is compared with the Flax parameter whose torch name the key
+            becomes after the pairs, applied with ``re.sub`` in order.
+        loss_fn: the scalar for ``grads=True``, a function of the outputs, as the model returned
+            them (a tuple, a ``ModelOutput``...), returning one number. One function is called
+            on torch's outputs (torch tensors), on the float64 copy's and on Flax's (JAX arrays),
+            so write it with what both have: indexing and attributes (``out[1]``,
+            ``out.logits``), arithmetic operators and the methods ``.sum()``, ``.mean()``,
+            ``.max()``, ``.reshape()``, e.g. ``lambda out: out[1]`` (a loss the model returns) or
+            ``lambda out: (out.logits ** 2).mean()``; no ``torch.*`` or ``jnp.*`` calls. Or give a
+            pair ``(torch_fn, flax_fn)``, one per framework.
 
     Returns:
         A ``CompareReport``: one row for the outputs, then one per parameter gradient.
@@ -245,6 +297,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     from flax_transformer.interop import porting
 
     kwargs = kwargs or {}
+    check_rename(rename)  # a bad rename fails before any work
+    torch_fn, flax_fn = split_loss_fn(loss_fn)
     torch_model.eval()
     flax_model.eval()
     t_args, t_kwargs = tuple(map(to_torch, args)), {k: to_torch(v) for k, v in kwargs.items()}
@@ -255,47 +309,48 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
     weights, torch_grads = None, {}
     if grads:
-        outs = list(_leaves(torch_out))
-        rng = np.random.default_rng(seed)
-        weights = [rng.standard_normal(tuple(o.shape)).astype(np.float32) for o in outs]
+        weights = {} if torch_fn is not None else default_weights(torch_out, seed)
+        if torch_fn is None and not weights:
+            raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; "
+                             "give loss_fn=")
         torch_model.zero_grad(set_to_none=True)
-        sum((o * torch.from_numpy(w)).sum() for o, w in zip(outs, weights)).backward()
+        torch_scalar(torch_out, weights, torch_fn).backward()
         torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
                        for k, p in torch_model.named_parameters()}
-    ref_out, ref_grads, why_not = (_float64_reference(torch_model, t_args, t_kwargs, weights) if fp64
+    ref_out, ref_grads, why_not = (_float64_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
                                    else (None, None, ""))
     if grads:
-        flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs, [jnp.asarray(w) for w in weights])
+        t_paths = tuple(p for p, v in flatten(torch_out) if v is not None)
+        flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs,
+                                           {p: jnp.asarray(w) for p, w in weights.items()}, t_paths, flax_fn)
     else:
-        flax_out = (_apply if use_jit else lambda m, a, k: m(*a, **k))(flax_model, j_args, j_kwargs)
-    t_leaves, j_leaves = list(_leaves(torch_out)), list(_leaves(flax_out))
-    if len(t_leaves) != len(j_leaves):
-        raise AssertionError(f"the outputs differ in structure: torch {len(t_leaves)} leaves, flax {len(j_leaves)}")
-    r_leaves = list(_leaves(ref_out)) if ref_out is not None else [None] * len(t_leaves)
-    skipped = [why_not] if why_not else []
-    checks = []
-    for i, (t, j, r) in enumerate(zip(t_leaves, j_leaves, r_leaves, strict=True)):
-        check = _check(t, j, r, measured=fp64 and not why_not)
-        if check is None:
-            continue  # None in both: nothing to compare
-        check["output"] = i
-        checks.append(check)
-        if check["skipped"]:
-            skipped.append(f"output {i}: {check['skipped']}")
-    out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped), **allow)
+        flax_out = _run(flax_model, j_args, j_kwargs, use_jit)
+    measured = fp64 and not why_not
+    checks, others, skipped, mismatched = _outputs(torch_out, flax_out, ref_out, measured)
+    skipped = ([why_not] if why_not else []) + skipped
+    out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped),
+                   mismatched="; ".join(mismatched), **allow)
     err, finite = out_row.max_abs_err, out_row.finite
     scale = max((c["torch_scale"] for c in checks), default=0.0)
+    outputs = tuple(checks)
     if not grads:
-        return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=tuple(checks), skipped=tuple(skipped),
-                             **allow)
+        return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=outputs, others=tuple(others),
+                             skipped=tuple(skipped), **allow)
     rows = [out_row]
     holder = nnx.clone(flax_model)
     nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
     flax_grads = porting.state_dict(holder)
-    if set(flax_grads) != set(torch_grads):
-        raise AssertionError(f"parameter names differ: {sorted(set(flax_grads) ^ set(torch_grads))}")
-    checks = {key: _check(g, flax_grads[key], None if ref_grads is None else ref_grads[key],
-                          measured=fp64 and not why_not) for key, g in torch_grads.items()}
+    keys, flax_only = grad_keys(torch_model, flax_grads, rename, porting.tied_keys(flax_model))
+    hint = "" if rename else " (rename=[(regex, replacement)] maps torch names onto the Flax model's)"
+    checks, notes = {}, {}
+    for key in keys:
+        t, j = sum_grads(torch_grads, key.torch), sum_grads(flax_grads, key.flax)
+        notes[key.name] = key.note
+        checks[key.name] = (_blank(t.shape, "no Flax parameter of this name" + hint) if j is None else
+                            _check(t, j, None if ref_grads is None else sum_grads(ref_grads, key.torch),
+                                   measured=measured))
+    for key in flax_only:
+        checks[key] = _blank(np.shape(flax_grads[key]), "a Flax parameter that no torch key reaches" + hint)
     # one budget for all gradients: torch's largest error and the largest gradient (bisect.grad_budget)
     measured = {k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None}
     grad_scale, limit = grad_budget(measured)
@@ -304,7 +359,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     worst, worst_key, all_finite = 0.0, "", True
     for key, check in checks.items():
         g_err = check["max_abs_err"] / max(1.0, check["torch_scale"])  # relative to the gradient's scale
-        row = _row(family, key, "given inputs", "grads", [check], tol, check["skipped"], **allow)
+        row = _row(family, key, "given inputs", "grads", [check], tol, check["skipped"], note=notes.get(key, ""),
+                   **allow)
         rows.append(dataclasses.replace(row, max_abs_err=g_err))
         if check["skipped"]:
             skipped.append(f"gradient {key}: {check['skipped']}")
@@ -312,12 +368,25 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         if g_err >= worst:
             worst, worst_key = g_err, key
     return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
-                         outputs=tuple(checks), skipped=tuple(skipped), **allow)
+                         outputs=outputs, others=tuple(others), skipped=tuple(skipped), **allow)
 
 
-def _float64_reference(torch_model, t_args, t_kwargs, weights):
+def _run(flax_model, j_args, j_kwargs, use_jit: bool):
+    """The Flax model's outputs: compiled (as they are where JAX can return them, else ``freeze``d) or eager."""
+    if not use_jit:
+        return flax_model(*j_args, **j_kwargs)
+    try:
+        return _apply(flax_model, j_args, j_kwargs)  # one compile cache with verify's other calls
+    except TypeError as error:
+        if "not a valid JAX type" not in str(error):
+            raise
+        return apply_flat(flax_model, j_args, j_kwargs)  # a string or a plain dataclass in the outputs
+
+
+def _float64_reference(torch_model, t_args, t_kwargs, weights, loss_fn):
     """(outputs, {torch key: gradient} or None, why it did not run or "") of a float64 copy of the
-    torch model: one forward, and with ``weights`` the backward of ``sum_i <output_i, W_i>``."""
+    torch model: one forward, and with ``weights`` (not None) the backward of the same scalar as
+    torch fp32's (``frameworks.torch_scalar``)."""
     import torch
 
     try:
@@ -329,7 +398,7 @@ def _float64_reference(torch_model, t_args, t_kwargs, weights):
         reference.zero_grad(set_to_none=True)
         with torch.enable_grad():
             out = reference(*args64, **kwargs64)
-            sum((o * torch.from_numpy(w).double()).sum() for o, w in zip(_leaves(out), weights, strict=True)).backward()
+            torch_scalar(out, weights, loss_fn).backward()
         grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
                  for k, p in reference.named_parameters()}
         return out, grads, ""
@@ -338,21 +407,78 @@ def _float64_reference(torch_model, t_args, t_kwargs, weights):
         return None, None, f"the float64 reference did not run ({type(error).__name__}: {message})"
 
 
+def _show(x) -> str:
+    """A leaf for a report line: an array by shape and dtype, anything else by repr (cut at 40)."""
+    if is_array(x):
+        return f"array{tuple(np.shape(x))} {getattr(x, 'dtype', '')}".rstrip()
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _same(a, b) -> bool:
+    """Non-array leaves agree: same type and equal (NaN never equals itself: non-finite never agrees)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an == that is no truth value
+        return False
+
+
+def _outputs(torch_out, flax_out, ref_out, measured: bool):
+    """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
+    leaves matched by ``pair_paths``."""
+    t_leaves, j_leaves = flatten(torch_out), flatten(flax_out)
+    ref = dict(flatten(ref_out)) if ref_out is not None else {}
+    t_vals = {p: v for p, v in t_leaves if v is not None}
+    j_vals = {p: v for p, v in j_leaves if v is not None}
+    pairs, torch_only, flax_only = pair_paths(list(t_vals), list(j_vals))
+    checks, others, skipped, mismatched = [], [], [], []
+    for tp, jp in pairs:
+        a, b = t_vals[tp], j_vals[jp]
+        name = tp if tp == jp else f"{tp} (flax {jp})"
+        if (is_array(a) or is_array(b)) and all(is_array(x) or _number(x) for x in (a, b)):
+            check = _check(a, b, ref.get(tp), measured=measured)
+            check["output"] = name
+            checks.append(check)
+            if check["skipped"]:
+                skipped.append(f"{name}: {check['skipped']}")
+            continue
+        equal = _same(a, b)
+        others.append({"output": name, "torch": _show(a), "flax": _show(b), "equal": equal})
+        if not equal:
+            mismatched.append(f"{name}: torch {_show(a)}, flax {_show(b)}")
+    mismatched += [f"{p}: only in torch ({_show(t_vals[p])})" for p in torch_only]
+    mismatched += [f"{p}: only in flax ({_show(j_vals[p])})" for p in flax_only]
+    nones = dict.fromkeys(p for p, v in [*t_leaves, *j_leaves] if v is None and p not in t_vals and p not in j_vals)
+    t_none, j_none = {p for p, v in t_leaves if v is None}, {p for p, v in j_leaves if v is None}
+    others += [{"output": p, "torch": "None" if p in t_none else "absent", "flax": "None" if p in j_none else "absent",
+                "equal": True} for p in nones]
+    if not checks:
+        skipped.append("no array among the outputs")
+    return checks, others, skipped, mismatched
+
+
+def _blank(shape, skipped: str = "") -> dict:
+    """A check with nothing measured yet (``skipped``: why nothing will be)."""
+    return {"shape": list(shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
+            "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
+            "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": skipped}
+
+
 def _is_numeric(a) -> bool:
     return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
 
 
-def _check(t, j, r, *, measured: bool) -> dict | None:
+def _check(t, j, r, *, measured: bool) -> dict:
     """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
-    torch ``r`` where ``measured`` (the budget from this leaf's own figures); None when both are None."""
+    torch ``r`` where ``measured`` (the budget from this leaf's own figures)."""
     t, j = to_numpy(t), to_numpy(j)
-    if t is None and j is None:
-        return None
     kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
     t, j = np.asarray(t), np.asarray(j)
-    check = {"shape": list(t.shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
-             "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
-             "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": ""}
+    check = _blank(t.shape)
     if not (_is_numeric(t) and _is_numeric(j)):
         check["skipped"] = f"not numeric arrays ({kinds})"
         return check
@@ -388,7 +514,8 @@ def _check(t, j, r, *, measured: bool) -> dict | None:
     return check
 
 
-def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, **allow) -> Row:
+def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, *, mismatched: str = "",
+         note: str = "", **allow) -> Row:
     """One Row from the checks of some output leaves: the largest errors, and the float64 figures
     of the leaf nearest (or furthest beyond) its budget."""
     measured = [c for c in checks if c["budget"] is not None]
@@ -401,7 +528,8 @@ def _row(family, module, case, direction, checks: list[dict], tol, skipped: str,
                budget=None if worst is None else worst["budget"],
                nonfinite_jax=sum(c["nonfinite_jax"] for c in checks),
                nonfinite_torch=sum(c["nonfinite_torch"] for c in checks),
-               nonfinite_both=sum(c["nonfinite_both"] for c in checks), skipped=skipped, **allow)
+               nonfinite_both=sum(c["nonfinite_both"] for c in checks), skipped=skipped, mismatched=mismatched,
+               note=note, **allow)
 
 
 def grads_row(report: CompareReport, family: str, module: str, case: str, direction: str) -> Row:

@@ -1,14 +1,26 @@
 """Values between torch, numpy and JAX, and the compiled calls both ``verify`` and ``bisect`` make.
 
-torch is imported only inside ``to_torch``: a torch tensor is recognised by its type's module.
+Also what ``compare`` and ``bisect`` share beyond that: any output structure as ``{path: leaf}``
+(``flatten``, ``freeze``, ``pair_paths``), the scalar ``grads=True`` differentiates (``loss_fn=`` or
+the default ``sum_i <output_i, W_i>``), and which gradients are compared with which (``grad_keys``:
+``rename=`` and tied tensors).
+
+torch is imported only inside functions: a torch tensor is recognised by its type's module.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 
 
 def leaves(x):
@@ -93,11 +105,221 @@ def apply(module, args, kwargs):
     return module(*args, **kwargs)
 
 
+# ------------------------------------------------------------------ any output structure
+
+
+def is_array(a) -> bool:
+    """A torch tensor, numpy or JAX array (a tracer too): a leaf compared by value, not by ``==``."""
+    return _is_torch(a) or isinstance(a, (np.ndarray, np.generic, jax.Array))
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A leaf that is not an array (a string, an int), carried out of a compiled function in the
+    output's structure, where JAX keeps it, rather than as a value, which JAX cannot return."""
+
+    value: Any
+
+
+class Flat(dict):
+    """An output as ``{path: leaf}`` (``freeze``): a pytree whatever the model returned, so it leaves
+    ``nnx.jit`` intact (a plain dataclass or a string does not)."""
+
+
+jax.tree_util.register_pytree_node(Flat, lambda f: (tuple(f.values()), tuple(f.keys())),
+                                   lambda keys, values: Flat(zip(keys, values)))
+
+
+def _key(k) -> str:
+    return f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]"
+
+
+def flatten(tree, path: str = "output") -> list[tuple[str, Any]]:
+    """The leaves of any output structure with their paths, in order: ``output[0]`` in a tuple or
+    list, ``output.logits`` for a dict's or HF ``ModelOutput``'s key, a dataclass's or namedtuple's
+    field. A leaf is an array (torch, numpy, JAX), ``None`` or anything else (a string, an int).
+    An HF ``ModelOutput`` lists only its fields that are not None (it is a dict of those)."""
+    if isinstance(tree, Flat):
+        return [(p, v.value if isinstance(v, Static) else v) for p, v in tree.items()]
+    if tree is None or is_array(tree) or isinstance(tree, (str, bytes, int, float, complex, Static)):
+        return [(path, tree.value if isinstance(tree, Static) else tree)]
+    if isinstance(tree, Mapping):
+        return [leaf for k, v in tree.items() for leaf in flatten(v, path + _key(k))]
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: by field name
+        return [leaf for k in tree._fields for leaf in flatten(getattr(tree, k), f"{path}.{k}")]
+    if isinstance(tree, (tuple, list)):
+        return [leaf for i, v in enumerate(tree) for leaf in flatten(v, f"{path}[{i}]")]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return [leaf for f in dataclasses.fields(tree) for leaf in flatten(getattr(tree, f.name), f"{path}.{f.name}")]
+    return [(path, tree)]
+
+
+def freeze(tree) -> Flat:
+    """``flatten`` as a pytree that any compiled function can return (non-array leaves as ``Static``)."""
+    return Flat((p, v if v is None or is_array(v) else Static(v)) for p, v in flatten(tree))
+
+
+def pair_paths(torch_paths: list[str], flax_paths: list[str]) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """Which output leaf of torch goes with which of Flax: by path when both have the same paths;
+    else by position when both have as many (a torch ``ModelOutput`` against a Flax tuple); else
+    the paths both have, and the rest on one side only. Returns (pairs, torch only, flax only)."""
+    if set(torch_paths) == set(flax_paths):
+        return [(p, p) for p in torch_paths], [], []
+    if len(torch_paths) == len(flax_paths):
+        return list(zip(torch_paths, flax_paths)), [], []
+    common = set(flax_paths)
+    return ([(p, p) for p in torch_paths if p in common], [p for p in torch_paths if p not in common],
+            [p for p in flax_paths if p not in set(torch_paths)])
+
+
+# ------------------------------------------------------------------ the scalar grads=True differentiates
+
+
+def split_loss_fn(loss_fn) -> tuple[Any, Any]:
+    """``loss_fn=`` as (torch's, Flax's): one function for both, or a pair (torch_fn, flax_fn)."""
+    if loss_fn is None:
+        return None, None
+    if isinstance(loss_fn, (tuple, list)) and len(loss_fn) == 2 and all(map(callable, loss_fn)):
+        return loss_fn[0], loss_fn[1]
+    if callable(loss_fn):
+        return loss_fn, loss_fn
+    raise ValueError(f"loss_fn must be a function of the outputs or a pair (torch_fn, flax_fn), got "
+                     f"{type(loss_fn).__name__}")
+
+
+def default_weights(torch_out, seed: int) -> dict[str, np.ndarray]:
+    """{path: W} for every floating output leaf of torch: the fixed random weights of the default
+    scalar ``sum_i <output_i, W_i>`` (standard normal, float32, drawn in path order from ``seed``)."""
+    rng = np.random.default_rng(seed)
+    return {p: rng.standard_normal(tuple(leaf.shape)).astype(np.float32) for p, leaf in flatten(torch_out)
+            if _is_torch(leaf) and leaf.is_floating_point()}
+
+
+def torch_scalar(out, weights: dict[str, np.ndarray], loss_fn=None):
+    """torch's scalar to differentiate: ``loss_fn(out)``, else ``sum_i <output_i, W_i>`` over ``weights``."""
+    if loss_fn is not None:
+        value = loss_fn(out)
+        if not _is_torch(value) or value.numel() != 1:
+            raise ValueError(f"loss_fn must return one number (a tensor of one element) for torch, got "
+                             f"{_describe(value)}")
+        if not value.requires_grad:
+            raise ValueError("loss_fn's value does not depend on the torch model's parameters (it has no grad_fn)")
+        return value.reshape(())
+    leaves = dict(flatten(out))
+    return sum((leaves[p] * _torch_tensor(w, leaves[p].dtype)).sum() for p, w in weights.items())
+
+
+def _torch_tensor(w: np.ndarray, dtype):
+    import torch
+
+    return torch.from_numpy(w).to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__} of shape {tuple(shape)}" if shape is not None else type(value).__name__
+
+
+def _flax_scalar(out, weights: dict, torch_paths: tuple[str, ...], loss_fn):
+    if loss_fn is not None:
+        value = loss_fn(out)
+        if not isinstance(value, jax.Array) or value.size != 1:
+            raise ValueError(f"loss_fn must return one number (an array of one element) for JAX, got "
+                             f"{_describe(value)}")
+        return jnp.reshape(value, ())
+    leaves = {p: v for p, v in flatten(out) if v is not None}
+    pairs, _, _ = pair_paths(list(torch_paths), list(leaves))
+    terms = [(leaves[j].astype(weights[t].dtype) * weights[t]).sum() for t, j in pairs if t in weights]
+    return sum(terms, jnp.zeros((), jnp.float32))
+
+
+# ------------------------------------------------------------------ the compiled calls
+
+
 @nnx.jit
-def flax_grads(module, args, kwargs, weights):
-    """(outputs, d sum_i <output_i, W_i> / d parameters), in one compiled function."""
+def apply_flat(module, args, kwargs) -> Flat:
+    """``apply`` with its output as ``freeze`` gives it: for outputs JAX cannot return as they are
+    (a plain dataclass, a string), which ``apply`` refuses."""
+    return freeze(module(*args, **kwargs))
+
+
+@functools.partial(nnx.jit, static_argnames=("torch_paths", "loss_fn"))
+def flax_grads(module, args, kwargs, weights: dict, torch_paths: tuple[str, ...] = (), loss_fn=None):
+    """(outputs as ``freeze`` gives them, d scalar / d parameters), in one compiled function. The
+    scalar is ``loss_fn(outputs)``, else ``sum_i <output_i, W_i>`` with ``weights`` {torch path: W}
+    placed on the Flax leaves by ``pair_paths`` (``torch_paths``: torch's leaves that are not None)."""
     def loss(m):
         out = m(*args, **kwargs)
-        return sum((leaf * w).sum() for leaf, w in zip(leaves(out), weights, strict=True)), out
+        return _flax_scalar(out, weights, torch_paths, loss_fn), freeze(out)
     (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(module)
     return out, grads
+
+
+# ------------------------------------------------------------------ which gradient is compared with which
+
+
+@dataclasses.dataclass(frozen=True)
+class GradKey:
+    """One gradient to compare: a torch tensor's, named by its first torch key."""
+
+    name: str
+    torch: tuple[str, ...]  # torch parameters (distinct tensors) whose gradients add up to it
+    flax: tuple[str, ...]  # Flax parameters, by their torch names, whose gradients add up to it
+    tied: tuple[str, ...] = ()  # every torch key of the tensor, when it has several
+
+    @property
+    def note(self) -> str:
+        """"tied: lm_head.weight = tok_emb.weight" (and how often Flax holds it), or ""."""
+        parts = [f"tied: {' = '.join((*self.tied[1:], self.tied[0]))}"] if self.tied else []
+        if len(self.flax) > 1:
+            parts.append(f"Flax holds it {len(self.flax)} times ({', '.join(self.flax)}), gradients summed")
+        return "; ".join(parts)
+
+
+def grad_keys(torch_model, flax_names, rename=None, flax_tied=()) -> tuple[list[GradKey], list[str]]:
+    """(one ``GradKey`` per torch tensor, the Flax parameters no torch key reaches).
+
+    A torch key reaches the Flax parameter whose torch name it becomes after ``rename`` (porting's
+    ``[(regex, replacement)]``, applied in order). Keys of one tensor form one group: torch's
+    (``porting.tied_keys``: shared memory) joined with those the Flax model declares one tensor
+    (``flax_tied``: ``porting.tied_keys(flax_model)``, its ``tied_keys`` attributes). A group's
+    gradient is the sum over its distinct tensors on each side: torch's autograd has summed a
+    shared tensor's uses already; a Flax twin holds it once (a head through ``embed.attend``, or a
+    declared tie that ``porting.state_dict`` writes under each name: counted once) or once per use
+    (two parameters: their gradients summed)."""
+    from flax_transformer.interop import porting
+    from flax_transformer.interop.ties import merge_groups
+
+    pairs = check_rename(rename)
+    order = {n: i for i, (n, _) in enumerate(torch_model.named_parameters(remove_duplicate=False))}
+    distinct = {n for n, _ in torch_model.named_parameters()}  # one name per tensor object
+    renamed = {n: apply_rename(n, pairs) for n in order}
+    declared = {k: tuple(g) for g in flax_tied for k in g}  # a Flax torch name -> the names of its tensor
+    by_flax: dict[tuple, list[str]] = {}
+    for n in order:
+        if renamed[n] in declared:
+            by_flax.setdefault(declared[renamed[n]], []).append(n)
+    groups = [tuple(n for n in g if n in order) for g in porting.tied_keys(torch_model)]
+    groups = merge_groups([g for g in groups if len(g) > 1] + [tuple(g) for g in by_flax.values() if len(g) > 1])
+    grouped = {n for g in groups for n in g}
+    groups += [(n,) for n in order if n not in grouped]
+    known = set(flax_names)
+    keys, used = [], set()
+    for group in sorted((tuple(sorted(g, key=order.get)) for g in groups), key=lambda g: order[g[0]]):
+        found = [k for k in dict.fromkeys(renamed[n] for n in group) if k in known]
+        used.update(found)
+        flax, tensors = [], set()
+        for k in found:  # one per Flax tensor: a declared tie's names are one
+            if declared.get(k, (k,)) not in tensors:
+                tensors.add(declared.get(k, (k,)))
+                flax.append(k)
+        keys.append(GradKey(group[0], tuple(n for n in group if n in distinct), tuple(flax),
+                            group if len(group) > 1 else ()))
+    return keys, [k for k in flax_names if k not in used]
+
+
+def sum_grads(grads: dict, names: tuple[str, ...]):
+    """The sum of ``grads[n]`` over ``names`` as numpy (a tensor used several times); None for no names."""
+    arrays = [np.asarray(to_numpy(grads[n])) for n in names]
+    return functools.reduce(np.add, arrays) if arrays else None

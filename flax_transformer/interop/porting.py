@@ -461,7 +461,8 @@ def flax_to_torch(flax_module, torch_module=None, *, rename=None, dtype=None):
         torch_module: where the weights go. None builds the torch_reference twin of a
             flax_transformer module. Given, any torch module whose keys follow
             ``state_dict(flax_module, rename=rename)`` is loaded in place, all or nothing,
-            and returned; its buffers keep their own values.
+            and returned; its buffers keep their own values. Every name of a tensor it ties
+            is filled; a Flax model whose values for two such names differ is refused.
         rename: ``[(regex, replacement), ...]`` applied to the Flax model's torch names
             (ours -> the torch module's).
         dtype: torch dtype of the parameters; default float32 for a built twin (bfloat16

@@ -77,6 +77,12 @@ class FlaxTiedGPT(nnx.Module):
         return logits, -jnp.take_along_axis(logp, targets.reshape(-1, 1), axis=1).mean()
 
 
+class FlaxDeclaredGPT(FlaxTiedGPT):
+    """The attend twin declaring the tie: ``porting.state_dict`` writes both names, one tensor's values."""
+
+    tied_keys = (("lm_head.weight", "tok_emb.weight"),)
+
+
 @pytest.fixture(scope="module")
 def gpt():
     torch.manual_seed(0)
@@ -109,15 +115,21 @@ def test_logits_none_and_a_tied_head_compare_and_bisect_with_gradients(gpt):
     assert "lm_head.weight" not in {g.name for g in found.grad_rows}
 
 
+def returned_loss(out):
+    """The scalar for grads=True: the loss the model returns (one function for torch and JAX, one compile)."""
+    return out[1]
+
+
 def test_a_loss_the_model_returns_is_what_grads_differentiates(gpt):
     torch_model, attend, _ = gpt
-    report = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=lambda out: out[1])
+    report = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=returned_loss)
     assert report.passed and [o["output"] for o in report.outputs] == ["output[0]", "output[1]"], str(report)
-    # one function per framework, each used on its side: twice the loss in Flax only is a wrong backward
-    doubled = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=(lambda out: out[1],
-                                                                                       lambda out: 2 * out[1]))
+    # one function per framework, each used on its side (swapped, torch.mean would get JAX arrays): twice the
+    # loss in Flax only is a wrong backward
+    doubled = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True,
+                             loss_fn=(lambda out: torch.mean(out[1]), lambda out: 2 * jnp.mean(out[1])))
     assert report.rows[0].passed and not doubled.passed and doubled.grad_err > 1e-3, str(doubled)
-    found = bisect.bisect(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=lambda out: out[1])
+    found = bisect.bisect(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=returned_loss)
     assert found.passed and found.grad_rows, str(found)
     with pytest.raises(ValueError, match="loss_fn must return one number"):
         verify.compare(torch_model, attend, (IDS,), grads=True, loss_fn=lambda out: out[0], fp64=False)
@@ -132,6 +144,11 @@ def test_a_flax_twin_holding_the_tied_tensor_twice_sums_its_gradients(gpt):
     assert "lm_head.weight" not in {r.module for r in report.rows[1:]}
     found = bisect.bisect(torch_model, twice, (IDS,), grads=True)
     assert found.passed and not found.incomplete, str(found)
+    # a declared tie is one Flax tensor under two names: its gradient counted once, not twice
+    declared = porting.torch_to_flax(torch_model, nnx.eval_shape(lambda: FlaxDeclaredGPT(rngs=nnx.Rngs(0))))
+    assert {"lm_head.weight", "tok_emb.weight"} <= porting.state_dict(declared).keys()
+    report = verify.compare(torch_model, declared, (IDS,), grads=True, fp64=False)
+    assert report.passed and _grad(report, "tok_emb.weight").note == "tied: lm_head.weight = tok_emb.weight", str(report)
 
 
 # ------------------------------------------------------------------ outputs of any structure
@@ -166,8 +183,8 @@ class FlaxShaped(nnx.Module):
 
     def __call__(self, x):
         y = self.lin(x)
-        if self.kind == "model_output":  # a plain dict with the same keys, and the None loss
-            return {"loss": None, "logits": y, "hidden_states": (x, y)}
+        if self.kind == "model_output":  # a plain dict, its keys in another order, and the None loss
+            return {"hidden_states": (x, y), "loss": None, "logits": y}
         return Out(y, 3, self.tag) if self.kind == "dataclass" else {"logits": y}
 
 
@@ -197,12 +214,24 @@ def test_any_output_structure_is_compared_by_path(kind):
     assert found.passed and not found.incomplete, str(found)
 
 
+class _Extra(nnx.Module):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        out = self.inner(x)
+        return {**out, "extra": out["logits"]}
+
+
 def test_output_leaves_that_differ_or_are_missing_fail_naming_them():
     torch_model, flax_model = _shaped("dataclass", tag="logits")
     for use_jit in (True, False):  # the string leaves its compiled function in the output's structure
         report = verify.compare(torch_model, flax_model, (X,), use_jit=use_jit)
         assert not report.passed and report.max_abs_err < 1e-6, str(report)
         assert "differs: output.tag: torch 'scores', flax 'logits'" in report.rows[0].problems()
+    torch_model, flax_model = _shaped("dict")
+    report = verify.compare(torch_model, _Extra(flax_model), (X,), use_jit=False)  # an array where torch has None
+    assert not report.passed and "output.extra: only in flax (array(2, 3) float32)" in report.rows[0].mismatched
     torch_model, flax_model = _shaped("model_output")
     flax_model.kind = "dict"  # no hidden states: two arrays on the torch side only
     report = verify.compare(torch_model, flax_model, (X,))
@@ -232,13 +261,37 @@ def former_pair(rename=False):
     return torch_model, flax_model, (IDS[:, :6] % 20,)
 
 
+class FlaxRenamed(nnx.Module):
+    """``FlaxShaped("dict")`` with its layer named ``proj`` where torch says ``lin``."""
+
+    def __init__(self, torch_model):
+        self.proj = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        porting.load_state_dict(self, {k.replace("lin.", "proj."): v.numpy() for k, v in torch_model.state_dict().items()})
+
+    def __call__(self, x):
+        return {"logits": self.proj(x)}
+
+
+def test_without_rename_every_unmatched_name_is_listed_and_with_it_none():
+    torch_model, _ = _shaped("dict")
+    flax_model = FlaxRenamed(torch_model)
+    bare = bisect.bisect(torch_model, flax_model, (X,), grads=True)
+    assert not bare.passed and bare.first_divergent == bisect.INCOMPLETE
+    assert bare.incomplete == ["lin", "gradient lin.weight", "gradient lin.bias", "gradient proj.bias",
+                               "gradient proj.weight"], str(bare)
+    assert "gradients: every compared parameter within budget (4 of 4 not compared)" in bare.summary()
+    assert "a Flax parameter that no torch key reaches (rename=?)" in str(bare)
+    rename = [(r"^lin\.", "proj.")]
+    report = bisect.bisect(torch_model, flax_model, (X,), grads=True, rename=rename)
+    assert report.passed and not report.incomplete and report.rows[0].flax_path == "proj", str(report)
+    assert [g.name for g in report.grad_rows] == ["lin.weight", "lin.bias"]
+    assert not verify.compare(torch_model, flax_model, (X,), grads=True).passed
+    assert verify.compare(torch_model, flax_model, (X,), grads=True, rename=rename).passed
+
+
 def test_rename_matches_every_module_and_gradient():
     torch_model, flax_model, args = former_pair()
     assert "tblocks.0.attention.tokeys.weight" in dict(torch_model.named_parameters())
-    # without rename: the attention's rows have no Flax counterpart, and the report says so
-    bare = bisect.bisect(torch_model, flax_model, args)
-    assert not bare.passed and bare.first_divergent == bisect.INCOMPLETE
-    assert "tblocks.0.attention" in bare.incomplete and "tblocks.0.attention.tokeys" in bare.incomplete, str(bare)
     report = bisect.bisect(torch_model, flax_model, args, grads=True, rename=FORMER_NAMES)
     assert report.passed and not report.incomplete, str(report)
     assert len(report.grad_rows) == len(list(torch_model.parameters()))

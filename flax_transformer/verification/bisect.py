@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop.layer_kinds import apply_rename, check_rename, kinds_of
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.verification import capture, frameworks
 from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect.X: the public names)
     BOTH_NONFINITE,
@@ -79,63 +79,32 @@ from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect
     GradRow,
     ModuleRow,
     _fails,
+    _finite_max,
     _first_divergent,
     _path,
     budget,
     budget_rule,
+    grad_budget,
+    grad_budgets,
     json_text,
 )
 
 # ---------------------------------------------------------------- measuring
 
 
-def _float_leaves(tree) -> dict[str, np.ndarray]:
-    """{path: array} of the floating-point leaves of any output structure (``frameworks.flatten``), as numpy."""
-    out = {}
-    for path, leaf in frameworks.flatten(tree):
-        a = frameworks.to_numpy(leaf)
-        if isinstance(a, np.ndarray) and jnp.issubdtype(a.dtype, jnp.floating):  # bfloat16 too (kind "V")
-            out[path] = a
-    return out
-
-
 def _floats(tree) -> list[np.ndarray]:
     """The floating-point arrays of a (nested) output, as numpy, in order."""
-    return list(_float_leaves(tree).values())
-
-
-# Kinds of layer (``layer_kinds``) whose inputs and outputs torch and Flax hold in transposed
-# layouts: torch convolves channels first, (b, c, *spatial); Flax's ``nnx.Conv`` channels last,
-# (b, *spatial, c). A user's layer registered as a kind in ``layer_kinds.LAYER_KINDS`` counts too.
-CHANNELS_LAST_KINDS = ("conv",)
-
-
-def _channels_last(flax_module) -> bool:
-    return flax_module is not None and any(k in CHANNELS_LAST_KINDS for k in kinds_of(flax_module))
-
-
-def _channels_last_axes(ndim: int) -> tuple[int, ...]:
-    """flax.shape[j] = torch.shape[axes[j]]: (b, c, *spatial) -> (b, *spatial, c)."""
-    return (0, *range(2, ndim), 1)
-
-
-def _to_torch_layout(a: np.ndarray, shape: tuple, channels_last: bool) -> np.ndarray | None:
-    """A Flax array in torch's layout of ``shape``: moved from channels last where the layer's kind
-    says so (always: the shapes may agree either way, a 3-channel 3x3 map), else as it is; None
-    when the result does not have torch's shape."""
-    if channels_last and a.ndim >= 3:
-        a = np.transpose(a, np.argsort(_channels_last_axes(a.ndim)))  # (b, *spatial, c) -> (b, c, *spatial)
-    return a if tuple(a.shape) == tuple(shape) else None
+    return list(frameworks.float_leaves(tree).values())
 
 
 def _aligned(ref_out, t32_out, jax_out, channels_last: bool):
     """(fp64, torch fp32, JAX) float leaves of one call, matched by ``frameworks.pair_paths`` and JAX's
     in torch's layout; None when they do not line up (count or shapes)."""
-    want, got_t, got_j = _float_leaves(ref_out), _float_leaves(t32_out), _float_leaves(jax_out)
+    want, got_t, got_j = frameworks.float_leaves(ref_out), frameworks.float_leaves(t32_out), frameworks.float_leaves(jax_out)
     pairs, torch_only, flax_only = frameworks.pair_paths(list(want), list(got_j))
     if torch_only or flax_only or set(want) != set(got_t):
         return None
-    js = [_to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
+    js = [frameworks.to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
     if any(j is None for j in js):
         return None
     return [want[t] for t, _ in pairs], [got_t[t] for t, _ in pairs], js
@@ -158,11 +127,7 @@ def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 def _scale(arrays: list[np.ndarray]) -> float:
     """max |finite value|: an infinity in the reference would make the budget infinite."""
-    def finite_max(a):
-        a = np.atleast_1d(np.abs(np.asarray(a, np.float64)))
-        return float(a[np.isfinite(a)].max(initial=0.0))
-
-    return max(map(finite_max, arrays), default=0.0)
+    return max(map(_finite_max, arrays), default=0.0)
 
 
 def _cast(tree, dtype):
@@ -208,7 +173,7 @@ def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: b
     for i, r in zip(slots, ref):
         a = r.detach().numpy().astype(np.float32)
         if channels_last and a.ndim >= 3:
-            a = np.transpose(a, _channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
+            a = np.transpose(a, frameworks.channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
         if tuple(leaves[i].shape) != a.shape:
             return None
         leaves[i] = jnp.asarray(a).astype(leaves[i].dtype)
@@ -219,7 +184,7 @@ def _rerun_alone(torch_module, ref_call, jax_call, want):
     """(torch fp32 error, JAX error) of the module rerun alone on the fp64 input; None if it cannot be."""
     import torch
 
-    channels_last = _channels_last(jax_call.module)
+    channels_last = frameworks.channels_last(jax_call.module)
     inputs = _jax_inputs(jax_call, ref_call, channels_last)
     if inputs is None or jax_call.module is None:
         return None, None
@@ -227,7 +192,7 @@ def _rerun_alone(torch_module, ref_call, jax_call, want):
         torch_out = torch_module(*_cast(ref_call.args, torch.float32), **_cast(ref_call.kwargs, torch.float32))
     jax_out = jax_call.module(*inputs[0], **inputs[1])
     got_t = _floats(torch_out)
-    got_j = [_to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
+    got_j = [frameworks.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
     if len(got_t) != len(want) or len(got_j) != len(want) or any(a is None for a in got_j):
         return None, None
     return _err(got_t, want), _err(got_j, want)
@@ -353,7 +318,7 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
             rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names, pairs, tied),
                                   produced="torch" if _produced(t32) else "", flax_path=renamed))
             continue
-        channels_last = _channels_last(jx.module)
+        channels_last = frameworks.channels_last(jx.module)
         aligned = _aligned(ref.output, t32.output, jx.output, channels_last)
         if aligned is None:
             shapes = lambda xs: [tuple(x.shape) for x in xs]  # noqa: E731
@@ -408,7 +373,7 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     Outputs of any structure (tuples, dicts, dataclasses, HF ``ModelOutput``s, ``None`` leaves)
     are compared leaf by leaf, their floating-point arrays matched by path
     (``frameworks.pair_paths``). A layer whose kind holds its inputs and outputs in another
-    layout in Flax (``CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
+    layout in Flax (``frameworks.CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
     Flax) is compared through that transposition, its rerun too.
 
     ``rename`` is porting's ``[(regex, replacement), ...]``: a torch module path is looked up in
@@ -515,39 +480,6 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
     rows += [GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
                      + ("" if rename else " (rename=?)")) for name in flax_only]
     return rows
-
-
-def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
-    """{parameter: (scale, budget)} of its gradient: one budget for all of a model's gradients,
-    ``grad_budget`` of each one's torch fp32 error (finite values) and largest |fp64| value."""
-    own = {}
-    for name, want in g64.items():
-        err = 0.0
-        if name in g32:
-            t64, w64 = np.atleast_1d(np.asarray(g32[name], np.float64)), np.atleast_1d(np.asarray(want, np.float64))
-            keep = np.isfinite(t64) & np.isfinite(w64)
-            err = float(np.abs(t64 - w64)[keep].max(initial=0.0))
-        own[name] = (err, _scale([want]))
-    shared = grad_budget(own)
-    return {name: shared for name in own}
-
-
-def grad_budget(own: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    """(scale, budget) for every gradient of one model, from each parameter's own (torch fp32
-    error, largest |fp64 gradient|): ``budget(torch_err, scale)`` with both the largest over the
-    model. JAX's gradients must be as accurate as torch's, within ``SLACK``, taken over the model.
-
-    Not parameter by parameter: a gradient can be a small residue of large cancelling terms, and
-    its rounding then follows the terms, which torch and XLA sum differently. An attention key
-    bias's gradient is exactly zero, all noise (on all-MiniLM-L6-v2 JAX's error was 17 times
-    torch's); the query and key weights behind a saturated softmax are small residues (the
-    classic Transformer's first attention layers, whose inputs are embeddings times
-    sqrt(d_model): on correct ports JAX's error reached 36 times torch's there, and 0.6 of a
-    budget taken over each module). Over the model, correct ports of every family use at most
-    0.35 of it; a wrong backward (a doubled gradient) is orders of magnitude beyond."""
-    torch_err = max((err for err, _ in own.values()), default=0.0)
-    scale = max((s for _, s in own.values()), default=0.0)
-    return scale, budget(torch_err, scale)
 
 
 def _first_divergent_grad(report: BisectReport, t32_calls) -> str | None:

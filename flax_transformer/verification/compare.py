@@ -29,9 +29,8 @@ from flax_transformer.verification.frameworks import (
     finite_abs_err,
     flatten,
     grad_keys,
-    is_array,
+    match_outputs,
     nonfinite,
-    pair_paths,
     split_loss_fn,
     sum_grads,
     to_jax,
@@ -233,15 +232,12 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
     tensors (each framework gets its own copy); ``None`` and Python scalars pass through.
 
-    Outputs may have any structure: an array, tuples, lists, dicts, dataclasses, namedtuples, HF
-    ``ModelOutput``s, with ``None`` or other non-array leaves (a torch ``(logits, None)``). Leaves
-    are named by their path (``output[0]``, ``output.logits``: ``frameworks.flatten``) and
-    matched by path, or by position where the two frameworks' structures differ but hold as many
-    leaves (``frameworks.pair_paths``). Array leaves are compared by value; any other leaf
-    (``None``, a string, an int) must be equal in both frameworks, of the same type, and is
-    listed (``report.others``); ``None`` counts as equal to a leaf that is absent (an HF
-    ``ModelOutput`` drops its ``None`` fields). A leaf that differs, or is on one side only,
-    fails the report (``Row.mismatched``).
+    Outputs may have any structure (tuples, dicts, dataclasses, HF ``ModelOutput``s, ``None`` or
+    other non-array leaves: a torch ``(logits, None)``). Leaves are named by path (``output[0]``,
+    ``output.logits``) and matched by path, or by position where the structures differ but hold
+    as many leaves (``frameworks.match_outputs``). Arrays are compared by value; any other leaf
+    must be equal, of the same type, and is listed (``report.others``); ``None`` equals an absent
+    leaf. A leaf that differs, or is on one side only, fails the report (``Row.mismatched``).
 
     Each array output is judged three ways: its max abs error (``tol``), its error relative to the
     outputs' scale (``report.max_rel_err``, for the certificate), and against a float64 copy of the
@@ -407,55 +403,18 @@ def _float64_reference(torch_model, t_args, t_kwargs, weights, loss_fn):
         return None, None, f"the float64 reference did not run ({type(error).__name__}: {message})"
 
 
-def _show(x) -> str:
-    """A leaf for a report line: an array by shape and dtype, anything else by repr (cut at 40)."""
-    if is_array(x):
-        return f"array{tuple(np.shape(x))} {getattr(x, 'dtype', '')}".rstrip()
-    text = repr(x)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _same(a, b) -> bool:
-    """Non-array leaves agree: same type and equal (NaN never equals itself: non-finite never agrees)."""
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # an == that is no truth value
-        return False
-
-
 def _outputs(torch_out, flax_out, ref_out, measured: bool):
     """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
-    leaves matched by ``pair_paths``."""
-    t_leaves, j_leaves = flatten(torch_out), flatten(flax_out)
+    leaves matched by ``frameworks.match_outputs``."""
+    arrays, others, mismatched = match_outputs(torch_out, flax_out)
     ref = dict(flatten(ref_out)) if ref_out is not None else {}
-    t_vals = {p: v for p, v in t_leaves if v is not None}
-    j_vals = {p: v for p, v in j_leaves if v is not None}
-    pairs, torch_only, flax_only = pair_paths(list(t_vals), list(j_vals))
-    checks, others, skipped, mismatched = [], [], [], []
-    for tp, jp in pairs:
-        a, b = t_vals[tp], j_vals[jp]
-        name = tp if tp == jp else f"{tp} (flax {jp})"
-        if (is_array(a) or is_array(b)) and all(is_array(x) or _number(x) for x in (a, b)):
-            check = _check(a, b, ref.get(tp), measured=measured)
-            check["output"] = name
-            checks.append(check)
-            if check["skipped"]:
-                skipped.append(f"{name}: {check['skipped']}")
-            continue
-        equal = _same(a, b)
-        others.append({"output": name, "torch": _show(a), "flax": _show(b), "equal": equal})
-        if not equal:
-            mismatched.append(f"{name}: torch {_show(a)}, flax {_show(b)}")
-    mismatched += [f"{p}: only in torch ({_show(t_vals[p])})" for p in torch_only]
-    mismatched += [f"{p}: only in flax ({_show(j_vals[p])})" for p in flax_only]
-    nones = dict.fromkeys(p for p, v in [*t_leaves, *j_leaves] if v is None and p not in t_vals and p not in j_vals)
-    t_none, j_none = {p for p, v in t_leaves if v is None}, {p for p, v in j_leaves if v is None}
-    others += [{"output": p, "torch": "None" if p in t_none else "absent", "flax": "None" if p in j_none else "absent",
-                "equal": True} for p in nones]
+    checks, skipped = [], []
+    for name, path, t, j in arrays:
+        check = _check(t, j, ref.get(path), measured=measured)
+        check["output"] = name
+        checks.append(check)
+        if check["skipped"]:
+            skipped.append(f"{name}: {check['skipped']}")
     if not checks:
         skipped.append("no array among the outputs")
     return checks, others, skipped, mismatched

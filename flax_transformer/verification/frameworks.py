@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop.layer_kinds import apply_rename, check_rename
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename, kinds_of
 
 
 def leaves(x):
@@ -155,6 +155,16 @@ def flatten(tree, path: str = "output") -> list[tuple[str, Any]]:
     return [(path, tree)]
 
 
+def float_leaves(tree) -> dict[str, np.ndarray]:
+    """{path: array} of the floating-point leaves of any output structure (``frameworks.flatten``), as numpy."""
+    out = {}
+    for path, leaf in flatten(tree):
+        a = to_numpy(leaf)
+        if isinstance(a, np.ndarray) and jnp.issubdtype(a.dtype, jnp.floating):  # bfloat16 too (kind "V")
+            out[path] = a
+    return out
+
+
 def freeze(tree) -> Flat:
     """``flatten`` as a pytree that any compiled function can return (non-array leaves as ``Static``)."""
     return Flat((p, v if v is None or is_array(v) else Static(v)) for p, v in flatten(tree))
@@ -171,6 +181,83 @@ def pair_paths(torch_paths: list[str], flax_paths: list[str]) -> tuple[list[tupl
     common = set(flax_paths)
     return ([(p, p) for p in torch_paths if p in common], [p for p in torch_paths if p not in common],
             [p for p in flax_paths if p not in set(torch_paths)])
+
+
+def show(x) -> str:
+    """A leaf for a report line: an array by shape and dtype, anything else by repr (cut at 40)."""
+    if is_array(x):
+        return f"array{tuple(np.shape(x))} {getattr(x, 'dtype', '')}".rstrip()
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _same(a, b) -> bool:
+    """Non-array leaves agree: same type and equal (NaN never equals itself: non-finite never agrees)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an == that is no truth value
+        return False
+
+
+def match_outputs(torch_out, flax_out) -> tuple[list[tuple[str, str, Any, Any]], list[dict], list[str]]:
+    """The two frameworks' outputs leaf by leaf (``pair_paths`` on the leaves that are not None):
+    (arrays to compare by value, as (name, torch path, torch leaf, flax leaf), with a Python number
+    against an array among them; every other leaf as {"output", "torch", "flax", "equal"}, None
+    against None or an absent leaf equal (an HF ``ModelOutput`` drops its None fields); what
+    differs: a non-array leaf unequal or of another type, a leaf on one side only)."""
+    t_leaves, j_leaves = flatten(torch_out), flatten(flax_out)
+    t_vals = {p: v for p, v in t_leaves if v is not None}
+    j_vals = {p: v for p, v in j_leaves if v is not None}
+    pairs, torch_only, flax_only = pair_paths(list(t_vals), list(j_vals))
+    arrays, others, mismatched = [], [], []
+    for tp, jp in pairs:
+        a, b = t_vals[tp], j_vals[jp]
+        name = tp if tp == jp else f"{tp} (flax {jp})"
+        if (is_array(a) or is_array(b)) and all(is_array(x) or _number(x) for x in (a, b)):
+            arrays.append((name, tp, a, b))
+            continue
+        equal = _same(a, b)
+        others.append({"output": name, "torch": show(a), "flax": show(b), "equal": equal})
+        if not equal:
+            mismatched.append(f"{name}: torch {show(a)}, flax {show(b)}")
+    mismatched += [f"{p}: only in torch ({show(t_vals[p])})" for p in torch_only]
+    mismatched += [f"{p}: only in flax ({show(j_vals[p])})" for p in flax_only]
+    t_none, j_none = [p for p, v in t_leaves if v is None], [p for p, v in j_leaves if v is None]
+    for p in dict.fromkeys(p for p in t_none + j_none if p not in t_vals and p not in j_vals):
+        others.append({"output": p, "torch": "None" if p in t_none else "absent",
+                       "flax": "None" if p in j_none else "absent", "equal": True})
+    return arrays, others, mismatched
+
+
+# ------------------------------------------------------------------ layouts by layer kind
+
+
+# Kinds of layer (``layer_kinds``) whose inputs and outputs torch and Flax hold in transposed
+# layouts: torch convolves channels first, (b, c, *spatial); Flax's ``nnx.Conv`` channels last,
+# (b, *spatial, c). A user's layer registered as a kind in ``layer_kinds.LAYER_KINDS`` counts too.
+CHANNELS_LAST_KINDS = ("conv",)
+
+
+def channels_last(flax_module) -> bool:
+    return flax_module is not None and any(k in CHANNELS_LAST_KINDS for k in kinds_of(flax_module))
+
+
+def channels_last_axes(ndim: int) -> tuple[int, ...]:
+    """flax.shape[j] = torch.shape[axes[j]]: (b, c, *spatial) -> (b, *spatial, c)."""
+    return (0, *range(2, ndim), 1)
+
+
+def to_torch_layout(a: np.ndarray, shape: tuple, channels_last: bool) -> np.ndarray | None:
+    """A Flax array in torch's layout of ``shape``: moved from channels last where the layer's kind
+    says so (always: the shapes may agree either way, a 3-channel 3x3 map), else as it is; None
+    when the result does not have torch's shape."""
+    if channels_last and a.ndim >= 3:
+        a = np.transpose(a, np.argsort(channels_last_axes(a.ndim)))  # (b, *spatial, c) -> (b, c, *spatial)
+    return a if tuple(a.shape) == tuple(shape) else None
 
 
 # ------------------------------------------------------------------ the scalar grads=True differentiates

@@ -6,10 +6,13 @@ Class names, module names and ``state_dict`` keys are transformers' own
 ``LlamaForCausalLM(config).load_state_dict(hf_model.state_dict())`` loads strictly for any of the
 five ``model_type``s; ``LlamaConfig.from_hf`` reads their configs. The math is transformers'
 (``modeling_llama``, ``modeling_gemma``, ``modeling_qwen3``, ``modeling_rope_utils``): RoPE on
-half-split features (``rotate_half``) with the same float32 frequencies, grouped key/value heads
-repeated head by head (``repeat_kv``), Gemma's ``1 + w`` norm in float32 and its embedding scale.
+half-split features (``rotate_half``), grouped key/value heads repeated head by head
+(``repeat_kv``), Gemma's ``1 + w`` norm in float32 and its embedding scale.
 
 Where this differs from transformers, on purpose:
+    * RoPE's frequencies are rounded once from float64 (``rope_inverse_frequencies``), shared
+      with the Flax twin; transformers' float32 pow is within one ulp of them, and differs
+      between CPUs;
     * each attention computes its RoPE cos/sin from ``position_ids`` (its parameter-free
       ``rotary_emb``), where transformers computes them once in the model; the numbers are the same;
     * ``dynamic`` RoPE scaling depends on this call's largest position alone (transformers'
@@ -26,13 +29,12 @@ Statistics (norms, RoPE angles, softmax) run in float32, or float64 in a float64
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
 
 from ._common import InputSpec, Module, attend, check_features, check_token_ids, check_values, normalize_mask
 
@@ -78,36 +80,22 @@ def attention_keep(attention_mask, batch: int, length: int, window: int | None, 
 
 
 def inverse_frequencies(config: LlamaConfig, dtype: torch.dtype, device, positions=None) -> torch.Tensor:
-    """RoPE's inverse frequencies (head_dim / 2,), in ``dtype``, computed as transformers does.
+    """RoPE's inverse frequencies (head_dim / 2,) in ``dtype`` (``llama_config.rope_inverse_frequencies``).
 
-    ``positions``: the call's position ids, which ``dynamic`` scaling reads (its largest + 1).
+    ``dynamic`` scaling reads the call's position ids: once their largest + 1 passes
+    ``max_position_embeddings``, theta grows with it (transformers' NTK formula, float32 torch ops).
     """
-    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
-    inv_freq = 1.0 / (theta ** exponents)
-    if scaling is None:
+    table = torch.from_numpy(rope_inverse_frequencies(config, np.float64 if dtype == torch.float64 else np.float32))
+    inv_freq = table.to(device=device, dtype=dtype)
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "dynamic":
         return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "dynamic":  # NTK: theta grows once the call reaches max_position_embeddings
-        trained = config.max_position_embeddings
-        length = torch.clamp(positions.max() + 1, min=trained)
-        stretched = theta * ((scaling.factor * length.to(dtype) / trained) - (scaling.factor - 1)) ** (dim / (dim - 2))
-        return torch.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
-    return llama3_frequencies(inv_freq, scaling)
-
-
-def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a blend between."""
-    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-    context = scaling.original_max_position_embeddings
-    low_freq_wavelen, high_freq_wavelen = context / low, context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    dim, trained = config.head_dim, config.max_position_embeddings
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
+    length = torch.clamp(positions.max() + 1, min=trained)
+    stretched = config.rope_theta * ((scaling.factor * length.to(dtype) / trained) - (scaling.factor - 1)) ** (
+        dim / (dim - 2))
+    return torch.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
 
 
 class LlamaRotaryEmbedding(Module):
@@ -276,6 +264,9 @@ class LlamaModel(Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         """(b, t) ids -> last hidden state (b, t, hidden)."""
         check_token_ids(input_ids, self.config.vocab_size)
+        b, t = input_ids.shape  # the masks and positions are checked before anything is computed
+        normalize_mask(attention_mask, b, t, t, name="attention_mask")
+        check_position_ids(position_ids, b, t, input_ids.device)
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the model's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)

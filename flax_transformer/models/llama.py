@@ -4,22 +4,21 @@ The twin of ``torch_reference.llama``: same class names, constructor arguments (
 keyword-only ``rngs``, ``dtype``, ``param_dtype``), call signatures and parameter paths
 (``model.layers.0.self_attn.q_proj.kernel``, ``...input_layernorm.scale``,
 ``model.embed_tokens.embedding``), so ``porting`` maps transformers' state_dict keys one to one.
-The math is transformers': half-split RoPE (``rotate_half``) with float32 frequencies computed
-by the same operations, key/value heads repeated head by head (``jnp.repeat``, not ``tile``),
-Gemma's ``1 + w`` norm in float32 and its embedding scale rounded to the compute dtype.
+The math is transformers': half-split RoPE (``rotate_half``) with the frequencies torch_reference
+uses too (``rope_inverse_frequencies``), key/value heads repeated head by head (``jnp.repeat``,
+not ``tile``), Gemma's ``1 + w`` norm in float32 and its embedding scale rounded to the compute
+dtype.
 
 ``attention_mask`` is (b, t) with 1 = token (or any mask ``normalize_mask`` takes); it becomes
 a boolean mask (True = may attend) with the causal mask and the sliding window here. A query
 whose keys are all masked gets a zero output, never NaN. Norms, RoPE angles and softmax run in
 float32 whatever ``dtype`` is; logits are float32. ``set_attention`` switches the attention to
 ``jax.nn.dot_product_attention``. Where this family differs from transformers on purpose (RoPE
-computed per attention, ``dynamic`` scaling read from each call alone, packed sequences) is
-listed in ``torch_reference.llama``.
+frequencies rounded once, RoPE computed per attention, ``dynamic`` scaling read from each call
+alone, packed sequences) is listed in ``torch_reference.llama``.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from flax_transformer.models._shared import InputSpec, RecordsInit
 from flax_transformer.models.attention import attend, normalize_mask
 from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
-from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]
@@ -66,37 +65,21 @@ def attention_keep(attention_mask, batch: int, length: int, window: int | None) 
 
 
 def inverse_frequencies(config: LlamaConfig, positions=None) -> jax.Array:
-    """RoPE's inverse frequencies (head_dim / 2,), float32, computed as transformers does.
+    """RoPE's inverse frequencies (head_dim / 2,), float32 (``llama_config.rope_inverse_frequencies``).
 
-    ``positions``: the call's position ids, which ``dynamic`` scaling reads (its largest + 1).
+    ``dynamic`` scaling reads the call's position ids: once their largest + 1 passes
+    ``max_position_embeddings``, theta grows with it (transformers' NTK formula, float32 ops).
     """
-    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
-    exponents = jnp.arange(0, dim, 2).astype(jnp.float32) / dim
-    inv_freq = 1.0 / (theta ** exponents)
-    if scaling is None:
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "dynamic":
         return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "dynamic":  # NTK: theta grows once the call reaches max_position_embeddings
-        trained = config.max_position_embeddings
-        length = jnp.maximum(jnp.max(positions) + 1, trained)
-        stretched = theta * ((scaling.factor * length.astype(jnp.float32) / trained) - (scaling.factor - 1)) ** (
-            dim / (dim - 2))
-        return jnp.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
-    return llama3_frequencies(inv_freq, scaling)
-
-
-def llama3_frequencies(inv_freq: jax.Array, scaling: RopeScaling) -> jax.Array:
-    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a blend between."""
-    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-    context = scaling.original_max_position_embeddings
-    low_freq_wavelen, high_freq_wavelen = context / low, context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return jnp.where(medium, smoothed, scaled)
+    dim, trained = config.head_dim, config.max_position_embeddings
+    exponents = jnp.arange(0, dim, 2).astype(jnp.float32) / dim
+    length = jnp.maximum(jnp.max(positions) + 1, trained)
+    stretched = config.rope_theta * ((scaling.factor * length.astype(jnp.float32) / trained) - (scaling.factor - 1)) ** (
+        dim / (dim - 2))
+    return jnp.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
 
 
 class _LlamaConfigModule(RecordsInit, nnx.Module):
@@ -259,6 +242,9 @@ class LlamaModel(_LlamaConfigModule):
     def __call__(self, input_ids, attention_mask=None, position_ids=None):
         """(b, t) ids -> last hidden state (b, t, hidden)."""
         check_token_ids(input_ids, self.config.vocab_size)
+        b, t = input_ids.shape  # the masks and positions are checked before anything is computed
+        normalize_mask(attention_mask, b, t, t, name="attention_mask")
+        check_position_ids(position_ids, b, t)
         x = lookup(self.embed_tokens, input_ids, self.dtype)  # (b, t, hidden)
         if self.config.pad_token_id is not None:  # the pad row gets no gradient (nn.Embedding's padding_idx)
             x = jnp.where((input_ids == self.config.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)

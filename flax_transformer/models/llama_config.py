@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from flax_transformer.models._shared import _shown, check_positive_float, check_size
 from flax_transformer.models.configs import _check_fields, _set
 
@@ -356,6 +358,38 @@ class LlamaConfig:
                              num_attention_heads=8, num_key_value_heads=1, head_dim=256, max_position_embeddings=8192,
                              hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, norm_plus_one=True,
                              embed_scale=math.sqrt(2048), pad_token_id=0, model_type="gemma"), **kw})
+
+
+def rope_inverse_frequencies(config: LlamaConfig, dtype=np.float32) -> np.ndarray:
+    """RoPE's inverse frequencies (head_dim / 2,) in ``dtype``, computed once on the host and shared
+    by both packages. ``dynamic`` scaling changes them per call (the models do that); this is its
+    table below ``max_position_embeddings``.
+
+    transformers' formulas in its order of float32 roundings (its ``scalar / tensor`` is
+    ``tensor.reciprocal() * scalar``), with one difference: ``theta ** exponent`` is rounded once
+    from float64. torch's vectorised float32 pow is within one ulp of that and differs from it on
+    about 1.6% of the entries, and differently on other CPUs (AVX-512, AVX2 and scalar code
+    paths); XLA's differs again between its constant folder and its kernels. At position p a
+    one-ulp frequency moves the angle by up to p * 2**-24 radians (1e-3 at 16k).
+    """
+    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    one = dtype(1)
+    exponents = np.arange(0, dim, 2).astype(dtype) / dtype(dim)
+    inv_freq = one / (float(dtype(theta)) ** exponents.astype(np.float64)).astype(dtype)
+    if scaling is None or scaling.rope_type == "dynamic":
+        return inv_freq
+    factor = dtype(scaling.factor)
+    if scaling.rope_type == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths divided by factor, short ones kept, a smooth blend between
+    low, high, context = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = context / low, context / high
+    wavelen = (one / inv_freq) * dtype(2 * math.pi)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = ((one / wavelen) * dtype(context) - dtype(low)) / dtype(high - low)
+    smoothed = (one - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(dtype)
 
 
 def _LLAMA3_SCALING(factor: float) -> RopeScaling:

@@ -6,12 +6,11 @@ printing ``verify.compare``'s or ``bisect.bisect``'s report; ``cli.py`` only par
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from flax_transformer.verification.pairs import call_factory, load_factory  # noqa: F401 (their home: verification)
 
 
 def load_model(path):
@@ -19,69 +18,6 @@ def load_model(path):
     from flax_transformer.training.runs import load_model as load
 
     return load(path)
-
-
-def load_factory(spec: str):
-    """The callable named by ``MODULE:FACTORY``.
-
-    MODULE is a path to a ``.py`` file when it ends in ``.py`` (imported under its file name,
-    with its folder first on ``sys.path`` while it imports, so that it can import the modules
-    beside it), else a dotted module name importable from here (the current directory is on
-    the path, as for ``python -m``).
-    """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--pair must be MODULE:FACTORY (a module or a .py file, then a function), got {spec!r}")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise FileNotFoundError(f"--pair: no such file: {path}")
-        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        folder = str(path.resolve().parent)
-        sys.path.insert(0, folder)  # as `python FILE.py` would: its sibling modules import
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as error:
-            raise ValueError(f"--pair: importing {path} failed: {type(error).__name__}: {error}") from None
-        finally:
-            if folder in sys.path:  # the file may have taken it off itself
-                sys.path.remove(folder)
-    else:
-        if "" not in sys.path and "." not in sys.path:
-            sys.path.insert(0, "")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as error:
-            raise ValueError(f"--pair: cannot import {module_name!r}: {type(error).__name__}: {error}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"--pair: {module_name} has no function {attr!r}")
-    return factory
-
-
-def call_factory(spec: str):
-    """(torch model, flax model, args, kwargs) from the factory named by ``MODULE:FACTORY``."""
-    factory = load_factory(spec)
-    try:
-        made = factory()
-    except SystemExit as error:  # a factory that exits must not end the check as if it had passed
-        raise ValueError(f"--pair: {spec} called sys.exit({error.code!r}) instead of returning a pair") from None
-    except Exception as error:
-        raise ValueError(f"--pair: {spec} raised {type(error).__name__}: {error}") from None
-    if not isinstance(made, tuple) or len(made) not in (3, 4):
-        raise ValueError(f"--pair: {spec} must return (torch_model, flax_model, args) or "
-                         f"(torch_model, flax_model, args, kwargs), got {_kind(made)}")
-    torch_model, flax_model, args, kwargs = (*made, {}) if len(made) == 3 else made
-    if not hasattr(torch_model, "named_modules"):
-        raise ValueError(f"--pair: {spec}'s first item must be a torch module, got {_kind(torch_model)}")
-    from flax import nnx
-
-    if not isinstance(flax_model, nnx.Module):
-        raise ValueError(f"--pair: {spec}'s second item must be a Flax NNX module, got {_kind(flax_model)}")
-    if not isinstance(args, (tuple, list)) or not isinstance(kwargs or {}, dict):
-        raise ValueError(f"--pair: {spec}'s args must be a tuple (and kwargs a dict), got {_kind(args)}")
-    return torch_model, flax_model, tuple(args), dict(kwargs or {})
 
 
 def parse_renames(texts: list[str] | None) -> list[tuple[str, str]]:
@@ -106,10 +42,6 @@ def parse_renames(texts: list[str] | None) -> list[tuple[str, str]]:
     except ValueError as error:
         raise ValueError(f"--rename: {error}") from None
     return pairs
-
-
-def _kind(x) -> str:
-    return f"a tuple of {len(x)}" if isinstance(x, tuple) else type(x).__name__
 
 
 def text_inputs(folder, flax_model, texts: list[str]) -> tuple:

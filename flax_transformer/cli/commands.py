@@ -35,6 +35,13 @@ def _verify(args) -> int:
     from flax_transformer.verification import verify
 
     start = time.perf_counter()
+    if args.checkpoint and args.pair and not args.bisect:  # your own model's certified export, with its pair
+        if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
+                or args.allow_nonfinite:
+            raise ValueError("--checkpoint PATH --pair MODULE:FACTORY re-checks your own model's certified export; "
+                             "it takes no --train-steps, --family, --text, --json, --allow-skipped, "
+                             "--allow-nonfinite or --rename (the certificate records the rename)")
+        return _verify_checkpoint(args.checkpoint, start, pair=args.pair)
     if args.bisect or args.pair:  # one pair, module by module with --bisect: bisect_cli.py
         if args.train_steps or args.family:
             raise ValueError("--bisect and --pair take no --train-steps or --family")
@@ -74,10 +81,15 @@ def _verify(args) -> int:
     return 1 if failed else 0
 
 
-def _verify_checkpoint(path, start) -> int:
-    """``verify --checkpoint PATH``: the torch twin table, and the re-check of PATH's certificate if it has one."""
+def _verify_checkpoint(path, start, pair: str | None = None) -> int:
+    """``verify --checkpoint PATH``: the torch twin table, and the re-check of PATH's certificate if it has one.
+    With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone."""
     from flax_transformer.verification import certificate, certificate_check, verify
 
+    if pair is not None:
+        report = certificate_check.recheck(path, pair=pair)
+        print(f"{report.format()}\n({time.perf_counter() - start:.1f} s)")
+        return 0 if report.passed else 1
     report = certificate_check.recheck(path) if certificate.find(path) else None
     try:
         rows = verify.checkpoint_rows(path, load=load_model)
@@ -410,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                         "gradient) against float64 torch, and the first module where Flax diverges")
     p.add_argument("--pair", metavar="MODULE:FACTORY",
                    help="verify your own pair: FACTORY() in MODULE (a dotted module or a .py file) returns "
-                        "(torch_model, flax_model, args) or (torch_model, flax_model, args, kwargs)")
+                        "(torch_model, flax_model, args) or (torch_model, flax_model, args, kwargs); with "
+                        "--checkpoint PATH: re-check PATH, a certified export of that model, with them")
     p.add_argument("--text", action="append",
                    help="with --checkpoint --bisect: a text to run through the checkpoint's tokenizer.json "
                         "(repeatable: a batch; default: random ids)")

@@ -44,6 +44,7 @@ from flax_transformer.verification.certificate_schema import (  # noqa: F401 (re
     INPUT_BOUNDS,
     MAX_BYTES,
     MAX_TOKENS,
+    USER,
     CertificateError,
     _brief,
     _name,
@@ -211,6 +212,12 @@ def load_pair(path):
     """(Flax model, torch model) of a certified export, each read from the files; a bare torch
     ``.pt`` needs no ``--family``/``--class``/``--config`` here: its certificate describes it."""
     record = read(path)
+    if record["model"]["family"] == USER:  # the library cannot build it: the user's factory does
+        model = record["model"]
+        raise CertificateError(f"{path} is an export of your own model ({model['module']}.{model['class']}): the "
+                               "library cannot build it; re-check it with its factory (certificate_check.recheck("
+                               "PATH, pair='MODULE:FACTORY'), flax-transformer verify --checkpoint PATH --pair "
+                               "MODULE:FACTORY), or bisect that pair with --pair")
     # the Flax model first: built abstract and loaded strictly, it holds the description to the file's
     # tensors before torch allocates anything from it
     flax_model = _flax_model(path, record["format"], record["model"])
@@ -271,21 +278,48 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
               "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
     with jax.default_matmul_precision("highest"):
         report = compare(torch_model, flax_model, args, grads=True, seed=seed)  # forward and backward, one compile
+    return {"inputs": inputs} | _entries(report)
+
+
+def _entries(report) -> dict:
+    """{"forward", "backward"} of a certificate from ``compare(..., grads=True)``'s report."""
     err, finite, scale, rel = float(report.max_abs_err), bool(report.finite), max(1.0, report.scale), report.max_rel_err
     grads = grads_row(report, "", "", "", "grads")
     grad_err, grad_finite = float(report.grad_err), bool(report.grad_finite)
     forward64, backward64 = _float64(report.rows[0]), _float64(grads)
-    return {"inputs": inputs,
-            "forward": {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
-                        "finite": finite, "tolerance": TOLERANCE, "float64": forward64,
-                        "passed": finite and rel <= TOLERANCE and forward64["passed"]},
-            "backward": {"max_rel_err": grad_err, "finite": grad_finite, "worst": str(report.worst_grad_key),
-                         "tolerance": BACKWARD_TOLERANCE, "float64": backward64,
-                         "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE and backward64["passed"]}}
+    forward = {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
+               "finite": finite, "tolerance": TOLERANCE, "float64": forward64,
+               "passed": finite and rel <= TOLERANCE and forward64["passed"] and not report.rows[0].mismatched}
+    backward = {"max_rel_err": grad_err, "finite": grad_finite, "worst": str(report.worst_grad_key),
+                "tolerance": BACKWARD_TOLERANCE, "float64": backward64,
+                "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE and backward64["passed"]}
+    # what was not compared, or differs outright (a user's model: an output leaf, a gradient with no twin)
+    for entry, row in ((forward, report.rows[0]), (backward, grads)):
+        if row.skipped or row.mismatched:
+            entry["not_compared"] = _brief("; ".join(filter(None, (row.skipped, row.mismatched))), 500)
+    return {"forward": forward, "backward": backward}
 
 
 def _not_measured(reason: str) -> dict:
     return {"inputs": dict(INPUTS), "forward": {"not_measured": reason}, "backward": {"not_measured": reason}}
+
+
+def _skeleton(written: Path, fmt: str, description: dict, tensors: dict, name: str | None) -> dict:
+    """Everything a certificate records but the measurement."""
+    return {"certificate": FORMAT, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "format": fmt, "model": description, "files": file_hashes(written, fmt, name),
+            "tensors": tensor_hashes(tensors),
+            "dtypes": {"tensors": sorted({str(np.asarray(t).dtype) for t in tensors.values()}), "compute": "float32"},
+            "matmul_precision": "highest", "versions": versions(), "platform": platform_info()}
+
+
+def _refuse_failed(record: dict, label: str, reloaded: str) -> None:
+    """``CertificateError`` naming every failed entry of ``record``: the caller then writes nothing."""
+    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g}){_float64_note(v)}{_not_compared_note(v)}"
+              for k in ("forward", "backward") if not (v := record[k]).get("passed", True)]
+    if failed:
+        raise CertificateError(f"{label}: the export check failed: {', '.join(failed)} between the model and what "
+                               f"was written, {reloaded}; nothing was written (certify=False writes without the check)")
 
 
 def make(written, fmt: str, model, *, name: str | None = None, state: dict | None = None) -> dict:
@@ -300,11 +334,7 @@ def make(written, fmt: str, model, *, name: str | None = None, state: dict | Non
     description = checkpoints.describe(model)
     tensors = read_tensors(written, fmt)
     reuse = tensors if fmt != "hf" else None  # the HF torch model reads the folder itself
-    record = {"certificate": FORMAT, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "format": fmt, "model": description, "files": file_hashes(written, fmt, name),
-              "tensors": tensor_hashes(tensors),
-              "dtypes": {"tensors": sorted({str(np.asarray(t).dtype) for t in tensors.values()}), "compute": "float32"},
-              "matmul_precision": "highest", "versions": versions(), "platform": platform_info()}
+    record = _skeleton(written, fmt, description, tensors, name)
     del tensors  # hashed: not held through the measurement
     if _torch() is None:
         record |= _not_measured("not measured: torch not installed")
@@ -312,12 +342,7 @@ def make(written, fmt: str, model, *, name: str | None = None, state: dict | Non
         torch_model = _torch_model(written, fmt, description, reuse)
         reuse = None  # copied into the torch model
         record |= measure(fp32_twin(model, state), torch_model)
-    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g}){_float64_note(v)}" for k in ("forward", "backward")
-              if not (v := record[k]).get("passed", True)]
-    if failed:
-        raise CertificateError(f"{name or written.name}: the export check failed: {', '.join(failed)} between the "
-                               "model and what was written, reloaded in torch; nothing was written "
-                               "(certify=False writes without the check)")
+    _refuse_failed(record, name or written.name, "reloaded in torch")
     return record
 
 
@@ -337,6 +362,10 @@ def _float64_note(entry: dict) -> str:
     figures = (f"JAX {f['jax_err']:.2e} vs torch {f['torch_err']:.2e} against float64, budget {f['budget']:.2e}"
                if f.get("budget") is not None else "not measured")
     return f"; float64 rule failed: {figures}"
+
+
+def _not_compared_note(entry: dict) -> str:
+    return f"; not compared: {entry['not_compared']}" if entry.get("not_compared") else ""
 
 
 def _value(entry: dict, relative: bool = True) -> str:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from flax_transformer.interop import files
 from flax_transformer.verification import certificate as cert
+from flax_transformer.verification import certificate_user, pairs
+from flax_transformer.verification.certificate_schema import USER
 
 
 @dataclass
@@ -138,19 +140,8 @@ def _compare_errors(report: Report, record: dict, measured: dict, same_environme
             report.passes.append(both)
 
 
-def recheck(path) -> Report:
-    """Re-check an export against its certificate: hashes, the measurement on the recorded
-    inputs (the library's defaults where none are recorded), versions and platform. Raises
-    ``CertificateError`` when there is no readable one (``certificate.read``: the schema is
-    checked first). The errors are always measured now, never copied from the certificate: where
-    that cannot be done the report says "not re-measured: <reason>", a note, not a pass."""
-    path = Path(path)
-    record = cert.read(path)
-    report = Report(path, cert.path_for(path))
-    if not path.exists():
-        report.failures.append(f"{path} is missing (an export interrupted before its weights went in?)")
-        return report
-    tensors = _check_hashes(report, path, record)
+def _environment_notes(record: dict) -> list[str]:
+    """Versions and platform fields that changed since the export, each with both values."""
     now_versions, now_platform = cert.versions(), cert.platform_info()
     changed = [f"{k} {record['versions'].get(k)} at export, {now_versions.get(k)} now"
                for k in sorted(set(record["versions"]) | set(now_versions))
@@ -161,7 +152,40 @@ def recheck(path) -> Report:
     changed = [cert._brief(c, 200) for c in changed]
     if len(changed) > 2 * SHOWN:
         changed = changed[:SHOWN] + [f"… and {len(changed) - SHOWN} more versions or platform fields changed"]
+    return changed
+
+
+def _begin(path: Path, record: dict) -> tuple[Report, dict | None, list[str] | None]:
+    """The report begun: (report, the tensors read, the versions and platform notes), or (report,
+    None, None) when the weights are missing."""
+    report = Report(path, cert.path_for(path))
+    if not path.exists():
+        report.failures.append(f"{path} is missing (an export interrupted before its weights went in?)")
+        return report, None, None
+    tensors = _check_hashes(report, path, record)
+    changed = _environment_notes(record)
     report.notes.extend(changed)
+    return report, tensors, changed
+
+
+def recheck(path, pair=None) -> Report:
+    """Re-check an export against its certificate: hashes, the measurement on the recorded
+    inputs (the library's defaults where none are recorded), versions and platform. Raises
+    ``CertificateError`` when there is no readable one (``certificate.read``: the schema is
+    checked first). The errors are always measured now, never copied from the certificate: where
+    that cannot be done the report says "not re-measured: <reason>", a note, not a pass.
+
+    ``pair``: for an export of your own model (``export.save_*(..., reference=)``), the
+    ``"MODULE:FACTORY"`` (or the factory) whose ``FACTORY()`` returns (torch model, Flax model,
+    args[, kwargs]), as for ``verify --pair``: see ``recheck_user``."""
+    path = Path(path)
+    record = cert.read(path)
+    user = record["model"]["family"] == USER
+    if user or pair is not None:
+        return recheck_user(path, record, pair)
+    report, tensors, changed = _begin(path, record)
+    if changed is None:  # the weights are missing
+        return report
     inputs = record.get("inputs")
     if inputs is None:  # the schema has checked any that are recorded
         inputs = cert.INPUTS
@@ -180,5 +204,78 @@ def recheck(path) -> Report:
             return report
         measured = cert.measure(flax_model, torch_model, seed=inputs["seed"], batch=inputs["batch"],
                                 length=inputs["length"])
+    _compare_errors(report, record, measured, same_environment=not changed)
+    return report
+
+
+# ------------------------------------------------------------------ your own model
+
+
+def _inputs_differ(recorded: dict, now: dict) -> str | None:
+    """How the factory's inputs differ from the certificate's (the first difference), or None."""
+    def shown(entry):
+        return "none" if entry is None else (f"{entry['value']!r}" if "value" in entry else
+                                             f"{entry['dtype']} {entry['shape']} sha256 {_short(entry['sha256'])}…")
+    was = {f"args[{i}]": e for i, e in enumerate(recorded["args"])} | {
+        f"kwargs[{k!r}]": e for k, e in recorded.get("kwargs", {}).items()}
+    new = {f"args[{i}]": e for i, e in enumerate(now["args"])} | {
+        f"kwargs[{k!r}]": e for k, e in now["kwargs"].items()}
+    for name in [*was, *(k for k in new if k not in was)]:
+        if name not in new or name not in was or was[name] != new[name]:
+            return (f"{name}: {shown(was[name]) if name in was else 'absent'} at export, "
+                    f"{shown(new[name]) if name in new else 'absent'} now")
+    return None
+
+
+def recheck_user(path: Path, record: dict, pair) -> Report:
+    """The re-check of a user's model's export with the pair that ``pair`` gives: the hashes again,
+    the file read into the factory's torch model (strict ``load_state_dict``) and its Flax model
+    (``porting.load_state_dict`` with the recorded rename; orbax: the Flax tree, then
+    ``porting.flax_to_torch``), measured again on the factory's inputs and compared with the
+    recorded figures. ``ValueError`` (one line) when the pair cannot re-check this export: none
+    given, a library family's export, other classes than the certificate's, or other inputs than
+    the recorded ones (the figures hold for those inputs only)."""
+    model = record["model"]
+    if model["family"] != USER:
+        raise ValueError(f"{path} is an export of the library's {model['family']}.{model['class']}: re-check it "
+                         "without a pair (--pair is for an export of your own model)")
+    if pair is None:
+        how = f"pair={model['reference']!r}" if model.get("reference") else "pair='MODULE:FACTORY'"
+        raise cert.CertificateError(
+            f"{path} is an export of your own model ({model['module']}.{model['class']}): re-check it with the "
+            f"factory of its torch and Flax models, {how} (flax-transformer verify --checkpoint PATH --pair "
+            f"{model.get('reference') or 'MODULE:FACTORY'})")
+    name = pairs.factory_name(pair)
+    torch_model, flax_model, args, kwargs = pairs.call_factory(pair)
+    for key, module, obj in (("class", "module", torch_model), ("flax_class", "flax_module", flax_model)):
+        if type(obj).__qualname__ != model[key]:  # by class name: a file's module name depends on how it is imported
+            raise ValueError(f"{name} gives a {type(obj).__qualname__}; {path}'s certificate was made with a "
+                             f"{model[key]} ({model[module]})")
+    differ = _inputs_differ(record["inputs"], certificate_user.input_record(args, kwargs))
+    if differ:
+        raise ValueError(f"{name} gives other inputs than {path} was certified on ({differ}): its figures hold "
+                         "for those inputs only; re-check with the factory that returns them")
+    report, tensors, changed = _begin(path, record)
+    if changed is None:  # the weights are missing
+        return report
+    if tensors is None:
+        return report
+    fmt, rename = record["format"], [tuple(p) for p in model["rename"]]
+    try:
+        if fmt == "orbax":  # the Flax tree into the Flax model, and from it into torch
+            certificate_user.fill_flax(flax_model, tensors)
+            certificate_user.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
+        else:  # each from the file: torch strictly, Flax through porting with the recorded rename
+            certificate_user.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
+            from flax_transformer.interop import porting
+
+            porting.load_state_dict(flax_model, certificate_user.shared_ties(tensors, torch_model), strict=True,
+                                    rename=rename or None)
+    except (ValueError, TypeError, RuntimeError) as error:  # porting's StateDictError is a ValueError
+        why = cert._brief(" ".join(str(error).split()), 600)  # porting's lines (which keys, why) on one
+        report.failures.append(f"cannot load the export into {name}'s models to re-measure it: {why}")
+        return report
+    measured = certificate_user.measure(certificate_user.fp32_view(flax_model), torch_model, args, kwargs,
+                                        rename=rename)
     _compare_errors(report, record, measured, same_environment=not changed)
     return report

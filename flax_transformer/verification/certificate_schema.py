@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 FORMAT = "flax_transformer verification certificate 1"
 FORMATS = ("safetensors", "torch", "orbax", "hf")
+USER = "user"  # model.family of a user's own model, certified against its torch reference (certificate_user)
+USER_FORMATS = ("safetensors", "torch", "orbax")
 
 
 class CertificateError(ValueError):
@@ -30,6 +33,7 @@ DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16"
                     "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"})
 MAX_DIMS, MAX_ELEMENTS = 8, 2**40  # a tensor's shape: at most 8 dimensions, 2**40 elements
 MAX_TENSORS, MAX_FILES, MAX_TEXT = 200_000, 10_000, 1024
+MAX_RENAMES, MAX_INPUTS = 256, 16  # a user model's rename pairs; its call's args (and kwargs)
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -126,7 +130,7 @@ def _check_error_entry(s: _Schema, key: str, entry) -> None:
     if entry["tolerance"] <= 0:
         s.fail(f"{key}.tolerance", "a number in (0, 1], not 0")
     s.optional(entry, "scale", lambda f, v: s.number(f"{key}.{f}", v, 1.0))
-    for f in ("relative_to", "worst"):
+    for f in ("relative_to", "worst", "not_compared"):
         s.optional(entry, f, lambda f, v: s.text(f"{key}.{f}", v))
     s.optional(entry, "passed", lambda f, v: s.kind(f"{key}.{f}", v, bool, "true or false"))
     if entry.get("float64") is not None:
@@ -155,6 +159,50 @@ def _check_inputs(s: _Schema, inputs) -> None:
     s.optional(inputs, "drawn_by", lambda f, v: s.text(f"inputs.{f}", v))
 
 
+def _check_user_model(s: _Schema, model: dict, fmt: str) -> None:
+    """A user's model: its torch and Flax classes, the factory it was given as, porting's rename pairs."""
+    if fmt not in USER_FORMATS:
+        s.fail("format", f"one of {', '.join(USER_FORMATS)} for a user's model, not {fmt!r}")
+    for f in ("class", "module", "flax_class", "flax_module"):
+        s.text(f"model.{f}", model.get(f), 256, empty=False)
+    s.optional(model, "reference", lambda f, v: s.text(f"model.{f}", v, empty=False))
+    renames = s.kind("model.rename", model.get("rename"), list, "a list of [regex, replacement] pairs")
+    if len(renames) > MAX_RENAMES:
+        s.fail("model.rename", f"at most {MAX_RENAMES} pairs, not {len(renames)}")
+    for i, pair in enumerate(renames):
+        field = f"model.rename[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            s.fail(field, f"a [regex, replacement] pair, not {_short_value(pair)}")
+        pattern, replacement = (s.text(f"{field}[{j}]", v) for j, v in enumerate(pair))
+        try:
+            re.compile(pattern).sub(replacement, "")  # bad escapes fail here, as porting's check_rename
+        except re.error as error:
+            s.fail(field, f"not a valid regex and replacement: {error}")
+
+
+def _check_user_inputs(s: _Schema, inputs) -> None:
+    """A user's model's inputs: each argument null, {"value": number} or {"shape", "dtype", "sha256"}."""
+    s.kind("inputs", inputs, dict, "a JSON object {args, kwargs}")
+    args = s.kind("inputs.args", inputs.get("args"), list, "a list")
+    kwargs = s.mapping("inputs.kwargs", inputs.get("kwargs", {}), MAX_INPUTS, key_limit=64)
+    if len(args) > MAX_INPUTS:
+        s.fail("inputs.args", f"at most {MAX_INPUTS} inputs, not {len(args)}")
+    for field, entry in [*((f"inputs.args[{i}]", a) for i, a in enumerate(args)),
+                         *((f"inputs.kwargs[{_name(k)}]", v) for k, v in kwargs.items())]:
+        if entry is None:
+            continue
+        s.kind(field, entry, dict, "null or a JSON object")
+        if "value" in entry:
+            if type(entry["value"]) is not bool:
+                s.number(f"{field}.value", entry["value"], -float("inf"), float("inf"))
+            continue
+        s.digest(f"{field}.sha256", entry.get("sha256"))
+        if entry.get("dtype") not in DTYPES:
+            s.fail(f"{field}.dtype", f"one of {', '.join(sorted(DTYPES))}, not {_short_value(entry.get('dtype'))}")
+        _check_shape(s, f"{field}.shape", entry.get("shape"))
+    s.optional(inputs, "drawn_by", lambda f, v: s.text(f"inputs.{f}", v))
+
+
 def _check_shape(s: _Schema, field: str, shape) -> None:
     s.kind(field, shape, list, "a list of dimensions")
     if len(shape) > MAX_DIMS:
@@ -171,7 +219,10 @@ def validate(record, cert) -> dict:
     ranges and required fields (``CertificateError`` naming ``cert`` and the field). Required:
     certificate, format, model, files, tensors, forward, backward, versions, platform; optional:
     created, inputs (null or absent: the re-check draws the library's defaults), dtypes,
-    matmul_precision, and a forward's ``max_rel_err`` (certificates before it have ``max_abs_err``)."""
+    matmul_precision, and a forward's ``max_rel_err`` (certificates before it have ``max_abs_err``).
+    A user's model (``model.family`` "user") has ``class``, ``module``, ``flax_class``,
+    ``flax_module``, ``reference`` and ``rename`` instead of ``init_kwargs``, and requires ``inputs``
+    (``args``, ``kwargs``: each null, a number or an array's shape, dtype and sha256)."""
     s = _Schema(cert)
     if not isinstance(record, dict):
         raise CertificateError(f"{cert}: field (top level): a JSON object, not {_json_type(record)}: not a {FORMAT!r}")
@@ -181,9 +232,12 @@ def validate(record, cert) -> dict:
         s.fail("format", f"one of {', '.join(FORMATS)}, not {_short_value(record.get('format'))}")
     s.optional(record, "created", lambda f, v: s.text(f, v, 64))
     model = s.kind("model", record.get("model"), dict, "a JSON object")
-    s.text("model.family", model.get("family"), 64, empty=False)
-    s.text("model.class", model.get("class"), 128, empty=False)
-    s.mapping("model.init_kwargs", model.get("init_kwargs"), 256)
+    user = s.text("model.family", model.get("family"), 64, empty=False) == USER
+    if user:
+        _check_user_model(s, model, record["format"])
+    else:
+        s.text("model.class", model.get("class"), 128, empty=False)
+        s.mapping("model.init_kwargs", model.get("init_kwargs"), 256)
     files_ = s.mapping("files", record.get("files"), MAX_FILES, key_limit=255)
     if record["format"] in ("safetensors", "torch") and len(files_) != 1:
         s.fail("files", f"one weights file for a {record['format']} export, not {len(files_)}")
@@ -199,7 +253,10 @@ def validate(record, cert) -> dict:
         _check_shape(s, f"{field}.shape", entry.get("shape"))
     for key in ("forward", "backward"):
         _check_error_entry(s, key, record.get(key))
-    s.optional(record, "inputs", lambda f, v: _check_inputs(s, v))
+    if user:  # required: a re-check must run on the very inputs the figures were measured on
+        _check_user_inputs(s, record.get("inputs"))
+    else:
+        s.optional(record, "inputs", lambda f, v: _check_inputs(s, v))
     if record.get("dtypes") is not None:
         dtypes = s.kind("dtypes", record["dtypes"], dict, "a JSON object")
         listed = s.kind("dtypes.tensors", dtypes.get("tensors", []), list, "a list")

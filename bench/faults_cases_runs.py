@@ -209,7 +209,8 @@ for label, change in [
         ("a truncated .gz", truncate_gz),
         ("a record without text", gz_records([{"text": "fine", "label": 1}, {"label": 1}])),
         ("a record with a string label", gz_records([{"text": "fine", "label": "pos"}])),
-        ("a record that is not UTF-8", gz_records([{"text": "fine", "label": 1}, b'{"text": "caf\xe9", "label": 1}\n'])),
+        ("a record that is not UTF-8",
+         gz_records([{"text": "fine", "label": 1}, b'{"text": "caf\xe9", "label": 1}\n'])),
         ("a record that is not JSON", gz_records([b"{this is not json\n"])),
         ("a label 7 (outside num_classes)", gz_records([{"text": "fine film", "label": 7}]))]:
     cli_case(f"IMDB data with {label}", "11 data", "train.classify", CLASSIFY, prepare=imdb(change), new_run="run")

@@ -54,8 +54,8 @@ for run_dir, pattern in (("run-inf-nu", r"exp_avg_sq of [\w.]+ holds 1 inf value
                          ("run-nan-mu", r"exp_avg of [\w.]+ holds 1 NaN value"),
                          ("run-neg-nu", r"exp_avg_sq of [\w.]+ holds 1 negative value")):
     for flags in (["--verify"], []):
-        verdict_case(f"port {run_dir} --to torch-state {' '.join(flags)}: a poisoned optimizer moment".replace(
-                     "  ", " "), "22.4 torch state", FT, ["port", run_dir, "out.pt", "--to", "torch-state", *flags],
+        verdict_case(" ".join(["port", run_dir, "--to torch-state", *flags]) + ": a poisoned optimizer moment",
+                     "22.4 torch state", FT, ["port", run_dir, "out.pt", "--to", "torch-state", *flags],
                      error=["exp_avg"], prepare=copy(run_dir),
                      check=lambda folder, call, p=pattern: error_matches(p)(folder, call) + no_output("out.pt")(
                          folder, call))
@@ -75,7 +75,7 @@ else:
     print("OK" if len(problems) == 1 and "negative" in problems[0] else f"problems: {problems}")
 """, prepare=copy("run"))
 
-# ------------------------------------------------------------------ 5: sharded folders read as transformers does, or refused
+# ------------------------------------------------------------------ 5: sharded folders as transformers reads them
 
 NAME = "transformer.h.0.ln_1.weight"  # in the first shard
 SHARD_WORDS: dict[str, list[str]] = {}  # a case folder: what its refusal must name
@@ -234,8 +234,10 @@ def _set(keys, value):
 
 for label, (keys, value, field) in BAD_FIELDS.items():
     verdict_case(f"verify --checkpoint, certificate with {label}", "22.6 certificate", FT,
-                 ["verify", "--checkpoint", "ct.safetensors"], error=[CERT, field], prepare=certificate(_set(keys, value)))
-for label, text, words in (("not JSON", b"{", "is not valid JSON"), ("binary", b"\xff\xfe\x00garbage", "is not valid JSON"),
+                 ["verify", "--checkpoint", "ct.safetensors"], error=[CERT, field],
+                 prepare=certificate(_set(keys, value)))
+for label, text, words in (("not JSON", b"{", "is not valid JSON"),
+                           ("binary", b"\xff\xfe\x00garbage", "is not valid JSON"),
                            ("nested 200000 deep", b"[" * 200_000 + b"]" * 200_000, "is not valid JSON"),
                            ("a list", b"[1, 2]", "field (top level)"), ("empty", b"", "")):
     verdict_case(f"verify --checkpoint, certificate that is {label}", "22.6 certificate", FT,
@@ -279,7 +281,8 @@ def huge_certificate(folder: Path, fx: Path):
         peaks[label] = int(rss.read_text()) if rss.is_file() else None
         rss.unlink(missing_ok=True)
     problems = [p for p in [stderr_problem(call, (2,))] if p]
-    problems += [] if call.rc != 2 or CERT in (error_lines(call) or [""])[-1] else ["the error line does not name the file"]
+    if call.rc == 2 and CERT not in (error_lines(call) or [""])[-1]:
+        problems.append("the error line does not name the file")
     if None in peaks.values():
         problems.append("(peak RSS not measured)")
     elif peaks["1 GiB"] - peaks["small"] > 256 << 10:  # KiB

@@ -173,7 +173,8 @@ print("poisoned runs done")
 
 
 def build_fixtures(fx: Path) -> None:
-    steps = [("the fixtures", "code:" + FIXTURE_CODE, [str(REPO), json.dumps(CT_CONFIG), json.dumps(list(TORCH_STATES))]),
+    steps = [("the fixtures", "code:" + FIXTURE_CODE,
+              [str(REPO), json.dumps(CT_CONFIG), json.dumps(list(TORCH_STATES))]),
              ("the finished tiny run", "train.classify", ["--preset", "tiny", "--steps", "2", "--data-dir", "imdb-data",
                                                           "--out", "run", "--no-progress"]),
              ("the poisoned runs", "code:" + POISON_CODE, [str(REPO)])]

@@ -5,6 +5,7 @@ can be (NaN or inf on one side or both, a layer with no twin, an output that can
 error only the float64 reference sees), or misbehaves as a factory (exits, raises, returns nothing).
 ``ok`` is the control: a correct port that must pass.
 """
+
 import sys
 
 import jax.numpy as jnp
@@ -152,7 +153,7 @@ def _gelu(seed):
     return model, flax_model, (0.2 * np.random.default_rng(seed).standard_normal((2, 6, 16)).astype(np.float32),)
 
 
-for _seed in range(5):
+for _seed in range(5):  # tanh_gelu_0 ... tanh_gelu_4
     globals()[f"tanh_gelu_{_seed}"] = lambda seed=_seed: _gelu(seed)
 
 
@@ -186,6 +187,11 @@ class _Exits(nnx.Module):
         sys.exit(0)
 
 
+class _TorchExits(torch.nn.Module):
+    def forward(self, x):
+        sys.exit(0)
+
+
 class _TorchRaises(torch.nn.Module):
     def forward(self, x):
         raise KeyError("no such head")
@@ -197,6 +203,10 @@ def flax_raises():
 
 def flax_exits():
     return torch.nn.Identity(), _Exits(), (np.zeros((2, 3), np.float32),)
+
+
+def torch_exits():
+    return _TorchExits(), nnx.Linear(3, 3, rngs=nnx.Rngs(0)), (np.zeros((2, 3), np.float32),)
 
 
 def torch_raises():

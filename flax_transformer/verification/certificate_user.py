@@ -141,7 +141,7 @@ def shared_ties(tensors: dict, torch_model) -> dict:
     return out
 
 
-def load_torch(torch_model, written: Path, fmt: str, tensors: dict, flax_model, rename):
+def load_torch(torch_model, written: Path, fmt: str, tensors: dict, flax_model, rename, name: str | None = None):
     """``torch_model`` filled from the written file: strict ``load_state_dict`` (safetensors, torch), or
     orbax's Flax tree into a clone of ``flax_model`` and ``porting.flax_to_torch``."""
     from flax import nnx
@@ -156,8 +156,9 @@ def load_torch(torch_model, written: Path, fmt: str, tensors: dict, flax_model, 
         try:
             torch_model.load_state_dict(hf.torch_state(tensors), strict=True)
         except RuntimeError as error:  # torch's strict load: missing, unexpected, mis-shaped keys
-            raise ValueError(f"{written.name} does not load strictly into {type(torch_model).__name__}: "
-                             f"{cert._brief(error, 400)}") from None
+            why = cert._brief(" ".join(str(error).split()), 600)  # torch's lines: which keys, which shapes
+            raise ValueError(f"{name or written.name} does not load strictly into {type(torch_model).__name__}: "
+                             f"{why}") from None
     return torch_model.eval()
 
 
@@ -199,10 +200,10 @@ def make(written, fmt: str, flax_model, reference, *, name: str | None = None, s
     record = cert._skeleton(written, fmt, describe(reference, flax_model, reference=spec, rename=rename), tensors, name)
     record["inputs"] = input_record(args, kwargs, drawn_by)
     try:
-        torch_model = load_torch(copy.deepcopy(reference), written, fmt, tensors, flax_model, rename)
+        torch_model = load_torch(copy.deepcopy(reference), written, fmt, tensors, flax_model, rename, name)
     except ValueError as error:  # porting's StateDictError too
-        raise CertificateError(f"{name or written.name}: the export check failed: {cert._brief(error, 400)}; "
-                               "nothing was written") from None
+        why = cert._brief(" ".join(str(error).split()), 600)
+        raise CertificateError(f"{name or written.name}: the export check failed: {why}; nothing was written") from None
     del tensors
     record |= measure(fp32_view(flax_model), torch_model, args, kwargs, rename=rename)
     cert._refuse_failed(record, name or written.name, f"reloaded into a fresh copy of {type(reference).__name__}")

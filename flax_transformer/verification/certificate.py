@@ -21,7 +21,8 @@ the hashes (a changed tensor is named), reruns the measurement on the recorded i
 compares versions (see its ``Report`` for what fails and what is a note).
 
 This module makes and reads certificates; it writes no file. The writers of ``interop`` take
-its ``sidecar`` hook, and ``export`` puts the two together.
+its ``sidecar`` hook, and ``export`` puts the two together. A user's own model, certified against
+its torch reference, adds its own fields: ``certificate_user``.
 """
 
 from __future__ import annotations

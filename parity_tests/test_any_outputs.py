@@ -7,6 +7,7 @@ HF ``ModelOutput``s, dicts and dataclasses, notebook 000's classifier under the 
 library's names, and convolutions in 1-d and 2-d.
 """
 
+import collections
 import dataclasses
 import re
 
@@ -161,6 +162,9 @@ class Out:
     tag: str
 
 
+Scores = collections.namedtuple("Scores", ["logits", "extra"])
+
+
 class TorchShaped(nn.Module):
     """One Linear; ``kind`` says how the output is wrapped."""
 
@@ -174,6 +178,8 @@ class TorchShaped(nn.Module):
             from transformers.modeling_outputs import SequenceClassifierOutput
 
             return SequenceClassifierOutput(loss=None, logits=y, hidden_states=(x, y))
+        if self.kind == "namedtuple":
+            return Scores(y, None)
         return Out(y, 3, "scores") if self.kind == "dataclass" else {"logits": y, "extra": None}
 
 
@@ -185,6 +191,8 @@ class FlaxShaped(nnx.Module):
         y = self.lin(x)
         if self.kind == "model_output":  # a plain dict, its keys in another order, and the None loss
             return {"hidden_states": (x, y), "loss": None, "logits": y}
+        if self.kind == "namedtuple":  # a plain tuple: matched by position
+            return (y,)
         return Out(y, 3, self.tag) if self.kind == "dataclass" else {"logits": y}
 
 
@@ -199,17 +207,19 @@ def _shaped(kind, **kw):
 X = RNG.standard_normal((2, 4)).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", ["model_output", "dataclass", "dict"])
+@pytest.mark.parametrize("kind", ["model_output", "dataclass", "dict", "namedtuple"])
 def test_any_output_structure_is_compared_by_path(kind):
     torch_model, flax_model = _shaped(kind)
     report = verify.compare(torch_model, flax_model, (X,), grads=True)
     assert report.passed and not report.skipped, str(report)
     arrays = {"model_output": ["output.logits", "output.hidden_states[0]", "output.hidden_states[1]"],
-              "dataclass": ["output.scores"], "dict": ["output.logits"]}[kind]
+              "dataclass": ["output.scores"], "dict": ["output.logits"],
+              "namedtuple": ["output.logits (flax output[0])"]}[kind]
     assert [o["output"] for o in report.outputs] == arrays
     others = {o["output"]: (o["torch"], o["flax"]) for o in report.others}
     assert others == {"model_output": {"output.loss": ("absent", "None")}, "dict": {"output.extra": ("None", "absent")},
-                      "dataclass": {"output.count": ("3", "3"), "output.tag": ("'scores'", "'scores'")}}[kind]
+                      "dataclass": {"output.count": ("3", "3"), "output.tag": ("'scores'", "'scores'")},
+                      "namedtuple": {"output.extra": ("None", "absent")}}[kind]
     found = bisect.bisect(torch_model, flax_model, (X,), grads=True)
     assert found.passed and not found.incomplete, str(found)
 
@@ -301,6 +311,16 @@ def test_rename_matches_every_module_and_gradient():
     assert compared.passed and not compared.skipped and len(compared.rows) == 1 + len(report.grad_rows), str(compared)
     with pytest.raises(ValueError, match="not a valid regex"):
         verify.compare(torch_model, flax_model, args, rename=[("(", "x")])
+
+
+def test_rename_flag_splits_at_the_first_plain_equals_sign():
+    from flax_transformer.cli.bisect_cli import parse_renames
+
+    assert parse_renames([r"\.attention\.=.mhattention.", r"^(h)\.=\1.x="]) == [
+        (r"\.attention\.", ".mhattention."), (r"^(h)\.", r"\1.x=")]
+    assert parse_renames([r"a(?=b)=c", r"a(?<=b)=c", r"(?P<n>a)(?P=n)=c", r"a\=b=c"]) == [
+        ("a(?=b)", "c"), ("a(?<=b)", "c"), ("(?P<n>a)(?P=n)", "c"), (r"a\=b", "c")]
+    assert parse_renames(None) == []
 
 
 def test_verify_pair_takes_rename(capsys):

@@ -317,7 +317,8 @@ def _flax_scalar(out, weights: dict, torch_paths: tuple[str, ...], loss_fn):
         return jnp.reshape(value, ())
     leaves = {p: v for p, v in flatten(out) if v is not None}
     pairs, _, _ = pair_paths(list(torch_paths), list(leaves))
-    terms = [(leaves[j].astype(weights[t].dtype) * weights[t]).sum() for t, j in pairs if t in weights]
+    terms = [(leaves[j].astype(weights[t].dtype) * weights[t]).sum() for t, j in pairs
+             if t in weights and isinstance(leaves[j], jax.Array)]  # another leaf there: compare says it differs
     return sum(terms, jnp.zeros((), jnp.float32))
 
 

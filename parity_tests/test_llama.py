@@ -25,6 +25,7 @@ import flax_transformer.models.llama as fl
 import torch_reference.llama as tl
 from flax_transformer.interop import porting
 from flax_transformer.models._shared import InputSpec
+from flax_transformer.models.attention import set_attention
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.verification import frameworks
 from flax_transformer.verification.compare import compare
@@ -147,7 +148,7 @@ def flax_to_torch_perturbed(flax_model):
 def test_block_both_ways(rng):
     """A block with every switch at once (GQA, llama3 scaling past its context, q/k norms, a window,
     q/k/v biases, 1 + w norms, tanh GELU), padding and a fully masked row: torch -> Flax and
-    Flax -> torch, outputs and every parameter's gradient."""
+    Flax -> torch, outputs and every parameter's gradient; and with ``set_attention(.., "xla")``."""
     cfg = LlamaConfig.tiny(vocab_size=64, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                            rope_scaling=dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=16),
                            qk_norm=True, sliding_window=3, attention_bias=True, o_proj_bias=False, mlp_bias=True,
@@ -161,6 +162,8 @@ def test_block_both_ways(rng):
     for torch_side, flax_side in ((block, flax_block), flax_to_torch_perturbed(flax_block)):
         report = compare(torch_side, flax_side, args, grads=True, tol=TOL)
         assert report.passed and report.grad_err <= TOL, str(report)
+    set_attention(flax_block, "xla")  # jax.nn.dot_product_attention on the repeated heads, the same mask
+    assert compare(block, flax_block, args, tol=TOL).passed
 
 
 @pytest.mark.parametrize("rope", [LLAMA3, LINEAR, DYNAMIC, dict(rope_type="default", rope_theta=10000.0)],
@@ -285,6 +288,10 @@ def test_tied_checkpoints():
     untied = tl.LlamaForCausalLM(LlamaConfig.tiny()).state_dict()
     with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
         tied.load_state_dict(untied)
+    once = {k: v + 1 for k, v in state.items() if k != "lm_head.weight"}  # as transformers' files keep it
+    tied.load_state_dict(once)
+    assert torch.equal(tied.lm_head.weight, once["model.embed_tokens.weight"])
+    state = tied.state_dict()
     flax_model = porting.torch_to_flax(tied)
     assert flax_model.lm_head is None
     back = porting.flax_to_torch(flax_model).state_dict()

@@ -299,14 +299,19 @@ class LlamaForCausalLM(Module):
         return InputSpec(self.config.vocab_size, self.config.max_position_embeddings, generates=True)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """All or nothing, as every torch_reference model; a tied model also refuses a checkpoint
+        """All or nothing, as every torch_reference model. A tied model takes a checkpoint that holds
+        its one tensor under either name or both (transformers' files keep it once), and refuses one
         whose head differs from its embedding (an untied checkpoint would load one over the other)."""
-        head, table = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
-        if (self.config.tie_word_embeddings and isinstance(head, torch.Tensor) and isinstance(table, torch.Tensor)
-                and head.shape == table.shape and not torch.equal(head, table)):
-            raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but this model ties them "
-                             "(tie_word_embeddings=True): the checkpoint has its own head; build the model with "
-                             "tie_word_embeddings=False; nothing was loaded")
+        names = ("lm_head.weight", "model.embed_tokens.weight")
+        if self.config.tie_word_embeddings and hasattr(state_dict, "get"):
+            head, table = (state_dict.get(name) for name in names)
+            if (isinstance(head, torch.Tensor) and isinstance(table, torch.Tensor) and head.shape == table.shape
+                    and not torch.equal(head, table)):
+                raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but this model ties them "
+                                 "(tie_word_embeddings=True): the checkpoint has its own head; build the model "
+                                 "with tie_word_embeddings=False; nothing was loaded")
+            if (head is None) != (table is None):
+                state_dict = {**state_dict, **({names[0]: table} if head is None else {names[1]: head})}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):

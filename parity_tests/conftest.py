@@ -4,10 +4,27 @@ fp32 parity is checked with full-precision matmuls, and with JAX's strict dtype
 promotion so that an accidental float64/bool promotion in the library shows up here.
 """
 
-import jax
-import numpy as np
-import pytest
-import torch
+import atexit
+import os
+import shutil
+import tempfile
+
+# One persistent XLA compilation cache for the whole run, set before jax is imported: the xdist
+# workers and every subprocess a test starts (the CLI, the trainers) inherit it, so a program one
+# of them compiled (the same tiny model, the same step) is loaded by the others instead of
+# compiled again. It lives in a temporary folder that the process that made it removes at exit:
+# each run starts cold, as CI does. max_size turns on jax's file lock, so concurrent writers and
+# readers of one entry never see it half written. Set JAX_COMPILATION_CACHE_DIR to choose another.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="ft-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ |= {"JAX_COMPILATION_CACHE_DIR": _cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -149,7 +149,17 @@ def test_bucket_shape(gpt2):
     assert bucket_shape(520, 300, 64, 1024) == (576, 384)
 
 
-def test_one_compile_per_bucket_and_padding_changes_nothing(gpt2):
+@pytest.fixture
+def no_persistent_cache():
+    """Compilations counted in this process: the persistent cache (conftest) off, or it would load
+    some of these programs that another worker compiled."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_one_compile_per_bucket_and_padding_changes_nothing(gpt2, no_persistent_cache):
     _, model = gpt2
     rng = np.random.default_rng(1)
     new = 5  # a max_new_tokens no other test uses: these programs are compiled here

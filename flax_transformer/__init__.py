@@ -2,7 +2,7 @@
 
 The package is layered, and the folders are the layers; each imports only those above it here:
 
-* ``models``: the four families, their layers, attention, configs and generation (no torch);
+* ``models``: the families (the four notebooks' and ``llama``), their layers, attention, configs and generation (no torch);
 * ``interop``: files, safetensors, checkpoints, HuggingFace folders, torch <-> Flax porting;
 * ``verification``: comparing a torch model with its Flax twin, ``bisect``, certificates and
   the certified exports;
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 # short name -> the module it stands for
 _MODULES = {
     **{name: f"flax_transformer.models.{name}" for name in (
-        "attention", "classic", "configs", "encoder", "former", "generate", "gpt", "layers")},
+        "attention", "classic", "configs", "encoder", "former", "generate", "gpt", "layers", "llama", "llama_config")},
     **{name: f"flax_transformer.interop.{name}" for name in (
         "checkpoints", "files", "hf", "layer_kinds", "porting", "safetensors_io")},
     **{name: f"flax_transformer.verification.{name}" for name in (

@@ -96,32 +96,45 @@ def skipped():  # a torch layer with parameters and no Flax twin, called: not co
     return model, flax_model, IDS
 
 
-class _Tagged(torch.nn.Module):  # returns (output, a label): the label cannot be compared
-    def __init__(self):
+class _Tagged(torch.nn.Module):
+    """Returns (output, label): an array of strings is not numeric, so it cannot be compared; a plain
+    string is compared exactly (a leaf that is not an array must be equal)."""
+
+    def __init__(self, label):
         super().__init__()
         self.linear = torch.nn.Linear(4, 3)
+        self.label = label
 
     def forward(self, x):
-        return self.linear(x), "label"
+        return self.linear(x), self.label
 
 
 class _FlaxTagged(nnx.Module):
-    def __init__(self, torch_module):
+    def __init__(self, torch_module, label):
         self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         self.linear.kernel.set_value(jnp.asarray(torch_module.linear.weight.detach().numpy().T))
         self.linear.bias.set_value(jnp.asarray(torch_module.linear.bias.detach().numpy()))
+        self.label = label
 
     def __call__(self, x):
-        return self.linear(x), "label"
+        return self.linear(x), self.label
 
 
 X = (np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32),)
 
 
-def labelled():
+def _tagged(torch_label, flax_label):
     torch.manual_seed(0)
-    model = _Tagged()
-    return model, _FlaxTagged(model), X
+    model = _Tagged(torch_label)
+    return model, _FlaxTagged(model, flax_label), X
+
+
+def labelled():  # an array of strings on both sides: not compared
+    return _tagged(np.array(["label"]), np.array(["label"]))
+
+
+def mislabelled():  # plain strings that differ: compared, and unequal
+    return _tagged("positive", "negative")
 
 
 def _linears(out=3, shift=0.0):

@@ -17,10 +17,12 @@ import flax_transformer.models.classic as fc
 import flax_transformer.models.encoder as fe
 import flax_transformer.models.former as ff
 import flax_transformer.models.gpt as fg
+import flax_transformer.models.llama as fl
 import torch_reference.classic as tc
 import torch_reference.encoder as te
 import torch_reference.former as tf
 import torch_reference.gpt as tg
+import torch_reference.llama as tl
 from flax_transformer.interop import checkpoints, hf, porting
 from flax_transformer.models import configs
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
@@ -104,8 +106,8 @@ CONSTRUCTOR_CASES = [  # (family, class, arguments, the argument named in the er
      "max_len"),
     ("classic", "MultiHeadAttention", dict(d_model=16, d_feature=8, n_heads=2, dropout=-0.5), "dropout"),
 ]
-PACKAGES = {"flax": {"former": ff, "gpt": fg, "encoder": fe, "classic": fc},
-            "torch": {"former": tf, "gpt": tg, "encoder": te, "classic": tc}}
+PACKAGES = {"flax": {"former": ff, "gpt": fg, "encoder": fe, "classic": fc, "llama": fl},
+            "torch": {"former": tf, "gpt": tg, "encoder": te, "classic": tc, "llama": tl}}
 
 
 @pytest.mark.parametrize("framework", ["flax", "torch"])

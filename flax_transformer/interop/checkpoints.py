@@ -30,6 +30,7 @@ from flax import nnx
 
 from flax_transformer.interop import files, orbax_quiet, porting
 from flax_transformer.models import configs
+from flax_transformer.models.llama_config import LlamaConfig
 
 METADATA_KEY = "flax_transformer"
 
@@ -62,8 +63,10 @@ MODEL_CLASSES: dict[str, tuple[str, ...]] = {
             "GPT2MLP", "GPT2Block", "GPT2Model", "GPT2LMHeadModel"),
     "classic": ("ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention", "PositionalEmbedding",
                 "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder", "Transformer"),
+    "llama": ("LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel",
+              "LlamaForCausalLM"),
 }
-CONFIG_TYPES = {"EncoderConfig": configs.EncoderConfig, "GPTConfig": configs.GPTConfig}
+CONFIG_TYPES = {"EncoderConfig": configs.EncoderConfig, "GPTConfig": configs.GPTConfig, "LlamaConfig": LlamaConfig}
 
 
 def _short(value) -> str:

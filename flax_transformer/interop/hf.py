@@ -1,4 +1,5 @@
-"""HuggingFace checkpoints <-> flax_transformer (and torch_reference): BERT, DistilBERT, RoBERTa, GPT-2.
+"""HuggingFace checkpoints <-> flax_transformer (and torch_reference): BERT, DistilBERT, RoBERTa, GPT-2,
+and the llama family (Llama, Mistral, Qwen2, Qwen3, Gemma).
 
     model = hf.from_pretrained("path/to/folder")        # config.json + weights -> Flax model
     hf.save_pretrained(model, "path/to/new_folder")       # -> a folder transformers loads
@@ -21,6 +22,11 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
 * ``gpt2`` -> ``gpt.GPT2LMHeadModel`` with ``GPTConfig``: pre-LN, tanh GELU, final
   LayerNorm, tied embeddings, Conv1D layout. Called as ``model(input_ids,
   attention_mask=None)`` -> logits.
+* ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma`` -> ``llama.LlamaForCausalLM`` with
+  ``LlamaConfig.from_hf`` (the ``model_type`` picks its conventions). Called as
+  ``model(input_ids, attention_mask=None, position_ids=None)`` -> logits. Names are
+  transformers' own; a tied model's file holds no ``lm_head.weight``, as transformers
+  writes it. ``gemma2`` is refused (soft-capping, alternating windows, extra norms).
 
 The key tables are in ``hf_tables``; the files are read and written tensor by tensor by
 ``safetensors_io`` (a checkpoint is never held twice on the host; with ``sharding=`` each
@@ -45,6 +51,8 @@ from flax_transformer.interop.hf_tables import (  # noqa: F401  (re-exported: th
     DISTILBERT_KEYS,
     ENCODERS,
     GPT2_KEYS,
+    LLAMA_KEYS,
+    LLAMA_TYPES,
     _pattern,
     config_of,
     convert,
@@ -139,8 +147,20 @@ def torch_state(weights: dict) -> dict:
 # ------------------------------------------------------------------- loading
 
 
+def _model_class(kind: str, package):
+    """The class of ``package`` (``flax_transformer.models`` or ``torch_reference``) that holds a ``model_type``."""
+    import importlib
+
+    if kind in ENCODERS:
+        return importlib.import_module(f"{package}.encoder").TransformerEncoder
+    if kind in LLAMA_TYPES:
+        return importlib.import_module(f"{package}.llama").LlamaForCausalLM
+    return importlib.import_module(f"{package}.gpt").GPT2LMHeadModel
+
+
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0, sharding=None):
-    """A Flax model (eval mode) with the weights of an HF BERT, DistilBERT, RoBERTa or GPT-2 folder.
+    """A Flax model (eval mode) with the weights of an HF BERT, DistilBERT, RoBERTa, GPT-2 or llama-family
+    (Llama, Mistral, Qwen2, Qwen3, Gemma) folder.
 
     Args:
         dtype, param_dtype: compute and storage types; a bf16 checkpoint loads into
@@ -150,10 +170,8 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
             does) or a function ``(path, shape) -> Sharding``; each tensor is put there
             as it is read (``safetensors_io.fill``).
     """
-    from flax_transformer.models import encoder, gpt
-
     _, kind, config, weights = _open(path)
-    cls = encoder.TransformerEncoder if kind in ENCODERS else gpt.GPT2LMHeadModel
+    cls = _model_class(kind, "flax_transformer.models")
     state = hf_to_ours(kind, weights, config)
     model = porting.build_unfilled(cls, dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
     safetensors_io.fill(model, state, sharding=sharding)
@@ -163,10 +181,8 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
 
 def torch_from_pretrained(path):
     """The torch_reference twin (eval mode) with the weights of an HF folder (any ``from_pretrained`` reads)."""
-    from torch_reference import encoder, gpt
-
     _, kind, config, weights = _open(path)
-    model = (encoder.TransformerEncoder if kind in ENCODERS else gpt.GPT2LMHeadModel)(config)
+    model = _model_class(kind, "torch_reference")(config)
     model.load_state_dict(torch_state(hf_to_ours(kind, weights, config)))
     return model.eval()
 
@@ -174,8 +190,8 @@ def torch_from_pretrained(path):
 def transformers_from_pretrained(path):
     """(transformers' own model of an HF folder, its missing keys): loaded by transformers itself from the
     same files, in float32 and eval mode, as the model ``from_pretrained`` reads: ``AutoModel``
-    (``BertModel``, ``DistilBertModel``, ``RobertaModel``; a classifier folder's head is left out) or
-    ``GPT2LMHeadModel``. An independent reading of the folder to check this library's against
+    (``BertModel``, ``DistilBertModel``, ``RobertaModel``; a classifier folder's head is left out),
+    ``GPT2LMHeadModel`` or ``AutoModelForCausalLM`` (the llama family). An independent reading of the folder to check this library's against
     (``flax-transformer port --verify``). Its progress bar and load report are kept quiet: the
     missing keys (which transformers initialised at random) are returned instead.
     ImportError without transformers."""
@@ -183,7 +199,9 @@ def transformers_from_pretrained(path):
     import transformers
 
     raw = read_config(path)
-    cls = transformers.GPT2LMHeadModel if raw.get("model_type") == "gpt2" else transformers.AutoModel
+    kind = raw.get("model_type")
+    cls = (transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.AutoModelForCausalLM
+           if kind in LLAMA_TYPES else transformers.AutoModel)
     bar, verbosity = transformers.utils.logging.is_progress_bar_enabled(), transformers.logging.get_verbosity()
     transformers.utils.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
@@ -197,7 +215,7 @@ def transformers_from_pretrained(path):
 
 
 def transformers_output(model, input_ids, attention_mask=None) -> np.ndarray:
-    """A transformers model's last hidden state (encoders) or logits (GPT-2) as numpy, without gradients."""
+    """A transformers model's last hidden state (encoders) or logits (decoders) as numpy, without gradients."""
     import torch
 
     kwargs = {} if attention_mask is None else {"attention_mask": torch.from_numpy(np.array(attention_mask))}
@@ -290,9 +308,12 @@ def _kind_of(model) -> tuple[str, object, bool]:
         return config.hf_model_type, config, name != "TransformerEncoder"
     if name == "GPT2LMHeadModel":
         return "gpt2", model.init_kwargs()["config"], False
+    if name == "LlamaForCausalLM" and module.endswith(".llama"):
+        config = model.init_kwargs()["config"]
+        return config.model_type, config, False
     raise ValueError(f"save_pretrained writes encoder.TransformerEncoder (BERT, DistilBERT, RoBERTa), "
-                     f"TransformerForSequenceClassification on them, and gpt.GPT2LMHeadModel, not {name}; "
-                     "use checkpoints.save_safetensors or save_orbax for the others")
+                     f"TransformerForSequenceClassification on them, gpt.GPT2LMHeadModel and llama.LlamaForCausalLM, "
+                     f"not {name}; use checkpoints.save_safetensors or save_orbax for the others")
 
 
 def can_save(model) -> bool:
@@ -335,11 +356,15 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
                     labels=None, max_shard_size=None, dtype=None, before_swap: files.BeforeSwap | None = None) -> Path:
     """Write ``config.json`` + safetensors weights that transformers loads with no missing or
     unexpected keys: ``BertModel``, ``DistilBertModel``, ``RobertaModel``, their
-    ``*ForSequenceClassification``, or ``GPT2LMHeadModel``.
+    ``*ForSequenceClassification``, ``GPT2LMHeadModel``, or the ``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``GemmaForCausalLM`` of a
+    ``LlamaConfig``'s ``model_type`` (``LlamaConfig.to_hf_dict``: the RoPE settings under
+    ``rope_parameters`` and, for older readers, ``rope_scaling`` and ``rope_theta``).
 
     Args:
         model: a Flax or torch_reference ``TransformerEncoder`` / ``TransformerForSequenceClassification``
-            (``EncoderConfig.bert``/``.distilbert``/``.roberta``; first-token pooling) or ``GPT2LMHeadModel``.
+            (``EncoderConfig.bert``/``.distilbert``/``.roberta``; first-token pooling), ``GPT2LMHeadModel``
+            or ``llama.LlamaForCausalLM``.
         tokenizer: a ``tokenizers.Tokenizer`` to write as ``tokenizer.json``, so that
             ``AutoTokenizer.from_pretrained(path)`` loads it.
         tokenizer_from: a folder whose tokenizer files (``TOKENIZER_FILES``: ``tokenizer.json``,
@@ -370,8 +395,8 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     hf_config = (_classifier_config(kind, config, labels) if classifier
                  else config.to_hf_dict())
     state = safetensors_io.model_tensors(model)  # torch_reference names, unread
-    if kind == "gpt2" and config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if (kind == "gpt2" or kind in LLAMA_TYPES) and config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # one tensor, written once under the embedding's name, as transformers does
     if classifier:
         spec = ENCODERS[kind]
         body = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}

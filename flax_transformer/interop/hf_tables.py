@@ -1,4 +1,5 @@
-"""The key tables between HuggingFace checkpoints and torch_reference names, one per ``model_type``.
+"""The key tables between HuggingFace checkpoints and torch_reference names, one per ``model_type``
+(the llama family's five share one: torch_reference.llama keeps transformers' own names).
 
 Each row is (HF name, our torch_reference name, rule), both sides templates whose
 ``{fields}`` match ``PLACEHOLDERS``, so one table serves both directions. Rules: "as_is";
@@ -21,11 +22,15 @@ import numpy as np
 from flax_transformer.interop.safetensors_io import join_rows, read, split_rows
 from flax_transformer.models._shared import StateDictError
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
+from flax_transformer.models.llama_config import MODEL_TYPES as LLAMA_TYPES
+from flax_transformer.models.llama_config import LlamaConfig
 
 AS_IS, SPLIT_HEADS = "as_is", "split_heads"
 
 PLACEHOLDERS = {"i": r"\d+", "h": r"\d+", "p": "weight|bias", "emb": "wte|wpe", "ln": "ln_1|ln_2",
-                "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj"}
+                "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj",
+                "attn": "q_proj|k_proj|v_proj|o_proj", "qk_norm": "q_norm|k_norm", "mlp": "gate_proj|up_proj|down_proj",
+                "norm": "input_layernorm|post_attention_layernorm"}
 
 BERT_KEYS = [  # RoBERTa's are the same
     ("embeddings.word_embeddings.weight", "embeddings.token_embeddings.weight", AS_IS),
@@ -66,6 +71,18 @@ GPT2_KEYS = [
     ("lm_head.weight", "lm_head.weight", AS_IS),  # only when the head is not tied
 ]
 GPT2_BUFFERS = (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)  # old causal-mask buffers
+
+LLAMA_KEYS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both sides
+    ("model.embed_tokens.weight", "model.embed_tokens.weight", AS_IS),
+    ("model.layers.{i}.self_attn.{attn}.{p}", "model.layers.{i}.self_attn.{attn}.{p}", AS_IS),
+    ("model.layers.{i}.self_attn.{qk_norm}.weight", "model.layers.{i}.self_attn.{qk_norm}.weight", AS_IS),  # Qwen3
+    ("model.layers.{i}.mlp.{mlp}.{p}", "model.layers.{i}.mlp.{mlp}.{p}", AS_IS),
+    ("model.layers.{i}.{norm}.weight", "model.layers.{i}.{norm}.weight", AS_IS),
+    ("model.norm.weight", "model.norm.weight", AS_IS),
+    ("lm_head.weight", "lm_head.weight", AS_IS),  # only when the head is not tied
+]
+# RoPE tables that older transformers saved (and still skip on load): computed, not weights
+LLAMA_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
 
 
 @dataclass(frozen=True)
@@ -145,16 +162,31 @@ def config_of(raw: dict, *, pooler: bool = True):
         return "roberta", EncoderConfig.roberta(raw, pooler=pooler)
     if model_type == "gpt2":
         return "gpt2", GPTConfig.from_any(raw)
+    if model_type in LLAMA_TYPES:
+        return model_type, LlamaConfig.from_hf(raw)
+    if model_type == "gemma2":  # Gemma 2's sandwich norms, query_pre_attn_scalar, soft-capping and alternating
+        # windows are another block than the llama file's: refused, not approximated
+        raise ValueError("model_type 'gemma2' is not supported: its soft-capping, alternating sliding windows and "
+                         "extra norms do not fit the llama family")
     raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.interop.hf reads 'bert', 'distilbert', "
-                     "'roberta' and 'gpt2'")
+                     f"'roberta', 'gpt2' and {', '.join(repr(k) for k in LLAMA_TYPES)}")
+
+
+def table_of(kind: str) -> list:
+    """The key table of a ``model_type``."""
+    return ENCODERS[kind].keys if kind in ENCODERS else LLAMA_KEYS if kind in LLAMA_TYPES else GPT2_KEYS
 
 
 def normalise_hf_names(kind: str, weights: dict) -> dict:
     """Drop buffers and the *For* classes' body prefix (``bert.``, ``distilbert.``, ``roberta.``);
-    GPT-2's ``transformer.`` is added where a ``GPT2Model`` has none."""
+    GPT-2's ``transformer.`` (the llama family's ``model.``) is added where a base model has none."""
     out = {}
     for key, value in weights.items():
-        if kind in ENCODERS:
+        if kind in LLAMA_TYPES:
+            key = key if key.startswith(("model.", "lm_head.")) else "model." + key
+            if any(re.fullmatch(p, key) for p in LLAMA_BUFFERS):
+                continue
+        elif kind in ENCODERS:
             spec = ENCODERS[kind]
             key = key[len(spec.prefix):] if key.startswith(spec.prefix) else key
             # the hub's bert-base-uncased (and other TF-era BERTs) say LayerNorm.gamma/beta; transformers
@@ -186,14 +218,15 @@ def hf_to_ours(kind: str, weights: dict, config) -> dict:
                           stacklevel=3)
         weights = {k: v for k, v in weights.items() if not k.startswith(spec.heads)}
         return convert(spec.keys, weights, forward=True, heads=config.num_attention_heads)
-    if config.tie_word_embeddings and "lm_head.weight" in weights:
+    table = "model.embed_tokens.weight" if kind in LLAMA_TYPES else "transformer.wte.weight"
+    if config.tie_word_embeddings and "lm_head.weight" in weights:  # a tied file may still hold its head: a copy
         tied = read(weights.pop("lm_head.weight"))
-        wte = weights.get("transformer.wte.weight")
-        if wte is not None and (tied.shape != wte.shape or not np.array_equal(tied, read(wte))):
-            raise ValueError("lm_head.weight differs from transformer.wte.weight but the config ties them")
-    return convert(GPT2_KEYS, weights, forward=True)
+        embedding = weights.get(table)
+        if embedding is not None and (tied.shape != embedding.shape or not np.array_equal(tied, read(embedding))):
+            raise ValueError(f"lm_head.weight differs from {table} but the config ties them (tie_word_embeddings)")
+    return convert(table_of(kind), weights, forward=True)
 
 
 def ours_to_hf(kind: str, state: dict) -> dict:
     """torch_reference names -> HF names and layouts (the inverse of ``hf_to_ours``)."""
-    return convert(ENCODERS[kind].keys if kind in ENCODERS else GPT2_KEYS, state, forward=False)
+    return convert(table_of(kind), state, forward=False)

@@ -233,7 +233,8 @@ class LlamaConfig:
                 raise ValueError(f"{kind} option {name}={get(name, plain)!r} is not supported")
         heads, hidden = get("num_attention_heads", cls.num_attention_heads), get("hidden_size", cls.hidden_size)
         max_positions = get("max_position_embeddings", cls.max_position_embeddings)
-        rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+        # rope_scaling first, as transformers 5 reads a config.json (a config object has both, equal)
+        rope = get("rope_scaling", None) or get("rope_parameters", None) or {}
         theta = (rope.get("rope_theta", None) if isinstance(rope, dict) else None) or get("rope_theta", None)
         scaling = RopeScaling.from_any(rope or None, max_position_embeddings=max_positions)
         values = dict(
@@ -242,7 +243,7 @@ class LlamaConfig:
             num_hidden_layers=get("num_hidden_layers", cls.num_hidden_layers), num_attention_heads=heads,
             num_key_value_heads=get("num_key_value_heads", None) or heads,
             head_dim=get("head_dim", None),
-            hidden_act=get("hidden_act", None) or get("hidden_activation", None) or "silu",
+            hidden_act=_hidden_act(get, kind),
             max_position_embeddings=max_positions, rms_norm_eps=get("rms_norm_eps", cls.rms_norm_eps),
             rope_theta=theta or cls.rope_theta, rope_scaling=scaling,
             tie_word_embeddings=get("tie_word_embeddings", kind in ("gemma",)),
@@ -270,9 +271,15 @@ class LlamaConfig:
         """A transformers ``config.json`` for this model's ``model_type``.
 
         The RoPE settings go under ``rope_parameters`` (transformers 5) and ``rope_scaling`` /
-        ``rope_theta`` (what older readers take), so that either reads them.
+        ``rope_theta`` (what older readers take), so that either reads them. A switch that
+        transformers' class for this ``model_type`` does not have (a Mistral with biases, a Llama
+        with q/k norms) is refused, naming it: the folder would load as another model.
         """
         kind = self.model_type
+        wrong = _hf_mismatches(self)
+        if wrong:
+            raise ValueError(f"transformers' {kind} model cannot hold this config: " + "; ".join(
+                f"{name}={value!r} (a {kind} has {want!r})" for name, value, want in wrong))
         architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                          "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
@@ -295,8 +302,13 @@ class LlamaConfig:
             out["sliding_window"] = self.sliding_window
         if kind in ("qwen2", "qwen3"):
             sliding = self.sliding_window is not None
-            out.update(use_sliding_window=sliding, layer_types=list(self.layer_types or (
-                ["sliding_attention" if sliding else "full_attention"] * self.num_hidden_layers)))
+            types = list(self.layer_types or (
+                ["sliding_attention" if sliding else "full_attention"] * self.num_hidden_layers))
+            # older readers slide from layer max_window_layers on (exact where full layers come first)
+            first = types.index("sliding_attention") if sliding else self.num_hidden_layers
+            out.update(use_sliding_window=sliding, layer_types=types, max_window_layers=first)
+        if kind == "gemma":  # transformers 4.x's Gemma reads hidden_activation, 5.x hidden_act
+            out["hidden_activation"] = self.hidden_act
         return out
 
     # -------------------------------------------------------------- presets
@@ -358,6 +370,38 @@ class LlamaConfig:
                              num_attention_heads=8, num_key_value_heads=1, head_dim=256, max_position_embeddings=8192,
                              hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, norm_plus_one=True,
                              embed_scale=math.sqrt(2048), pad_token_id=0, model_type="gemma"), **kw})
+
+
+def _hidden_act(get, kind: str) -> str:
+    """The activation transformers computes for a config. A Gemma config.json's "gelu" is a legacy
+    spelling of the tanh approximation (transformers 5 reads it so; 4.x read ``hidden_activation``);
+    our own fields (``dataclasses.asdict``, which has ``norm_plus_one``) mean what they say."""
+    act = get("hidden_act", None) or get("hidden_activation", None) or (
+        "gelu_pytorch_tanh" if kind == "gemma" else "silu")
+    if kind == "gemma" and act == "gelu" and get("norm_plus_one", None) is None:
+        return "gelu_pytorch_tanh"
+    return act
+
+
+def _hf_mismatches(config: LlamaConfig) -> list[tuple[str, object, object]]:
+    """(option, this config's value, what transformers' class for its model_type computes) for each
+    switch that class cannot express."""
+    kind, gemma = config.model_type, config.model_type == "gemma"
+    want = dict(norm_plus_one=gemma, embed_scale=math.sqrt(config.hidden_size) if gemma else 1.0,
+                qk_norm=kind == "qwen3", o_proj_bias=config.attention_bias)
+    if kind != "llama":
+        want["mlp_bias"] = False
+    if kind == "mistral":
+        want["attention_bias"] = False
+    if kind == "qwen2":  # q/k/v always biased, o never
+        want.update(attention_bias=True, o_proj_bias=False)
+    if kind in ("llama", "gemma"):
+        want["sliding_window"] = None
+    if kind == "mistral" and config.sliding_window is not None:  # one window for every layer
+        want["layer_types"] = config.layer_types if set(config.layer_types or ()) <= {"sliding_attention"} else None
+    if gemma and config.hidden_act == "gelu":
+        want["hidden_act"] = "gelu_pytorch_tanh"  # transformers reads a Gemma's "gelu" so
+    return [(name, getattr(config, name), value) for name, value in want.items() if getattr(config, name) != value]
 
 
 def rope_inverse_frequencies(config: LlamaConfig, dtype=np.float32) -> np.ndarray:

@@ -340,8 +340,8 @@ def checkpoint_rows(path, *, load=None) -> list[Row]:
             import transformers
         except ImportError:
             return rows
-        # AutoModel: BertModel, DistilBertModel or RobertaModel, by the folder's model_type
-        reference = (transformers.AutoModel if name == "TransformerEncoder" else transformers.GPT2LMHeadModel)
+        # by the folder's model_type: AutoModel (BertModel, DistilBertModel, RobertaModel) or AutoModelForCausalLM
+        reference = (transformers.AutoModel if name == "TransformerEncoder" else transformers.AutoModelForCausalLM)
         reference = reference.from_pretrained(path, dtype=torch.float32).eval()  # a bf16 folder widens exactly
         for case, (ids, mask) in (("none", no_mask), ("padding", args)):
             kwargs = {} if mask is None else {"attention_mask": torch.from_numpy(np.array(mask))}

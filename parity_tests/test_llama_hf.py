@@ -10,12 +10,11 @@ precision "highest" (TOL).
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from flax_transformer.interop import hf
+from flax_transformer.interop import hf, porting
 from flax_transformer.interop.safetensors_io import open_weights
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.verification import verify
@@ -98,62 +97,81 @@ def test_folder_imports(case):
 
 
 def test_folder_exports(case, tmp_path):
-    """Flax -> a folder transformers loads with nothing missing or unexpected, as the right class,
-    computing the same logits; a tied model's file holds no lm_head.weight, as transformers writes it."""
+    """Flax and torch_reference -> a folder transformers loads with nothing missing or unexpected, as the
+    right class, computing the same logits; a tied model's file holds no lm_head.weight, as transformers
+    writes it (the torch twin holds the tensor under both names, the Flax model once)."""
     kind, reference, folder, want, model = case
-    hf.save_pretrained(model, tmp_path / "out")
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == kind and config["architectures"] == [type(reference).__name__]
-    again, report = _transformers_load(tmp_path / "out")
-    assert report == {} and type(again) is type(reference)
-    assert _err(_logits(again, *_batch()), _logits(model, *_batch())) <= TOL
-    assert set(open_weights(tmp_path / "out")) == set(open_weights(folder))  # transformers' own names, no more
-    assert ("lm_head.weight" in open_weights(tmp_path / "out")) == (not reference.config.tie_word_embeddings)
+    for name, ours in (("flax", model), ("torch", hf.torch_from_pretrained(folder))):
+        hf.save_pretrained(ours, tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["model_type"] == kind and config["architectures"] == [type(reference).__name__]
+        again, report = _transformers_load(tmp_path / name)
+        assert report == {} and type(again) is type(reference)
+        assert _err(_logits(again, *_batch()), _logits(ours, *_batch())) <= TOL
+        assert set(open_weights(tmp_path / name)) == set(open_weights(folder)), name  # transformers' names, no more
+    assert ("lm_head.weight" in open_weights(folder)) == (not reference.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("case", ["llama"], indirect=True)  # the variant with llama3 scaling
-def test_llama3_rope_scaling_reaches_older_readers(case, tmp_path):
-    """The llama3 settings are written under rope_scaling (``rope_type`` and the older ``type``) and
-    rope_theta as well as rope_parameters: a config.json with rope_scaling alone gives the same logits."""
+@pytest.mark.parametrize("case", ["llama", "qwen2"], indirect=True)  # llama3 scaling; a full and a sliding layer
+def test_older_readers_take_the_same_model(case, tmp_path):
+    """What transformers 5 reads from newer keys is written for older readers too: llama3 RoPE under
+    rope_scaling (``rope_type`` and the older ``type``) and rope_theta, Qwen's windows as
+    use_sliding_window + max_window_layers. Without rope_parameters and layer_types, transformers
+    (which then reads the older keys) computes the same logits."""
     kind, reference, folder, want, model = case
     hf.save_pretrained(model, tmp_path / "out")
     file = tmp_path / "out" / "config.json"
     config = json.loads(file.read_text())
-    scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
-    assert config["rope_scaling"] == {**scaling, "type": "llama3"} and config["rope_theta"] == LLAMA3["rope_theta"]
-    assert config["rope_parameters"] == LLAMA3
-    del config["rope_parameters"]  # what a reader older than transformers 5 takes
+    if kind == "llama":
+        scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+        assert config["rope_scaling"] == {**scaling, "type": "llama3"} and config["rope_theta"] == LLAMA3["rope_theta"]
+        assert config["rope_parameters"] == LLAMA3
+    else:
+        assert config["use_sliding_window"] and config["max_window_layers"] == 1 and config["sliding_window"] == 3
+    config.pop("rope_parameters"), config.pop("layer_types", None)
     file.write_text(json.dumps(config))
     older, report = _transformers_load(tmp_path / "out")
     assert report == {} and _err(_logits(older, *_batch()), want) <= TOL
     assert hf.from_pretrained(tmp_path / "out").config == model.config
 
 
-def test_sharded_and_bf16_folders(tmp_path):
-    """A sharded export of Qwen2 and a bf16 one of Gemma: transformers loads each, read back they give
-    transformers' logits (the same bf16 weights in both at 1e-5)."""
-    for kind, options in (("qwen2", dict(max_shard_size="8KB")), ("gemma", dict(dtype=jnp.bfloat16))):
-        family, switches = VARIANTS[kind]
-        torch.manual_seed(1)
-        model = hf.from_pretrained(_save(getattr(transformers, f"{family}ForCausalLM")(
-            getattr(transformers, f"{family}Config")(**{**BASE, **switches})), tmp_path / kind))
-        out = tmp_path / f"{kind}-out"
-        hf.save_pretrained(model, out, **options)
-        stored = open_weights(out)
-        if kind == "qwen2":
-            shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
-            assert len(shards) > 1 and not (out / "model.safetensors").exists()
-        else:
-            assert {str(v.dtype) for v in stored.values()} == {"bfloat16"}
-            assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-        again, report = _transformers_load(out)
-        assert report == {}
-        assert _err(_logits(hf.from_pretrained(out), *_batch()), _logits(again, *_batch())) <= TOL
+@pytest.mark.parametrize("case", ["llama"], indirect=True)  # tied: a base model's folder lacks no head
+def test_legacy_folders(case, tmp_path):
+    """Older exports' RoPE buffers (``rotary_emb.inv_freq``, which transformers skips) are skipped, and a
+    base ``LlamaModel`` folder's names (no ``model.``) are read; the weights are the folder's."""
+    from safetensors.numpy import save_file
+
+    kind, reference, folder, want, model = case
+    state = {k: v.detach().numpy() for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    for name, tensors in (("buffers", {**state, "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}),
+                          ("base", {k.removeprefix("model."): v for k, v in state.items()})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((folder / "config.json").read_text())
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        read = porting.state_dict(hf.from_pretrained(tmp_path / name))
+        assert read.keys() == porting.state_dict(model).keys()
+        assert all(np.array_equal(v, state[k]) for k, v in read.items()), name
 
 
-def _save(reference, folder):
-    reference.save_pretrained(folder)
-    return folder
+def test_port_to_a_sharded_bf16_folder(tmp_path, capsys):
+    """``flax-transformer port`` of a Qwen2 folder to bf16 shards, checked against transformers; transformers
+    loads the result, and read back it gives transformers' logits (the same bf16 weights in both, 1e-5)."""
+    from flax_transformer.cli.commands import main
+
+    family, switches = VARIANTS["qwen2"]
+    torch.manual_seed(1)  # transformers' own initialisation: bf16 rounding stays within hf.BF16_TOLERANCE
+    getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(
+        **{**BASE, **switches})).save_pretrained(tmp_path / "src")
+    out = tmp_path / "out"
+    assert main(["port", str(tmp_path / "src"), str(out), "--dtype", "bf16", "--max-shard-size", "8KB",
+                 "--no-certify", "--verify"]) == 0
+    assert capsys.readouterr().out.count("(bf16 weights) (reloaded) -> pass") == 2  # vs torch and transformers
+    shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1 and not (out / "model.safetensors").exists()
+    assert {str(v.dtype) for v in open_weights(out).values()} == {"bfloat16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    again, report = _transformers_load(out)
+    assert report == {} and _err(_logits(hf.from_pretrained(out), *_batch()), _logits(again, *_batch())) <= TOL
 
 
 @pytest.mark.parametrize("config, message", [

@@ -101,6 +101,10 @@ def test_attend_twin_both_ways_with_no_rename(gpt, attend_twin):
     with pytest.raises(StateDictError, match=r"lm_head\.weight: no Flax module at 'lm_head'; it equals "
                        r"tok_emb\.weight: .* tied_keys = \(\('lm_head\.weight', 'tok_emb\.weight'\),\)"):
         porting.load_state_dict(_target(UndeclaredGPT), copies)
+    foreign = {f"transformer.{k}": v for k, v in copies.items()}  # the hint declares the model's names, not the file's
+    with pytest.raises(StateDictError, match=r"it equals transformer\.tok_emb\.weight: .* "
+                       r"tied_keys = \(\('lm_head\.weight', 'tok_emb\.weight'\),\)"):
+        porting.load_state_dict(_target(UndeclaredGPT), foreign, rename=[(r"^transformer\.", "")])
     copies["lm_head.weight"] = copies["lm_head.weight"] + 1
     target = _target(FlaxTiedGPT)
     with pytest.raises(StateDictError, match=r"tok_emb\.weight and lm_head\.weight are declared one tensor "

@@ -370,7 +370,7 @@ def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozens
     if ambiguous or mismatched or tied or (strict and (missing or unexpected)):
         if strict:
             for key in unexpected:
-                why[shown[key]] += equal_hint(state, key, [p[0] for p in placed])
+                why[shown[key]] += equal_hint(state, key, [p[0] for p in placed], renamed)
         raise _refusal(missing if strict else (), unexpected if strict else (), mismatched, ambiguous,
                        why if strict else None, tied)
     unfilled = [plan.slots[p][0].torch_key for p in params

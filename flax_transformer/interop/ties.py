@@ -112,14 +112,19 @@ def conflicts(state: Mapping[str, object], keys: list[str], shown: dict[str, str
             for key, gap in gaps if gap]
 
 
-def equal_hint(state: Mapping[str, object], key: str, placed: list[str]) -> str:
-    """For an unplaced ``key`` whose value equals a placed key's: how to declare the two one tensor."""
+def equal_hint(state: Mapping[str, object], key: str, placed: list[str],
+               names: Mapping[str, str] | None = None) -> str:
+    """For an unplaced ``key`` whose value equals a placed key's: how to declare the two one tensor.
+    ``names``: each state key's name after the load's ``rename`` (the model's names, which a
+    ``tied_keys`` declaration uses); the keys themselves without one."""
+    names = names or {}
     value = to_numpy(state[key])
     for other in placed:
         theirs = to_numpy(state[other])
         if theirs.shape == value.shape and theirs.dtype == value.dtype and np.array_equal(theirs, value):
+            mine, yours = names.get(key, key), names.get(other, other)
             return (f"; it equals {other}: if the Flax model uses one tensor for both, declare it on the model's "
-                    f"class: tied_keys = (({key!r}, {other!r}),)")
+                    f"class: tied_keys = (({mine!r}, {yours!r}),)")
     return ""
 
 

@@ -1,17 +1,20 @@
 """Generation speed: JAX with and without the key/value cache, the torch reference loop and transformers.generate.
 
-    python bench/generate.py [--new 256] [--prompt 32] [--batch 1 8] [--reps 5] [--slow-reps 1]
-                             [--threads N] [--sweep] [--sweep-new 8] [--out DIR]
+    python bench/generate.py [--family gpt2|llama] [--new 256] [--prompt 32] [--batch 1 8] [--reps 5]
+                             [--slow-reps 1] [--threads N] [--sweep] [--sweep-new 8] [--out DIR]
 
-The model: a random GPT-2 of notebook 002's recommended size (4 layers, n_embd 256, inner
-1024, 4 heads, 10k vocabulary), written as a transformers folder and read back by
-``flax_transformer.interop.hf`` (Flax and the torch_reference twin), so every contender runs the same
-weights on the same prompt: greedy, ``--new`` new tokens, no eos (so transformers cannot stop
-early). Contenders:
+The model (``--family``): ``gpt2``, a random GPT-2 of notebook 002's recommended size (4 layers,
+n_embd 256, inner 1024, 4 heads, 10k vocabulary), written as a transformers folder and read back
+by ``flax_transformer.interop.hf`` (Flax and the torch_reference twin); ``llama``, a random
+transformers ``LlamaForCausalLM`` of ``LlamaConfig.small``'s shape (4 layers, hidden 256, MLP 704,
+4 query heads sharing 2 key/value heads, 10k vocabulary), its state_dict loaded strictly into
+``torch_reference.llama`` and ported to Flax. Every contender runs the same weights on the same
+prompt: greedy, ``--new`` new tokens, no eos (so transformers cannot stop early). Contenders:
 
-  * jax, kv cache: ``flax_transformer.models.generate.generate`` (one compiled loop);
-  * transformers.generate: ``GPT2LMHeadModel.generate(do_sample=False)`` with its default
-    key/value cache (``DynamicCache``);
+  * jax, kv cache: ``flax_transformer.models.generate.generate`` (one compiled loop; llama:
+    the grouped cache, key/value heads only);
+  * transformers.generate: ``GPT2LMHeadModel.generate(do_sample=False)`` (``LlamaForCausalLM``'s)
+    with its default key/value cache (``DynamicCache``);
   * jax, no cache and torch loop (no cache): rerun the whole prefix per token (``--slow-reps``
     rounds; 0 skips them).
 
@@ -43,9 +46,12 @@ import transformers
 from benchlib import exec_with_env, interleaved_seconds, load_average, load_line, paired_ratio, record, spread
 from speed import settings
 
-from flax_transformer.interop import hf
+import torch_reference.llama as tl
+from flax_transformer.interop import hf, porting
+from flax_transformer.models._shared import input_spec
 from flax_transformer.models.generate import bucket_shape, count_compiles
 from flax_transformer.models.generate import generate as flax_generate
+from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.training.malloc import keep_freed_memory
 from torch_reference.generate import generate as torch_generate
 
@@ -62,6 +68,35 @@ def gpt2_folder(folder: Path, n_positions: int) -> transformers.GPT2LMHeadModel:
     model = transformers.GPT2LMHeadModel(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+def gpt2_models(n_positions: int):
+    """(transformers GPT-2, Flax twin, torch_reference twin, a description), through one HF folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        reference = gpt2_folder(Path(folder), n_positions)
+        flax_model, torch_model = hf.from_pretrained(folder), hf.torch_from_pretrained(folder)
+    described = f"GPT-2 4 x 256 (inner 1024, 4 heads, vocab {VOCAB}, {n_positions} positions)"
+    return reference, flax_model, torch_model, described
+
+
+def llama_models(n_positions: int):
+    """(transformers LlamaForCausalLM of ``LlamaConfig.small``'s shape, Flax twin, torch_reference twin, a description).
+
+    The state_dict goes through torch_reference (loaded strictly) and ``porting.torch_to_flax``."""
+    torch.manual_seed(0)
+    small = LlamaConfig.small()
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=small.hidden_size, intermediate_size=small.intermediate_size,
+        num_hidden_layers=small.num_hidden_layers, num_attention_heads=small.num_attention_heads,
+        num_key_value_heads=small.num_key_value_heads, max_position_embeddings=n_positions,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    torch_model = tl.LlamaForCausalLM(LlamaConfig.from_hf(config)).eval()
+    torch_model.load_state_dict(reference.state_dict(), strict=True)
+    return reference, porting.torch_to_flax(torch_model), torch_model, (
+        f"Llama {small.num_hidden_layers} x {small.hidden_size} (MLP {small.intermediate_size}, "
+        f"{small.num_attention_heads} query heads, {small.num_key_value_heads} key/value heads, vocab {VOCAB}, "
+        f"{n_positions} positions)")
 
 
 def speed(reference, flax_model, torch_model, args) -> None:
@@ -102,8 +137,8 @@ def speed(reference, flax_model, torch_model, args) -> None:
             print(f"| {b} | {name} | {s['median']:.3f} | {s['p25']:.3f}-{s['p75']:.3f} | "
                   f"{b * args.new / s['median']:,.0f} | {ratio} |", flush=True)
             if args.out is not None:
-                record(args.out, dict(batch=b, variant=name, prompt=args.prompt, new=args.new, times_s=seconds,
-                                      **s, load=load_average(), threads=args.threads), echo=False)
+                record(args.out, dict(family=args.family, batch=b, variant=name, prompt=args.prompt, new=args.new,
+                                      times_s=seconds, **s, load=load_average(), threads=args.threads), echo=False)
         print(f"| {b} | (tokens equal to transformers': {same:.1%}) | | | | |", flush=True)
 
 
@@ -120,7 +155,7 @@ def sweep(flax_model, args) -> None:
                     flax_generate(flax_model, ids, args.sweep_new, greedy=True, bucket=bucket).block_until_ready()
         return compiles.n, time.perf_counter() - start
 
-    max_length = flax_model.max_length
+    max_length = input_spec(flax_model).max_length
     buckets = {bucket_shape(b, p, args.sweep_new, max_length) for b in range(1, 9) for p in range(1, 101)}
     n, seconds = count(range(1, 9), range(1, 101), True)
     print(f"\ncompilations over batch 1-8 x prompt 1-100 ({args.sweep_new} new tokens), buckets on: {n} "
@@ -131,6 +166,7 @@ def sweep(flax_model, args) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2", help="the model (see above)")
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -149,13 +185,12 @@ def main(argv=None):
     kept = keep_freed_memory()
     jax.config.update("jax_default_matmul_precision", "highest")
     n_positions = max(args.prompt + args.new, 128 + args.sweep_new if args.sweep else 0)
-    with tempfile.TemporaryDirectory() as folder:
-        reference = gpt2_folder(Path(folder), n_positions)
-        flax_model, torch_model = hf.from_pretrained(folder), hf.torch_from_pretrained(folder)
+    models = gpt2_models if args.family == "gpt2" else llama_models
+    reference, flax_model, torch_model, described = models(n_positions)
     jax.block_until_ready(flax_model(np.zeros((1, 1), np.int32)))  # starts XLA's pool before settings counts it
     print(settings(kept, args.threads, "PASSIVE", load_start))
-    print(f"GPT-2 4 x 256 (inner 1024, 4 heads, vocab {VOCAB}, {n_positions} positions), prompt {args.prompt}, "
-          f"{args.new} new tokens, greedy; {args.reps} interleaved rounds (uncached: {args.slow_reps})")
+    print(f"{described}, prompt {args.prompt}, {args.new} new tokens, greedy; {args.reps} interleaved rounds "
+          f"(uncached: {args.slow_reps})")
     if args.batch and args.reps:
         speed(reference, flax_model, torch_model, args)
     if args.sweep:

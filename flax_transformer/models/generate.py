@@ -1,5 +1,7 @@
 """Autoregressive generation for ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``,
-``former.GTransformer`` and the ``classic.Transformer`` decoder, as one compiled program.
+``llama.LlamaForCausalLM``, ``former.GTransformer`` and the ``classic.Transformer`` decoder, as
+one compiled program. A decoder plugs in with ``input_spec().generates``, ``init_cache(batch,
+length)`` and ``decode_step(tokens, index, cache) -> (logits, cache)``.
 
 How prompts of different lengths share a batch: prompts are right-padded and the
 loop walks positions 0, 1, 2, ... for all rows at once. At position p a row whose
@@ -138,7 +140,8 @@ def _spec(model) -> InputSpec:
     spec = input_spec(model)
     if not spec.generates:
         raise TypeError(f"generate drives models that give next-token logits (gpt.GPTTransformer, gpt.GPT2LMHeadModel, "
-                        f"former.GTransformer, classic.Transformer), not {type(model).__name__}")
+                        f"llama.LlamaForCausalLM, former.GTransformer, classic.Transformer), "
+                        f"not {type(model).__name__}")
     return spec
 
 
@@ -149,9 +152,10 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     """Continue each prompt by ``max_new_tokens`` tokens.
 
     Args:
-        model: a flax ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``, ``former.GTransformer`` or
-            ``classic.Transformer`` (for which ``input_ids`` are the decoder's prompt, e.g. a
-            start token, and ``src_ids`` the source). Dropout is off during generation.
+        model: a flax ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``, ``llama.LlamaForCausalLM``,
+            ``former.GTransformer`` or ``classic.Transformer`` (for which ``input_ids`` are the
+            decoder's prompt, e.g. a start token, and ``src_ids`` the source). Dropout is off
+            during generation.
         input_ids: (b, p) prompt ids, right-padded; ``attention_mask`` (b, p), 1 = token.
         temperature, top_k, top_p, greedy: how to pick tokens (see ``sample_logits``; a
             temperature below ~1.2e-38 is greedy).

@@ -16,6 +16,11 @@ float32 whatever ``dtype`` is; logits are float32. ``set_attention`` switches th
 ``jax.nn.dot_product_attention``. Where this family differs from transformers on purpose (RoPE
 frequencies rounded once, RoPE computed per attention, ``dynamic`` scaling read from each call
 alone, packed sequences) is listed in ``torch_reference.llama``.
+
+Decoding (``init_cache``, ``decode_step``, driven by ``generate``) caches per layer the keys and
+values of the key/value heads only, after RoPE, and repeats them for their query heads when
+attending, as transformers' cache does; ``torch_reference`` has no cache (its generation reruns
+the prefix).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.models._shared import InputSpec, RecordsInit
-from flax_transformer.models.attention import attend, normalize_mask
+from flax_transformer.models.attention import attend, cache_mask, empty_cache, normalize_mask, update_cache
 from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
@@ -59,6 +64,23 @@ def attention_keep(attention_mask, batch: int, length: int, window: int | None) 
         keep = keep & (key > query - window)
     padding = normalize_mask(attention_mask, batch, length, length, name="attention_mask")
     return keep[None, None] if padding is None else keep[None, None] & padding
+
+
+def cache_keep(n: int, length: int, index, window: int | None) -> jax.Array:
+    """bool (1, 1, n, length): the query at position index + i sees cached keys j <= index + i and,
+    with a window, j > index + i - window (``attention_keep`` over the cache's positions)."""
+    keep = cache_mask(n, length, index)
+    if window is None:
+        return keep
+    query = index + jnp.arange(n)[:, None]
+    return keep & (jnp.arange(length)[None, :] > query - window)[None, None]
+
+
+def check_no_mask_with_cache(attention_mask, position_ids) -> None:
+    """A cached step's positions are index, index + 1, ...: a mask or positions would be ignored, so refuse them."""
+    if attention_mask is not None or position_ids is not None:
+        raise ValueError("decoding with a cache reads positions index, index + 1, ... of contiguous rows: "
+                         "attention_mask and position_ids are not taken then (generate right-pads the prompts)")
 
 
 # ------------------------------------------------------------------------ RoPE
@@ -184,12 +206,23 @@ class LlamaAttention(_LlamaConfigModule):
         self.rotary_emb = LlamaRotaryEmbedding(config, **kw)
         self.attn_dropout = nnx.Dropout(config.attention_dropout, rngs=rngs)
 
-    def __call__(self, x, attention_mask=None, position_ids=None):
-        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden)."""
+    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0):
+        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden).
+
+        With ``cache`` (keys, values (b, h_kv, max_len, d): only the key/value heads are kept,
+        repeated for their query heads when attended), x holds positions [index, index + t) of
+        every row, RoPE turns them by those positions, and keys not yet written (or outside the
+        window) are hidden. Returns (output, updated cache) then.
+        """
         check_features(x, self.hidden_size)
         b, t, _ = x.shape
-        position_ids = check_position_ids(position_ids, b, t)
-        keep = attention_keep(attention_mask, b, t, self.sliding_window)
+        if cache is None:
+            position_ids = check_position_ids(position_ids, b, t)
+            keep = attention_keep(attention_mask, b, t, self.sliding_window)
+        else:
+            check_no_mask_with_cache(attention_mask, position_ids)
+            position_ids = index + jnp.arange(t)[None]  # (1, t)
+            keep = cache_keep(t, cache[0].shape[2], index, self.sliding_window)
         x = x.astype(self.dtype)
         q = self.q_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h, d)
         k = self.k_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
@@ -199,10 +232,13 @@ class LlamaAttention(_LlamaConfigModule):
         q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # (b, h|h_kv, t, d)
         cos, sin = self.rotary_emb(x, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, t, d)
+        if cache is not None:  # keys already turned by RoPE: a cached key never moves again
+            k, v = cache = update_cache(cache, k, v, index)  # (b, h_kv, max_len, d)
+        k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, s, d)
         out, _ = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
                         implementation=self.attention_impl, need_weights=False)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+        out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+        return out if cache is None else (out, cache)
 
 
 class LlamaDecoderLayer(_LlamaConfigModule):
@@ -218,11 +254,15 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
-    def __call__(self, x, attention_mask=None, position_ids=None):
-        """(b, t, hidden) -> (b, t, hidden)."""
+    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0):
+        """(b, t, hidden) -> (b, t, hidden) (and the layer's cache when decoding, as ``LlamaAttention``)."""
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
-        x = x + self.self_attn(self.input_layernorm(x), attention_mask, position_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, cache=cache, index=index)
+        if cache is not None:
+            attended, cache = attended
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x if cache is None else (x, cache)
 
 
 class LlamaModel(_LlamaConfigModule):
@@ -239,20 +279,31 @@ class LlamaModel(_LlamaConfigModule):
         self.layers = nnx.List([LlamaDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
-        """(b, t) ids -> last hidden state (b, t, hidden)."""
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, index=0):
+        """(b, t) ids -> last hidden state (b, t, hidden) (and the cache, one entry per layer, when decoding)."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, t = input_ids.shape  # the masks and positions are checked before anything is computed
-        normalize_mask(attention_mask, b, t, t, name="attention_mask")
-        check_position_ids(position_ids, b, t)
+        if cache is None:
+            normalize_mask(attention_mask, b, t, t, name="attention_mask")
+            check_position_ids(position_ids, b, t)
+        else:
+            check_no_mask_with_cache(attention_mask, position_ids)
+            if len(cache) != len(self.layers):
+                raise ValueError(f"the cache has {len(cache)} layers, the model {len(self.layers)}")
         x = lookup(self.embed_tokens, input_ids, self.dtype)  # (b, t, hidden)
         if self.config.pad_token_id is not None:  # the pad row gets no gradient (nn.Embedding's padding_idx)
             x = jnp.where((input_ids == self.config.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the compute dtype
             x = x * jnp.asarray(self.config.embed_scale, jnp.float32).astype(self.dtype)
-        for layer in self.layers:
-            x = layer(x, attention_mask, position_ids)
-        return self.norm(x)
+        if cache is None:
+            for layer in self.layers:
+                x = layer(x, attention_mask, position_ids)
+            return self.norm(x)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer(x, cache=layer_cache, index=index)
+            new_cache.append(layer_cache)
+        return self.norm(x), new_cache
 
 
 class LlamaForCausalLM(_LlamaConfigModule):
@@ -284,7 +335,28 @@ class LlamaForCausalLM(_LlamaConfigModule):
         Returns:
             (b, t, vocab_size) float32 logits.
         """
-        hidden = self.model(input_ids, attention_mask, position_ids)
+        return self._head(self.model(input_ids, attention_mask, position_ids))
+
+    def _head(self, hidden):
+        """(b, t, hidden) -> (b, t, vocab_size) float32 logits: the LM head or the tied embedding."""
         if self.lm_head is None:
             return (hidden @ self.model.embed_tokens.embedding[...].astype(self.dtype).T).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty key/value cache for decoding up to ``length`` positions: per layer, keys and values
+        (batch, num_key_value_heads, length, head_dim), the grouped heads only (a 1/groups of the
+        query heads' size)."""
+        c = self.config
+        return empty_cache(c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
+
+    def decode_step(self, tokens, index, cache):
+        """Run positions [index, index + n) of every row given a cache of the earlier ones.
+
+        Args: tokens (b, n) ids; index: first position (int or traced scalar); cache from
+        ``init_cache`` or the previous step. Returns ((b, n, vocab_size) float32 logits, cache).
+        Rows are contiguous from position 0 (``generate`` right-pads prompts), so positions are
+        what transformers derives from a left-padded mask (``cumsum(mask) - 1``).
+        """
+        hidden, cache = self.model(tokens, cache=cache, index=index)
+        return self._head(hidden), cache

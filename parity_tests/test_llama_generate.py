@@ -86,8 +86,8 @@ def test_ragged_batch_with_eos_equals_transformers(family):
     """A right-padded batch of prompts 9, 4 and 6 long, with an eos that row 1 produces early and row 0
     never: each row's tokens and log-probabilities up to its eos equal transformers' (left-padded,
     positions cumsum(mask) - 1), row 0's for all 64 steps; transformers pads after a row's eos and
-    we repeat it. The cache holds the key/value heads only. torch_reference's loop (no cache, the
-    whole prefix each step) gives our tokens too."""
+    we repeat it. The cache holds the key/value heads only, and a cached call refuses a mask.
+    torch_reference's loop (no cache, the whole prefix each step) gives our tokens too."""
     name, reference, twin, model = family
     prompts = _prompts(3)
     ids, mask = _padded(prompts, "right")
@@ -105,9 +105,10 @@ def test_ragged_batch_with_eos_equals_transformers(family):
         np.testing.assert_array_equal(ours[row, :first + 1], free[row, :first + 1],
                                       err_msg=f"torch_reference, row {row}")
     assert len(set(ours[0])) > 10  # not one token repeated: each step is a test
-    config = model.config
-    assert [tuple(a.shape) for a in model.init_cache(3, 80)[0]] == [(3, config.num_key_value_heads, 80,
-                                                                     config.head_dim)] * 2
+    config, cache = model.config, model.init_cache(3, 80)
+    assert [tuple(a.shape) for a in cache[0]] == [(3, config.num_key_value_heads, 80, config.head_dim)] * 2
+    with pytest.raises(ValueError, match="attention_mask and position_ids are not taken"):  # they would be ignored
+        model.model(ids, mask, cache=cache)
 
 
 @pytest.mark.usefixtures("no_persistent_cache")  # count this process's compilations

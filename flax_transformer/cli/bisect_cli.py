@@ -108,6 +108,9 @@ def run(args) -> int:
         else:
             report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
                                     use_jit=not args.no_jit, seed=args.seed, **allow)
+    except SystemExit as stop:  # a model that exits while it is checked: no verdict, never exit 0
+        raise ValueError(f"running {what} failed: the model called sys.exit({stop.code!r}) while it was checked; "
+                         "nothing was compared") from None
     except Exception as error:  # the user's models, run (a KeyError, anything): one line, not a traceback
         message = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None

@@ -35,6 +35,9 @@ def _verify(args) -> int:
     from flax_transformer.verification import verify
 
     start = time.perf_counter()
+    from flax_transformer.models.generate import check_seed
+
+    check_seed(args.seed, "--seed")  # JAX keeps 32 bits of a seed; a larger one would be a traceback there
     if args.checkpoint and args.pair and not args.bisect:  # your own model's certified export, with its pair
         if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
                 or args.allow_nonfinite:

@@ -399,15 +399,16 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     with torch.no_grad():
-        _, t32 = capture.torch_calls(torch_model, t_args, t_kwargs)
+        t_out, t32 = capture.torch_calls(torch_model, t_args, t_kwargs)
         _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
-    _, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
+    j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
     modules32 = dict(torch_model.named_modules())
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
                         _flax_names(flax_model), pairs, _tied(torch_model))
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
+    differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
-                          first_nonfinite=first_nonfinite)
+                          first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared)
     if grads:
         report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn)
         report.first_divergent_grad = _first_divergent_grad(report, t32)

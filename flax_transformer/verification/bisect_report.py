@@ -165,6 +165,8 @@ class BisectReport:
     allow_nonfinite: bool = False
     allow_skipped: bool = False
     first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
+    outputs_differ: list[str] = field(default_factory=list)  # model outputs that are not float arrays and differ
+    outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
 
     @property
     def unverified(self) -> str | None:
@@ -183,12 +185,14 @@ class BisectReport:
     def incomplete(self) -> list[str]:
         """What could not be compared: module calls (``(model)`` for the model) and ``gradient NAME``s."""
         return ([r.path or "(model)" for r in self.rows if r.status.startswith("skipped")]
+                + [f"{name} (not numbers)" for name in self.outputs_not_compared]
                 + [f"gradient {g.name}" for g in self.grad_rows if g.status.startswith("skipped")])
 
     def _failed(self) -> bool:
         return (any(_fails(r.status, self.allow_nonfinite) for r in self.rows)
                 or any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows)
-                or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped))
+                or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped)
+                or bool(self.outputs_differ))
 
     @property
     def passed(self) -> bool:
@@ -205,6 +209,8 @@ class BisectReport:
             path = _path(self.first_nonfinite) if self.first_nonfinite is not None else bad.path
         if path is not None:
             self.first_divergent = MODEL if path == "" else path
+        elif self.outputs_differ:  # an output that is not a float array differs: the model's own outputs
+            self.first_divergent = MODEL
         elif any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows):
             self.first_divergent = GRADIENTS
         else:
@@ -221,6 +227,8 @@ class BisectReport:
             return None
         modules = sum(r.status.startswith("skipped") for r in self.rows)
         counts = f"{modules} of {len(self.rows)} module calls"
+        if self.outputs_not_compared:
+            counts += f", {len(self.outputs_not_compared)} output(s)"
         if self.grad_rows:
             counts += f" and {sum(g.status.startswith('skipped') for g in self.grad_rows)} of {len(self.grad_rows)} gradients"
         names = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
@@ -231,6 +239,8 @@ class BisectReport:
 
     def summary(self) -> str:
         lines = [line for line in (self._incomplete_line(),) if line]
+        if self.outputs_differ:
+            lines.append("outputs: DIFFER (not float arrays, compared exactly): " + "; ".join(self.outputs_differ[:10]))
         path = _first_divergent(self.rows)
         bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
         produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None
@@ -295,7 +305,8 @@ class BisectReport:
         grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
         return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
                 "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
-                "incomplete": self.incomplete, "allow_skipped": self.allow_skipped,
+                "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
+                "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(), "modules": rows,
                 "gradients": grads}
 

@@ -233,6 +233,18 @@ def match_outputs(torch_out, flax_out) -> tuple[list[tuple[str, str, Any, Any]],
     return arrays, others, mismatched
 
 
+def output_problems(torch_out, flax_out) -> tuple[list[str], list[str]]:
+    """What of a whole model's outputs a module-by-module check cannot vouch for, beside its float
+    arrays: (leaves that differ outright: a non-array leaf unequal, a leaf on one side only; array
+    leaves that are not numbers, which cannot be compared by value). ``bisect`` fails on the first,
+    and counts the second as not compared."""
+    arrays, _, differ = match_outputs(torch_out, flax_out)
+    numeric = "biuf"
+    not_compared = [name for name, _, a, b in arrays
+                    if not all(np.asarray(to_numpy(x)).dtype.kind in numeric for x in (a, b))]
+    return differ, not_compared
+
+
 # ------------------------------------------------------------------ layouts by layer kind
 
 

@@ -1,0 +1,110 @@
+"""Verdicts the fault sweep (bench/faults.py) found could still be fooled or end in a traceback:
+a model that calls sys.exit while it is checked, outputs that are not float arrays under
+``--bisect``, a ``verify`` seed beyond JAX's 32 bits (issue 22 items 1, 2 and 7)."""
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from flax_transformer.cli.commands import main
+from flax_transformer.verification import bisect
+
+PAIRS = textwrap.dedent('''
+    import sys
+
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+
+    class Tagged(torch.nn.Module):
+        def __init__(self, label):
+            super().__init__()
+            self.linear, self.label = torch.nn.Linear(4, 3), label
+
+        def forward(self, x):
+            return self.linear(x), self.label
+
+
+    class FlaxTagged(nnx.Module):
+        def __init__(self, model, label):
+            self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            self.linear.kernel.set_value(jnp.asarray(model.linear.weight.detach().numpy().T))
+            self.linear.bias.set_value(jnp.asarray(model.linear.bias.detach().numpy()))
+            self.label = label
+
+        def __call__(self, x):
+            return self.linear(x), self.label
+
+
+    class Exits(nnx.Module):
+        def __call__(self, x):
+            sys.exit(0)
+
+
+    X = (np.ones((2, 4), np.float32),)
+
+
+    def tagged(a, b):
+        torch.manual_seed(0)
+        model = Tagged(a)
+        return model, FlaxTagged(model, b), X
+
+
+    def same():
+        return tagged("positive", "positive")
+
+
+    def mislabelled():
+        return tagged("positive", "negative")
+
+
+    def strings():
+        return tagged(np.array(["label"]), np.array(["label"]))
+
+
+    def flax_exits():
+        return torch.nn.Identity(), Exits(), X
+''')
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "edge_pairs.py"
+    path.write_text(PAIRS)
+    sys.path.insert(0, str(path.parent))
+    import edge_pairs
+    yield path, edge_pairs
+    sys.path.remove(str(path.parent))
+
+
+def test_bisect_fails_on_outputs_that_are_not_float_arrays(pairs):
+    _, module = pairs
+    passed = bisect.bisect(*module.same(), use_jit=False)
+    assert passed.passed and not passed.outputs_differ and not passed.outputs_not_compared  # equal strings agree
+    differ = bisect.bisect(*module.mislabelled(), use_jit=False)
+    assert not differ.passed and differ.first_divergent == bisect.MODEL
+    assert differ.outputs_differ == ["output[1]: torch 'positive', flax 'negative'"]
+    assert "outputs: DIFFER" in differ.summary() and differ.to_dict()["outputs_differ"] == differ.outputs_differ
+    strings = bisect.bisect(*module.strings(), use_jit=False)
+    assert not strings.passed and strings.incomplete == ["output[1] (not numbers)"]
+    assert bisect.bisect(*module.strings(), use_jit=False, allow_skipped=True).passed  # as the user allowed
+
+
+def test_a_model_that_exits_while_checked_is_one_line_exit_2(pairs, capsys):
+    path, _ = pairs
+    for extra in ([], ["--bisect"]):
+        assert main(["verify", "--pair", f"{path}:flax_exits", "--no-jit", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "called sys.exit(0) while it was checked; nothing was compared" in err[0], err
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**32, -1])
+def test_verify_seed_out_of_range_is_one_line(seed, capsys):
+    assert main(["verify", "--family", "former", "--seed", str(seed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seed must be an integer in [0, 4294967295]" in err[0]
+    assert np.iinfo(np.uint32).max == 4294967295

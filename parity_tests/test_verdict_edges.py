@@ -108,3 +108,23 @@ def test_verify_seed_out_of_range_is_one_line(seed, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--seed must be an integer in [0, 4294967295]" in err[0]
     assert np.iinfo(np.uint32).max == 4294967295
+
+
+def test_a_corrupt_orbax_folder_is_one_short_line(tmp_path, capsys):
+    """Found by the sweep: port of an orbax folder with flipped bytes printed orbax's asyncio noise
+    (1 run in 3) and a 1.9 KB line, most of it tensorstore's spec of the array."""
+    from flax import nnx
+
+    from flax_transformer.interop import checkpoints
+    from flax_transformer.models.former import CTransformer
+
+    model = CTransformer(emb=8, heads=2, depth=1, seq_length=8, num_tokens=20, num_classes=2, rngs=nnx.Rngs(0))
+    checkpoints.save_orbax(model, tmp_path / "ct")
+    for file in (p for p in (tmp_path / "ct").rglob("*") if p.is_file() and "/d/" in str(p)):
+        data = bytearray(file.read_bytes())
+        data[::7] = bytes(b ^ 0xFF for b in data[::7])
+        file.write_bytes(bytes(data))
+    assert main(["port", str(tmp_path / "ct"), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ct is unreadable (orbax): " in err[0] and len(err[0]) < 600, err
+    assert "Event loop is closed" not in err[0] and not (tmp_path / "out.safetensors").exists()

@@ -216,8 +216,13 @@ def load_orbax(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     model = _build_from(meta, description, dtype=dtype, param_dtype=param_dtype)
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(path / "params", target)
+    try:  # a corrupt folder: orbax's noise kept off stderr, its error cut to what names the problem
+        with orbax_quiet.errors_raised_not_logged(), ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path / "params", target)
+    except (ValueError, OSError, RuntimeError, KeyError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        cut = first if len(first) <= 300 else first[:300] + " ..."  # tensorstore appends the whole spec
+        raise ValueError(f"{path} is unreadable (orbax): {cut}") from None
     nnx.replace_by_pure_dict(state, jax_tree_cast(restored, target))
     nnx.update(model, state)
     model.eval()

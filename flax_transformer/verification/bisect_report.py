@@ -240,7 +240,8 @@ class BisectReport:
     def summary(self) -> str:
         lines = [line for line in (self._incomplete_line(),) if line]
         if self.outputs_differ:
-            lines.append("outputs: DIFFER (not float arrays, compared exactly): " + "; ".join(self.outputs_differ[:10]))
+            lines.append(f"outputs: FAIL: {len(self.outputs_differ)} of the model's outputs that are not float arrays "
+                         "differ (compared exactly): " + "; ".join(self.outputs_differ[:10]))
         path = _first_divergent(self.rows)
         bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
         produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None

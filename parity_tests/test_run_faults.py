@@ -312,7 +312,8 @@ def test_a_full_disk_during_the_first_checkpoint_is_one_line_and_leaves_nothing(
     """RLIMIT_FSIZE: the kernel refuses the checkpoint's larger writes (EFBIG), as a full disk does (ENOSPC)."""
     out = tmp_path / "run"
     code = textwrap.dedent(f"""
-        import resource, sys
+        import os, resource, sys
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # the tests' shared cache would hit the size limit too
         from train.seq2seq import main
         resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
         sys.exit(main(["--preset", "tiny", "--steps", "10", "--out", {str(out)!r}, "--no-progress"]))

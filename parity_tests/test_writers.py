@@ -262,7 +262,8 @@ def test_port_on_a_full_disk_keeps_the_old_output(tmp_path, fmt):
     before = _snapshot(tmp_path)
     limit = src.stat().st_size // 2
     code = textwrap.dedent(f"""
-        import resource, signal, sys
+        import os, resource, signal, sys
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # the tests' shared cache would hit the size limit too
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         from flax_transformer.cli.commands import main
         resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 
 QUIET_S = 0.25  # fd 2 unchanged this long, with the block's threads idle or done: the stragglers are through
@@ -35,6 +36,13 @@ WAIT_LIMIT_S = 10.0  # never wait longer than this on a failure
 
 
 ORBAX_MARKS = ("OCDBT", "orbax-checkpoint-tmp", "tensorstore", "orbax")
+
+# A save that failed leaves the coroutines of its writes that never ran (orbax's
+# ``async_serialize_from_host.<locals>.write_fragment``, and the like); Python warns of each when it is
+# collected, at exit, as "sys:1: RuntimeWarning: coroutine '...' was never awaited". The warning
+# carries no module to filter on (it comes from "sys"), so orbax's serialization coroutines are
+# matched by name.
+UNAWAITED_ORBAX = r"coroutine '[^']*(serializ|write_fragment|_write_array|async_save)[^']*' was never awaited"
 
 
 class OrbaxLeftovers(logging.Filter):
@@ -58,6 +66,8 @@ class OrbaxLeftovers(logging.Filter):
 def install_filters() -> None:
     """Drop orbax's late Python-level complaints; everything else passes. Idempotent, and called
     on every use: a test runner may have put its own ``sys.unraisablehook`` back meanwhile."""
+    if not any(f[1] is not None and f[1].pattern == UNAWAITED_ORBAX for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=UNAWAITED_ORBAX, category=RuntimeWarning)
     asyncio_log = logging.getLogger("asyncio")
     if not any(isinstance(f, OrbaxLeftovers) for f in asyncio_log.filters):
         asyncio_log.addFilter(OrbaxLeftovers())

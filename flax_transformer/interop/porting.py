@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_transformer.interop.family_tables import KEY_MAPS
 from flax_transformer.interop.layer_kinds import (
     AS_IS,
     CONV,
@@ -75,56 +76,6 @@ from flax_transformer.models._shared import StateDictError, check_state_dict_map
 __all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
            "flax_class", "flax_to_torch", "load_state_dict", "nonfinite", "state_dict", "tied_keys", "torch_class",
            "torch_to_flax"]
-
-# --------------------------------------------------------------------- the tables
-
-# family -> {regex matching the end of a module path: kind(s) of layer}. A pattern
-# matches a whole path or a dotted suffix of it, so the same table serves a full
-# model and any submodule ported on its own (an attention, a block); "" is the root
-# module itself. Where one name is used by two kinds of layer in a family (notebook
-# 002 has ``q_proj`` as its own Linear in ``Attention`` and as ``nn.Linear`` in
-# ``GPTMHAttention``), the entry lists both kinds: their leaf names tell them apart.
-KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
-    "former": {
-        r"token_embedding|pos_embedding": "embedding",
-        r"tokeys|toqueries|tovalues|unifyheads|toprobs": "linear",
-        r"ff\.0|ff\.2": "linear",
-        r"norm1|norm2": "layer_norm",
-    },
-    "encoder": {
-        r"token_embeddings|position_embeddings|token_type_embeddings": "embedding",
-        r"q|k|v|output_linear|linear_1|linear_2|pre_classifier|classifier|pooler": "linear",
-        r"layer_norm|layer_norm_1|layer_norm_2": "layer_norm",
-    },
-    "gpt": {
-        r"": ("matrix_linear", "gamma_beta_norm", "table"),  # a bare Linear, LayerNorm or Embeddings
-        r"token_embeddings|position_embeddings": "embedding",
-        r"q_proj|k_proj|v_proj": ("linear", "matrix_linear"),
-        r"q|k|v|w1|w2": "matrix_linear",
-        r"lm_head": "linear",
-        r"input_layer_norm|attention_layer_norm|layer_norm_feed_forward|out_layer_norm|embedding_norm":
-            "gamma_beta_norm",
-        r"layer_norm_attention": ("layer_norm", "gamma_beta_norm"),
-        r"layer_norm_input": "layer_norm",
-        # GPT-2 (HuggingFace's module names; Conv1D is the notebook's matrix layout)
-        r"wte|wpe": "embedding",
-        r"c_attn|c_proj|c_fc": "matrix_linear",
-        r"ln_1|ln_2|ln_f": "layer_norm",
-    },
-    "classic": {
-        r"src_embedding|tgt_embedding": "embedding",
-        r"query_tfm|key_tfm|value_tfm|projection|out": "linear",
-        r"position_wise_feed_forward\.0|position_wise_feed_forward\.2": "linear",
-        r"layer_norm1|layer_norm2|layer_norm3": "layer_norm",
-    },
-    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2, Qwen3, Gemma)
-        r"": "rms_norm",  # a bare LlamaRMSNorm
-        r"embed_tokens": "embedding",
-        r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head": "linear",
-        r"input_layernorm|post_attention_layernorm|norm|q_norm|k_norm": "rms_norm",
-    },
-}
-
 
 class LoadResult(NamedTuple):
     missing_keys: list[str]

@@ -27,6 +27,9 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
   ``model(input_ids, attention_mask=None, position_ids=None)`` -> logits. Names are
   transformers' own; a tied model's file holds no ``lm_head.weight``, as transformers
   writes it. ``gemma2`` is refused (soft-capping, alternating windows, extra norms).
+* A folder in Meta's original layout (``consolidated.NN.pth`` + ``params.json``, no ``config.json``)
+  -> the same ``llama.LlamaForCausalLM``; ``meta_llama`` renames, joins the model-parallel shards
+  and moves ``wq``/``wk``'s rows from Meta's interleaved RoPE to transformers' half split.
 
 The key tables are in ``hf_tables``; the files are read and written tensor by tensor by
 ``safetensors_io`` (a checkpoint is never held twice on the host; with ``sharding=`` each
@@ -45,7 +48,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.interop import files, porting, safetensors_io
+from flax_transformer.interop import files, meta_llama, porting, safetensors_io
 from flax_transformer.interop.hf_tables import (  # noqa: F401  (re-exported: the tables are part of the API)
     BERT_KEYS,
     DISTILBERT_KEYS,
@@ -158,9 +161,25 @@ def _model_class(kind: str, package):
     return importlib.import_module(f"{package}.gpt").GPT2LMHeadModel
 
 
+def is_model_folder(path) -> bool:
+    """A folder ``from_pretrained`` reads: an HF folder (``config.json``) or Meta's llama layout (``params.json``,
+    ``consolidated.*.pth``)."""
+    path = Path(path)
+    return path.is_dir() and ((path / "config.json").is_file() or meta_llama.is_meta_folder(path))
+
+
+def _open_state(path) -> tuple[str, object, dict]:
+    """(model_type, our config, tensors under torch_reference's names) of an HF or a Meta llama folder."""
+    if meta_llama.is_meta_folder(path):
+        config, state = meta_llama.open_folder(path)
+        return "llama", config, state
+    _, kind, config, weights = _open(path)
+    return kind, config, hf_to_ours(kind, weights, config)
+
+
 def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: int = 0, sharding=None):
     """A Flax model (eval mode) with the weights of an HF BERT, DistilBERT, RoBERTa, GPT-2 or llama-family
-    (Llama, Mistral, Qwen2, Qwen3, Gemma) folder.
+    (Llama, Mistral, Qwen2, Qwen3, Gemma) folder, or of Meta's original llama layout (``meta_llama``).
 
     Args:
         dtype, param_dtype: compute and storage types; a bf16 checkpoint loads into
@@ -170,9 +189,8 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
             does) or a function ``(path, shape) -> Sharding``; each tensor is put there
             as it is read (``safetensors_io.fill``).
     """
-    _, kind, config, weights = _open(path)
+    kind, config, state = _open_state(path)
     cls = _model_class(kind, "flax_transformer.models")
-    state = hf_to_ours(kind, weights, config)
     model = porting.build_unfilled(cls, dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
     safetensors_io.fill(model, state, sharding=sharding)
     model.eval()
@@ -180,10 +198,10 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
 
 
 def torch_from_pretrained(path):
-    """The torch_reference twin (eval mode) with the weights of an HF folder (any ``from_pretrained`` reads)."""
-    _, kind, config, weights = _open(path)
+    """The torch_reference twin (eval mode) with the weights of a folder (any ``from_pretrained`` reads)."""
+    kind, config, state = _open_state(path)
     model = _model_class(kind, "torch_reference")(config)
-    model.load_state_dict(torch_state(hf_to_ours(kind, weights, config)))
+    model.load_state_dict(torch_state(state))
     return model.eval()
 
 

@@ -24,7 +24,7 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
               load=None):
     """(flax model, torch model) of a checkpoint, each built from SRC itself where possible.
 
-    SRC is an HF folder, a ``save_safetensors`` file or an orbax folder (they describe their
+    SRC is an HF folder (or Meta's llama layout), a ``save_safetensors`` file or an orbax folder (they describe their
     model); a bare torch state_dict (``.pt``/``.bin``/``.safetensors`` without a description)
     needs ``family``, ``cls`` and ``config`` (constructor arguments, a dict or JSON text).
     ``load``: how a self-describing SRC becomes a Flax model (default ``checkpoints.load``); a
@@ -51,7 +51,7 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
         torch_model.load_state_dict(hf.torch_state(weights))  # checked, not cast: see hf.torch_state
         torch_model.eval()
         return porting.torch_to_flax(torch_model), torch_model
-    if path.is_dir() and (path / "config.json").exists():
+    if hf.is_model_folder(path):  # an HF folder, or Meta's llama layout
         return hf.from_pretrained(path), hf.torch_from_pretrained(path)
     if path.suffix in (".pt", ".bin", ".pth") or (path.suffix == ".safetensors" and
                                                    checkpoints.read_safetensors(path)[1] is None):

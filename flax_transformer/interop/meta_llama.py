@@ -1,0 +1,332 @@
+"""Meta's original llama checkpoints: a folder of ``consolidated.NN.pth`` + ``params.json`` (the layout of
+Meta's Llama 1, 2 and 3.x releases) -> the llama family's names, for ``hf.from_pretrained``,
+``hf.torch_from_pretrained`` and ``flax-transformer port``.
+
+Meta's names differ from transformers' (``tok_embeddings``, ``layers.N.attention.wq``,
+``feed_forward.w1/w2/w3``, ``attention_norm``, ``ffn_norm``, ``output``), and so does its RoPE:
+Meta rotates adjacent pairs of a head's features (rows 2j and 2j+1 of ``wq``/``wk``, the real and
+imaginary parts of a complex number), transformers the two halves (rows j and j + head_dim/2).
+The table below renames and, for ``wq`` and ``wk``, moves each head's rows from the interleaved
+order to the half-split one (``interleaved_to_half_split``, the ``permute`` of transformers'
+``convert_llama_weights_to_hf.py``): ``wq`` per query head, ``wk`` per key/value head (GQA).
+
+Model-parallel shards (``consolidated.00.pth``, ``.01.pth``, ...) are joined as Meta split them:
+column-parallel weights (``wq``, ``wk``, ``wv``, ``w1``, ``w3``, ``output``) along their rows,
+row-parallel ones (``wo``, ``w2``) along their columns; the token embedding along its columns
+(Llama 1/2's ``ParallelEmbedding``) or its rows (Llama 3's ``VocabParallelEmbedding``), told apart
+by the shards' shapes; the norms are replicated, and must be equal in every shard.
+
+``params.json`` gives the shape: ``intermediate_size`` is computed from ``multiple_of`` and
+``ffn_dim_multiplier`` as Meta's ``FeedForward`` does and checked against ``w1``; ``vocab_size: -1``
+(Llama 1 and 2) is the embedding's row count; ``use_scaled_rope`` is Llama 3.1's scaling (factor 8,
+low 1, high 4, original context 8192, as Meta's ``apply_scaling``). A field that would change the
+model and is not one of these (a mixture of experts, quantization, LoRA, vision) is refused.
+
+Loading is strict and all or nothing: every missing, unexpected and mis-shaped tensor of every shard
+is named, in Meta's names, in one line (``MetaLayoutError``). Files are read only with
+``torch.load(weights_only=True, mmap=True)``: a pickle that carries code is refused, and a tensor's
+bytes are read (from the mapped file) only when the model is filled with it.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+
+from flax_transformer.interop.hf_tables import AS_IS, _pattern
+from flax_transformer.interop.safetensors_io import Lazy, read
+from flax_transformer.interop.values import to_numpy
+from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+
+# rules: wq's rows per query head, wk's per key/value head, from Meta's interleaved RoPE to the half split
+ROPE_Q, ROPE_K = "rope_q", "rope_k"
+ROPE_HEADS = {ROPE_Q: "num_attention_heads", ROPE_K: "num_key_value_heads"}
+# how model-parallel shards hold a tensor: split along its rows (column-parallel), its columns
+# (row-parallel), either for the embedding (told by the shapes), or a copy in each (the norms)
+ROWS, COLUMNS, EMBEDDING, REPLICATED = "rows", "columns", "embedding", "replicated"
+
+META_LLAMA_KEYS = [  # (Meta's name, torch_reference's (transformers') name, rule, how shards hold it)
+    ("tok_embeddings.weight", "model.embed_tokens.weight", AS_IS, EMBEDDING),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight", ROPE_Q, ROWS),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight", ROPE_K, ROWS),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight", AS_IS, ROWS),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight", AS_IS, COLUMNS),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight", AS_IS, ROWS),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight", AS_IS, COLUMNS),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight", AS_IS, ROWS),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight", AS_IS, REPLICATED),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", AS_IS, REPLICATED),
+    ("norm.weight", "model.norm.weight", AS_IS, REPLICATED),
+    ("output.weight", "lm_head.weight", AS_IS, ROWS),
+]
+META_BUFFERS = ("rope.freqs",)  # Llama 1's RoPE table: computed, not a weight (as transformers' inv_freq)
+
+# params.json: the fields that make the model, and those that only size Meta's inference caches
+PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps",
+          "rope_theta", "use_scaled_rope")
+RUNTIME_PARAMS = ("max_batch_size", "max_seq_len")
+SHARD = re.compile(r"consolidated\.(\d+)\.pth")
+
+
+class MetaLayoutError(StateDictError):
+    """A Meta folder's tensors do not fit its params.json: every problem, in Meta's names, on one line."""
+
+    def __init__(self, folder, missing=(), unexpected=(), mismatched=(), notes=()):
+        super().__init__(missing, unexpected, mismatched)
+        parts = [f"missing ({len(self.missing)}): " + ", ".join(self.missing)] if self.missing else []
+        if self.unexpected:
+            parts.append(f"unexpected ({len(self.unexpected)}): " + ", ".join(self.unexpected))
+        if self.mismatched:
+            parts.append(f"mis-shaped ({len(self.mismatched)}): " + ", ".join(
+                f"{k} {a} vs {b}" for k, a, b in self.mismatched))
+        self.args = (f"{folder}: Meta checkpoint does not match its params.json, nothing was loaded: "
+                     + "; ".join([*parts, *notes]),)
+
+
+def is_meta_folder(path) -> bool:
+    """A folder in Meta's layout: ``params.json`` or ``consolidated.*.pth``, and no HF ``config.json``."""
+    path = Path(path)
+    return (path.is_dir() and not (path / "config.json").exists()
+            and ((path / "params.json").is_file() or any(_shard_number(p) is not None for p in path.iterdir())))
+
+
+def _shard_number(path: Path) -> int | None:
+    match = SHARD.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """``consolidated.00.pth``, ``.01.pth``, ... in order; a gap in the numbers is refused."""
+    numbered = sorted((n, p) for p in folder.iterdir() if (n := _shard_number(p)) is not None)
+    if not numbered:
+        raise FileNotFoundError(f"{folder} has a params.json but no consolidated.NN.pth weights")
+    numbers = [n for n, _ in numbered]
+    if numbers != list(range(len(numbers))):
+        raise ValueError(f"{folder}: model-parallel shards must be consolidated.00.pth to .{len(numbers) - 1:02d}.pth "
+                         f"without gaps or repeats; found {', '.join(p.name for _, p in numbered)}")
+    return [p for _, p in numbered]
+
+
+# ------------------------------------------------------------------ params.json
+
+
+def read_params(folder: Path) -> dict:
+    file = folder / "params.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} holds consolidated.*.pth weights but no params.json (Meta's layout needs "
+                                "it for the model's shape)")
+    try:
+        params = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+    if isinstance(params, dict) and isinstance(params.get("model"), dict):
+        params = params["model"]  # some releases nest the model's fields (as transformers' converter reads them)
+    if not isinstance(params, dict):
+        raise ValueError(f"{file} must hold a JSON object, not a {type(params).__name__}")
+    unknown = sorted(set(params) - set(PARAMS) - set(RUNTIME_PARAMS))
+    if unknown:
+        raise ValueError(f"{file}: fields this llama model does not compute: {', '.join(unknown)} (a Meta llama "
+                         f"params.json has {', '.join(PARAMS)})")
+    for name in ("dim", "n_layers", "n_heads"):
+        if name not in params:
+            raise ValueError(f"{file} has no {name!r}")
+    vocab = params.get("vocab_size", -1)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or (vocab < 1 and vocab != -1):
+        raise ValueError(f"{file}: vocab_size must be a positive integer or -1 (the embedding's rows), got {vocab!r}")
+    return params
+
+
+def _integer(file, params, name, default=None, least=1) -> int | None:
+    value = params.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{file}: {name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def intermediate_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """The gated MLP's width, as Meta's ``FeedForward`` computes it from ``hidden_dim = 4 * dim``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def config_of(params: dict, vocab_size: int, file) -> LlamaConfig:
+    """The ``LlamaConfig`` of a params.json (``vocab_size`` given: -1 in Llama 1/2's, read off the embedding)."""
+    dim, heads = _integer(file, params, "dim"), _integer(file, params, "n_heads")
+    layers = _integer(file, params, "n_layers")
+    kv = _integer(file, params, "n_kv_heads") or heads
+    multiple_of = _integer(file, params, "multiple_of", 256)
+    multiplier = params.get("ffn_dim_multiplier")
+    if multiplier is not None and (isinstance(multiplier, bool) or not isinstance(multiplier, (int, float))
+                                   or not multiplier > 0):
+        raise ValueError(f"{file}: ffn_dim_multiplier must be a positive number or null, got {multiplier!r}")
+    if dim % heads:
+        raise ValueError(f"{file}: dim ({dim}) must be divisible by n_heads ({heads})")
+    scaled = params.get("use_scaled_rope", False)
+    if not isinstance(scaled, bool):
+        raise ValueError(f"{file}: use_scaled_rope must be true or false, got {scaled!r}")
+    theta = params.get("rope_theta", 10000.0)  # absent in Llama 1/2's files: their code's 10000
+    # the context the release was trained for (params.json does not say; transformers' converter's choice):
+    # Llama 3.1 128k, Llama 3 8k, Code Llama (theta 1e6) 16k, Llama 2 4k
+    positions = (131072 if scaled else 8192 if isinstance(theta, (int, float)) and theta >= 500000
+                 else 16384 if isinstance(theta, (int, float)) and theta > 10000 else 4096)
+    try:
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv, intermediate_size=intermediate_size(dim, multiple_of, multiplier),
+            rms_norm_eps=params.get("norm_eps", 1e-5), rope_theta=theta, max_position_embeddings=positions,
+            rope_scaling=RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192) if scaled else None,
+            tie_word_embeddings=False, model_type="llama")
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
+# ------------------------------------------------------------------ tensors
+
+
+def interleaved_to_half_split(weight, heads: int):
+    """(heads * head_dim, in) rows of ``wq`` or ``wk``, per head from Meta's RoPE order (x0, y0, x1, y1, ...)
+    to transformers' (x0, x1, ..., y0, y1, ...): row j + c * head_dim/2 takes Meta's row 2j + c."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)  # (h, 2, d/2, in)
+
+
+def _lazy(tensor) -> Lazy:
+    """A torch tensor (mapped from its file) as a ``Lazy``: its bytes are read by ``read()``."""
+    dtype = to_numpy(tensor.reshape(-1)[:0]).dtype
+    return Lazy(tuple(tensor.shape), dtype, lambda: to_numpy(tensor))
+
+
+def load_shard(file: Path) -> dict[str, Lazy]:
+    """One ``consolidated.NN.pth``: ``torch.load(weights_only=True, mmap=True)``, each tensor a ``Lazy``."""
+    import torch
+
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"refusing to load {file}: torch.load(weights_only=True) rejected it, so unpickling it would "
+                         f"run code from the file ({str(error).splitlines()[0]})") from None
+    except Exception as error:  # noqa: BLE001 - a truncated, legacy or corrupted file fails in many ways
+        first = (str(error).splitlines() or [""])[0]
+        raise ValueError(f"{file} is not a torch checkpoint that torch.load(weights_only=True, mmap=True) reads: "
+                         f"{type(error).__name__}: {first}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ValueError(f"{file} does not hold a state_dict (a mapping of names to tensors)")
+    return {k: _lazy(v) for k, v in state.items()}
+
+
+def _join(parts: list, axis: int):
+    if len(parts) == 1:
+        return parts[0]
+    shape = list(parts[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    return Lazy(shape, parts[0].dtype, lambda: np.concatenate([read(p) for p in parts], axis=axis))
+
+
+def _rename(key: str):
+    """(our name, rule, how shards hold it) of a Meta name, or None."""
+    for meta, ours, rule, split in META_LLAMA_KEYS:
+        match = _pattern(meta).fullmatch(key)
+        if match:
+            return ours.format(**match.groupdict()), rule, split
+    return None
+
+
+def _expected_shapes(config: LlamaConfig) -> dict[str, tuple]:
+    """Every Meta name of the model, with its full (joined) shape."""
+    dim, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    out = {"tok_embeddings.weight": (config.vocab_size, dim), "norm.weight": (dim,),
+           "output.weight": (config.vocab_size, dim)}
+    for i in range(config.num_hidden_layers):
+        out |= {f"layers.{i}.attention.wq.weight": (q, dim), f"layers.{i}.attention.wk.weight": (kv, dim),
+                f"layers.{i}.attention.wv.weight": (kv, dim), f"layers.{i}.attention.wo.weight": (dim, q),
+                f"layers.{i}.feed_forward.w1.weight": (inter, dim), f"layers.{i}.feed_forward.w2.weight": (dim, inter),
+                f"layers.{i}.feed_forward.w3.weight": (inter, dim), f"layers.{i}.attention_norm.weight": (dim,),
+                f"layers.{i}.ffn_norm.weight": (dim,)}
+    return out
+
+
+def _shard_axis(split: str, shapes: list[tuple], dim: int) -> int | None:
+    """The axis the shards of a tensor join along, or None when their shapes cannot be Meta's split."""
+    n, first = len(shapes), shapes[0]
+    if any(s != first for s in shapes):
+        return None  # Meta splits evenly: every shard holds the same shape
+    if split == EMBEDDING:  # Llama 3 splits the vocabulary (rows), Llama 1/2 the features (columns)
+        return None if len(first) != 2 else 0 if n == 1 or first[1] == dim else 1 if first[1] * n == dim else None
+    axis = {ROWS: 0, COLUMNS: 1, REPLICATED: 0}[split]
+    return axis if len(first) > axis else None
+
+
+def open_folder(folder) -> tuple[LlamaConfig, dict]:
+    """(``LlamaConfig``, tensors under torch_reference's names, unread) of a Meta folder, checked whole."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no such Meta checkpoint folder: {folder}")
+    params = read_params(folder)
+    file = folder / "params.json"
+    config_of(params, 1, file)  # the params are checked before any weights are read
+    files = shard_files(folder)
+    n, dim = len(files), params["dim"]
+    for name, heads in (("n_heads", params["n_heads"]), ("n_kv_heads", params.get("n_kv_heads") or params["n_heads"])):
+        if heads % n:
+            raise ValueError(f"{folder}: {n} model-parallel shards cannot split {name}={heads} heads evenly")
+    shards = [load_shard(f) for f in files]
+    missing, unexpected, mismatched, joined = [], [], [], {}
+    names = sorted({k for s in shards for k in s if not k.startswith(META_BUFFERS)})
+    for key in names:
+        holders = [f for f, s in zip(files, shards, strict=True) if key in s]
+        if _rename(key) is None:
+            unexpected.append(key if n == 1 else f"{key} ({', '.join(f.name for f in holders)})")
+            continue
+        if len(holders) < n:
+            missing += [f"{key} ({f.name})" for f, s in zip(files, shards, strict=True) if key not in s]
+            continue
+        parts = [s[key] for s in shards]
+        split = _rename(key)[2]
+        axis = _shard_axis(split, [p.shape for p in parts], dim)
+        if axis is None or len({p.dtype for p in parts}) > 1:
+            mismatched.append((key, " / ".join(f"{p.dtype}{list(p.shape)}" for p in parts), f"{n} equal parts"))
+        elif split == REPLICATED:
+            joined[key] = parts[0]
+            values = [read(p) for p in parts]
+            differ = [f.name for f, v in zip(files[1:], values[1:], strict=True) if not np.array_equal(v, values[0])]
+            if differ:  # a norm is a copy in every shard: which one would be the model's?
+                mismatched.append((key, f"differs in {', '.join(differ)} from {files[0].name}", "replicated (equal)"))
+        else:
+            joined[key] = _join(parts, axis)
+    vocab = params.get("vocab_size", -1)
+    if vocab == -1:  # Llama 1 and 2: the tokenizer's size, which the embedding (and the head) has
+        table = joined.get("tok_embeddings.weight", joined.get("output.weight"))
+        vocab = table.shape[0] if table is not None and len(table.shape) == 2 else 1
+    config = config_of({**params, "vocab_size": vocab}, vocab, file)
+    notes = []
+    for key, shape in _expected_shapes(config).items():
+        if key not in joined and not any(m.startswith(key) for m in missing) and key not in {m[0] for m in mismatched}:
+            missing += [key] if n == 1 else [f"{key} ({f.name})" for f in files]
+        elif key in joined and tuple(joined[key].shape) != shape:
+            mismatched.append((key, list(joined[key].shape), list(shape)))
+            if ".feed_forward." in key and not notes:
+                notes.append(f"the MLP width {config.intermediate_size} is Meta's from dim {dim}, multiple_of "
+                             f"{params.get('multiple_of', 256)}, ffn_dim_multiplier {params.get('ffn_dim_multiplier')}")
+    unexpected += [k for k in joined if k not in _expected_shapes(config)]  # a layer beyond n_layers
+    if missing or unexpected or mismatched:
+        raise MetaLayoutError(folder, missing, unexpected, mismatched, notes)
+    state = {}
+    for key, value in joined.items():
+        ours, rule, _ = _rename(key)
+        if rule in ROPE_HEADS:
+            heads = getattr(config, ROPE_HEADS[rule])
+            value = Lazy(value.shape, value.dtype, lambda v=value, h=heads: interleaved_to_half_split(read(v), h))
+        state[ours] = value
+    return config, state

@@ -21,24 +21,23 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
-from flax_transformer.verification.bisect import _cast, _scale, budget, budget_rule, grad_budget
+from flax_transformer.verification.bisect import _cast, budget_rule, grad_budget
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
     apply_flat,
     default_weights,
-    finite_abs_err,
     flatten,
     grad_keys,
-    match_outputs,
-    nonfinite,
     split_loss_fn,
     sum_grads,
     to_jax,
-    to_numpy,
     to_torch,
     torch_scalar,
 )
 from flax_transformer.verification.frameworks import flax_grads as _flax_grads
+from flax_transformer.verification.leaf_checks import blank as _blank
+from flax_transformer.verification.leaf_checks import check as _check
+from flax_transformer.verification.leaf_checks import outputs as _outputs
 
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
@@ -401,76 +400,6 @@ def _float64_reference(torch_model, t_args, t_kwargs, weights, loss_fn):
     except Exception as error:  # the user's model in float64: whatever it raises, the check is incomplete
         message = (str(error).strip().splitlines() or [""])[0]
         return None, None, f"the float64 reference did not run ({type(error).__name__}: {message})"
-
-
-def _outputs(torch_out, flax_out, ref_out, measured: bool):
-    """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
-    leaves matched by ``frameworks.match_outputs``."""
-    arrays, others, mismatched = match_outputs(torch_out, flax_out)
-    ref = dict(flatten(ref_out)) if ref_out is not None else {}
-    checks, skipped = [], []
-    for name, path, t, j in arrays:
-        check = _check(t, j, ref.get(path), measured=measured)
-        check["output"] = name
-        checks.append(check)
-        if check["skipped"]:
-            skipped.append(f"{name}: {check['skipped']}")
-    if not checks:
-        skipped.append("no array among the outputs")
-    return checks, others, skipped, mismatched
-
-
-def _blank(shape, skipped: str = "") -> dict:
-    """A check with nothing measured yet (``skipped``: why nothing will be)."""
-    return {"shape": list(shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
-            "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
-            "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": skipped}
-
-
-def _is_numeric(a) -> bool:
-    return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
-
-
-def _check(t, j, r, *, measured: bool) -> dict:
-    """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
-    torch ``r`` where ``measured`` (the budget from this leaf's own figures)."""
-    t, j = to_numpy(t), to_numpy(j)
-    kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
-    t, j = np.asarray(t), np.asarray(j)
-    check = _blank(t.shape)
-    if not (_is_numeric(t) and _is_numeric(j)):
-        check["skipped"] = f"not numeric arrays ({kinds})"
-        return check
-    if t.shape != j.shape:
-        raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
-    t64, j64 = np.atleast_1d(np.asarray(t, np.float64)), np.atleast_1d(np.asarray(j, np.float64))
-    keep = np.isfinite(t64) & np.isfinite(j64)
-    finite = bool(keep.all())
-    if finite:  # the common case, without the masks
-        check.update(max_abs_err=float(np.abs(t64 - j64).max(initial=0.0)),
-                     torch_scale=float(np.abs(t64).max(initial=0.0)))
-    else:
-        only_t, only_j, both, differ = nonfinite(t64, j64)
-        check.update(max_abs_err=finite_abs_err(t64, j64), finite=False, torch_scale=_scale([t64]),
-                     nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ, nonfinite_both=both)
-    if not measured or not jnp.issubdtype(t.dtype, jnp.floating):
-        return check  # integer outputs are compared exactly; nothing to measure against float64
-    if r is None:
-        check["skipped"] = "no float64 reference for it"
-        return check
-    r64 = np.atleast_1d(np.asarray(to_numpy(r), np.float64))
-    finite_r = np.isfinite(r64)
-    lost = 0 if finite and finite_r.all() else int((keep & ~finite_r).sum())
-    if not (finite and finite_r.all()):
-        keep &= finite_r
-        t64, j64, r64 = t64[keep], j64[keep], r64[keep]
-    torch_err = float(np.abs(t64 - r64).max(initial=0.0))
-    jax_err = float(np.abs(j64 - r64).max(initial=0.0))
-    scale = float(np.abs(r64).max(initial=0.0))
-    check.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale))
-    if lost:
-        check["skipped"] = f"{lost} values NaN/inf in the float64 reference, finite in both frameworks"
-    return check
 
 
 def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, *, mismatched: str = "",

@@ -1,0 +1,82 @@
+"""One output leaf or one gradient, checked: torch fp32 against JAX, and both against the float64
+torch reference where it ran (``check``), with NaN/inf counted apart (they never agree); the leaves of
+two outputs of any structure matched and checked (``outputs``). ``compare`` makes its rows from these.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from flax_transformer.verification.bisect import _scale, budget
+from flax_transformer.verification.frameworks import finite_abs_err, flatten, match_outputs, nonfinite, to_numpy
+
+
+def outputs(torch_out, flax_out, ref_out, measured: bool):
+    """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
+    leaves matched by ``frameworks.match_outputs``."""
+    arrays, others, mismatched = match_outputs(torch_out, flax_out)
+    ref = dict(flatten(ref_out)) if ref_out is not None else {}
+    checks, skipped = [], []
+    for name, path, t, j in arrays:
+        leaf = check(t, j, ref.get(path), measured=measured)
+        leaf["output"] = name
+        checks.append(leaf)
+        if leaf["skipped"]:
+            skipped.append(f"{name}: {leaf['skipped']}")
+    if not checks:
+        skipped.append("no array among the outputs")
+    return checks, others, skipped, mismatched
+
+
+def blank(shape, skipped: str = "") -> dict:
+    """A check with nothing measured yet (``skipped``: why nothing will be)."""
+    return {"shape": list(shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
+            "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
+            "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": skipped}
+
+
+def is_numeric(a) -> bool:
+    return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
+
+
+def check(t, j, r, *, measured: bool) -> dict:
+    """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
+    torch ``r`` where ``measured`` (the budget from this leaf's own figures)."""
+    t, j = to_numpy(t), to_numpy(j)
+    kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
+    t, j = np.asarray(t), np.asarray(j)
+    result = blank(t.shape)
+    if not (is_numeric(t) and is_numeric(j)):
+        result["skipped"] = f"not numeric arrays ({kinds})"
+        return result
+    if t.shape != j.shape:
+        raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
+    t64, j64 = np.atleast_1d(np.asarray(t, np.float64)), np.atleast_1d(np.asarray(j, np.float64))
+    keep = np.isfinite(t64) & np.isfinite(j64)
+    finite = bool(keep.all())
+    if finite:  # the common case, without the masks
+        result.update(max_abs_err=float(np.abs(t64 - j64).max(initial=0.0)),
+                     torch_scale=float(np.abs(t64).max(initial=0.0)))
+    else:
+        only_t, only_j, both, differ = nonfinite(t64, j64)
+        result.update(max_abs_err=finite_abs_err(t64, j64), finite=False, torch_scale=_scale([t64]),
+                     nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ, nonfinite_both=both)
+    if not measured or not jnp.issubdtype(t.dtype, jnp.floating):
+        return result  # integer outputs are compared exactly; nothing to measure against float64
+    if r is None:
+        result["skipped"] = "no float64 reference for it"
+        return result
+    r64 = np.atleast_1d(np.asarray(to_numpy(r), np.float64))
+    finite_r = np.isfinite(r64)
+    lost = 0 if finite and finite_r.all() else int((keep & ~finite_r).sum())
+    if not (finite and finite_r.all()):
+        keep &= finite_r
+        t64, j64, r64 = t64[keep], j64[keep], r64[keep]
+    torch_err = float(np.abs(t64 - r64).max(initial=0.0))
+    jax_err = float(np.abs(j64 - r64).max(initial=0.0))
+    scale = float(np.abs(r64).max(initial=0.0))
+    result.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale))
+    if lost:
+        result["skipped"] = f"{lost} values NaN/inf in the float64 reference, finite in both frameworks"
+    return result

@@ -321,7 +321,7 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
                              f"{params.get('multiple_of', 256)}, ffn_dim_multiplier {params.get('ffn_dim_multiplier')}")
     unexpected += [k for k in joined if k not in _expected_shapes(config)]  # a layer beyond n_layers
     if missing or unexpected or mismatched:
-        raise MetaLayoutError(folder, missing, unexpected, mismatched, notes)
+        raise MetaLayoutError(folder, missing, sorted(unexpected), mismatched, notes)
     state = {}
     for key, value in joined.items():
         ours, rule, _ = _rename(key)

@@ -299,7 +299,7 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
             mismatched.append((key, " / ".join(f"{p.dtype}{list(p.shape)}" for p in parts), f"{n} equal parts"))
         elif split == REPLICATED:
             joined[key] = parts[0]
-            values = [read(p) for p in parts]
+            values = [read(p) for p in parts] if n > 1 else []
             differ = [f.name for f, v in zip(files[1:], values[1:], strict=True) if not np.array_equal(v, values[0])]
             if differ:  # a norm is a copy in every shard: which one would be the model's?
                 mismatched.append((key, f"differs in {', '.join(differ)} from {files[0].name}", "replicated (equal)"))
@@ -310,16 +310,17 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
         table = joined.get("tok_embeddings.weight", joined.get("output.weight"))
         vocab = table.shape[0] if table is not None and len(table.shape) == 2 else 1
     config = config_of({**params, "vocab_size": vocab}, vocab, file)
-    notes = []
-    for key, shape in _expected_shapes(config).items():
-        if key not in joined and not any(m.startswith(key) for m in missing) and key not in {m[0] for m in mismatched}:
-            missing += [key] if n == 1 else [f"{key} ({f.name})" for f in files]
+    notes, expected = [], _expected_shapes(config)
+    named = {m.split(" (")[0] for m in missing} | {m[0] for m in mismatched}  # already reported per shard
+    for key, shape in expected.items():
+        if key not in joined and key not in named:
+            missing.append(key)  # in no shard
         elif key in joined and tuple(joined[key].shape) != shape:
             mismatched.append((key, list(joined[key].shape), list(shape)))
             if ".feed_forward." in key and not notes:
                 notes.append(f"the MLP width {config.intermediate_size} is Meta's from dim {dim}, multiple_of "
                              f"{params.get('multiple_of', 256)}, ffn_dim_multiplier {params.get('ffn_dim_multiplier')}")
-    unexpected += [k for k in joined if k not in _expected_shapes(config)]  # a layer beyond n_layers
+    unexpected += [k for k in joined if k not in expected]  # a layer beyond n_layers
     if missing or unexpected or mismatched:
         raise MetaLayoutError(folder, missing, sorted(unexpected), mismatched, notes)
     state = {}

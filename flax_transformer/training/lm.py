@@ -4,13 +4,19 @@ A text file (Tiny Shakespeare by default) is tokenised at the character level, o
 the word level with notebook 002's preprocessing and vocabulary, into one token stream.
 The first ``1 - val_fraction`` of it is trained on with random windows of ``context``
 tokens, the rest is the validation stream. The model is ``gpt.GPTTransformer``
-(notebook 002, default) or ``former.GTransformer`` (notebook 004). At the end the run
-prints its validation loss and a sample continued from ``prompt``.
+(notebook 002, default), ``former.GTransformer`` (notebook 004) or ``llama.LlamaForCausalLM``
+(a Llama-style decoder: RMSNorm, RoPE, grouped-query attention, a gated MLP). At the end the
+run prints its validation loss and a sample continued from ``prompt``.
+
+A llama preset (``LMConfig.tiny(model="llama")``, ``--model llama --preset tiny``) keeps the gpt
+preset's layers, width, heads and context, and takes ``kv_heads = heads / 2`` and a narrower
+``d_ff``, so that its parameter count is about the gpt preset's (``LLAMA_SIZES``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -46,7 +52,7 @@ from flax_transformer.verification import export
 class LMConfig:
     """One language-modelling run."""
 
-    model: str = "gpt"  # "gpt" (gpt.GPTTransformer) or "former" (former.GTransformer)
+    model: str = "gpt"  # "gpt" (gpt.GPTTransformer), "former" (former.GTransformer) or "llama" (LlamaForCausalLM)
     level: str = "char"  # "char" or "word" (notebook 002's tokenizer)
     text: str | None = None  # a text file; default tinyshakespeare/input.txt in the data folder
     vocab_size: int = 10_000  # word level only
@@ -54,8 +60,9 @@ class LMConfig:
     d_embed: int = 128
     d_ff: int = 512
     heads: int = 4
+    kv_heads: int | None = None  # llama only: key/value heads (grouped-query attention); None = heads
     context: int = 128
-    dropout: float = 0.1
+    dropout: float = 0.1  # llama: its attention dropout (the only dropout a Llama has)
     val_fraction: float = 0.1
     eval_batches: int = 20  # validation windows read per evaluation: eval_batches * batch_size
     prompt: str = "ROMEO:"
@@ -69,12 +76,16 @@ class LMConfig:
         check_config(self)  # types and bounds of every field
         if self.run.steps is None:
             raise ValueError("--steps must be given")
-        if self.model not in ("gpt", "former"):
-            raise ValueError(f"model must be 'gpt' or 'former', got {self.model!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.level not in ("char", "word"):
             raise ValueError(f"level must be 'char' or 'word', got {self.level!r}")
         if self.d_embed % self.heads:
             raise ValueError(f"d_embed ({self.d_embed}) must be divisible by heads ({self.heads})")
+        if self.kv_heads is not None and self.model != "llama":
+            raise ValueError(f"--kv-heads applies to --model llama only, not {self.model!r}")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
 
@@ -83,22 +94,43 @@ class LMConfig:
         """Seconds on 2 CPU cores, for tests."""
         return replace(cls(), **(dict(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
                                        batch_size=16, steps=80, lr=3e-3, warmup_steps=10, eval_batches=4,
-                                       eval_every=40, checkpoint_every=40, sample_tokens=60) | changes))
+                                       eval_every=40, checkpoint_every=40, sample_tokens=60)
+                                 | _llama_sizes("tiny", changes) | changes))
 
     @classmethod
     def small(cls, **changes):
         """The 2-core CPU benchmark: character-level Tiny Shakespeare, 4 layers of width 128."""
-        return replace(cls(), **changes)
+        return replace(cls(), **(_llama_sizes("small", changes) | changes))
 
     @classmethod
     def base(cls, **changes):
         """nanoGPT's Shakespeare-char size (6 layers of 384, context 256), for a GPU."""
         return replace(cls(), **(dict(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256, dropout=0.2,
                                        batch_size=64, steps=5000, lr=1e-3, warmup_steps=200, eval_batches=50,
-                                       sample_tokens=500) | changes))
+                                       sample_tokens=500) | _llama_sizes("base", changes) | changes))
 
 
+MODELS = ("gpt", "former", "llama")
 PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}
+# What a llama preset changes in the gpt preset of the same name. With kv_heads = heads / 2, q, k, v
+# and o hold as many weights as gpt's q, k and v (notebook 002's attention has no output projection);
+# the gated MLP's three d_embed x d_ff matrices hold about what gpt's two of 4 * d_embed, its biases,
+# LayerNorm shifts and position embeddings (a Llama has none: RoPE) hold. On Tiny Shakespeare (65 characters):
+# tiny 57,664 parameters (gpt 58,369), small 755,072 (gpt 759,105), base 9,897,600 (gpt 9,902,657).
+LLAMA_SIZES = {"tiny": dict(d_ff=192, kv_heads=1), "small": dict(d_ff=352, kv_heads=2),
+               "base": dict(d_ff=1040, kv_heads=3)}
+
+
+def _llama_sizes(preset: str, changes: dict) -> dict:
+    return LLAMA_SIZES[preset] if changes.get("model") == "llama" else {}
+
+
+def presets(model: str | None = None) -> dict:
+    """The presets for ``model`` (``--model``): ``PRESETS`` with the model given (a llama preset is sized
+    to the gpt one's parameter count), or ``PRESETS`` itself for None."""
+    if model is None:
+        return PRESETS
+    return {name: functools.partial(preset, model=model) for name, preset in PRESETS.items()}
 
 
 def read_corpus(config: LMConfig, data_dir=None) -> str:
@@ -133,16 +165,30 @@ def build_model(config: LMConfig, vocab_size: int):
     from flax_transformer.models.attention import set_attention
     from flax_transformer.models.former import GTransformer
     from flax_transformer.models.gpt import GPTTransformer
+    from flax_transformer.models.llama import LlamaForCausalLM
 
     kw = dict(rngs=nnx.Rngs(params=config.run.seed, dropout=config.run.seed + 1), dtype=compute_dtype(config.run.dtype))
     if config.model == "gpt":
         model = GPTTransformer(config.n_layers, config.d_embed, config.d_ff, config.heads, vocab_size, config.context,
                                config.dropout, **kw)
+    elif config.model == "llama":
+        model = LlamaForCausalLM(llama_config(config, vocab_size), **kw)
     else:
         model = GTransformer(config.d_embed, config.heads, config.n_layers, config.context, vocab_size,
                              dropout=config.dropout, **kw)
     set_attention(model, config.run.attention)
     return model
+
+
+def llama_config(config: LMConfig, vocab_size: int):
+    """The ``LlamaConfig`` of a ``model="llama"`` run: Llama's defaults (RoPE theta 10,000, SiLU, no
+    biases, an untied head), the run's sizes, ``max_position_embeddings`` = ``context``."""
+    from flax_transformer.models.llama_config import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=config.d_embed, intermediate_size=config.d_ff,
+                       num_hidden_layers=config.n_layers, num_attention_heads=config.heads,
+                       num_key_value_heads=config.kv_heads, max_position_embeddings=config.context,
+                       attention_dropout=config.dropout)
 
 
 def loss_fn(model, batch):

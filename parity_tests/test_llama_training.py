@@ -186,7 +186,7 @@ def test_generate_reads_the_run(whole, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model", "llama", "--kv-heads", "3"], "kv_heads (3) must divide heads (2)"),
+    (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 must divide the heads (2)"),
     (["--model", "gpt", "--kv-heads", "1"], "--kv-heads applies to --model llama only"),
     (["--model", "llama", "--kv-heads", "0"], "--kv-heads must be at least 1"),
 ])

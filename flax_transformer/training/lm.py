@@ -85,7 +85,7 @@ class LMConfig:
         if self.kv_heads is not None and self.model != "llama":
             raise ValueError(f"--kv-heads applies to --model llama only, not {self.model!r}")
         if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+            raise ValueError(f"--kv-heads {self.kv_heads} must divide the heads ({self.heads})")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
 

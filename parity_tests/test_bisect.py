@@ -17,7 +17,7 @@ import torch_reference.former as tf
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.former import _self_attention
-from flax_transformer.verification import bisect, verify
+from flax_transformer.verification import bisect, positions, verify
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 8))
 
@@ -243,6 +243,23 @@ def test_err_zero_d_infinities_and_nan():
     assert bisect._err([np.array([nan])], [np.array([1.0])]) == inf
     assert bisect._scale([np.array([-inf, 2.0, nan])]) == 2.0  # an infinity must not make the budget infinite
     assert bisect._err([jnp.ones(3, jnp.bfloat16)], [np.full(3, 1.25)]) == 0.25
+
+
+def test_error_per_position():
+    """Per position: max over batch and features; NaN never agrees (not even with a NaN in float64),
+    equal infinities do; arrays that are not (b, t, ...) sequences of the input's length stay out."""
+    inf, nan = np.inf, np.nan
+    want = [np.array([[[0.0, 0.0], [nan, 0.0], [inf, 0.0]]]), np.zeros((1, 5))]
+    got = [np.array([[[0.0, 1e-3], [nan, 0.0], [inf, 2e-3]]]), np.ones((1, 5))]
+    assert positions.per_position(want, got, 3).tolist() == [1e-3, inf, 2e-3]
+    assert positions.per_position(want, got, 4) is None and positions.per_position(want, got, None) is None
+    found = positions.PositionErrors(np.zeros(3), np.array([1e-7, 5e-6, nan]), budget=1e-6)
+    assert found.onset == 1 and found.peak == 2  # NaN: beyond any budget
+    assert positions.PositionErrors(np.zeros(2), np.array([0.0, 1e-7]), budget=1e-6).onset is None
+    data = found.to_dict()
+    assert data["onset"] == 1 and data["jax"][:2] == [1e-7, 5e-6] and np.isnan(data["jax"][2])
+    assert positions.sequence_length(((np.zeros(3), np.zeros((2, 7), np.int64)), {})) == 7  # the first 2-d input
+    assert positions.sequence_length((np.zeros(4),)) is None
 
 
 def test_bfloat16_outputs_are_compared():

@@ -62,7 +62,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
-from flax_transformer.verification import capture, frameworks
+from flax_transformer.verification import capture, frameworks, positions
 from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect.X: the public names)
     BOTH_NONFINITE,
     COVERED_FREE,
@@ -84,6 +84,7 @@ from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect
     _path,
     budget,
     budget_rule,
+    first_divergent_grad,
     grad_budget,
     grad_budgets,
     json_text,
@@ -306,7 +307,9 @@ def _tied(torch_model) -> dict[str, tuple[str, ...]]:
 
 def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
                  flax_names: tuple[set[str], set[str]] | None = None, pairs=(),
-                 tied: dict[str, tuple[str, ...]] | None = None) -> list[ModuleRow]:
+                 tied: dict[str, tuple[str, ...]] | None = None, measured: dict | None = None,
+                 length: int | None = None) -> list[ModuleRow]:
+    """One row per torch call; ``measured`` gets {row: (torch, JAX) error per position} (``positions``)."""
     rows = []
     for name, ref in ref_calls.items():
         kind = type(ref.module).__name__
@@ -329,6 +332,8 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
         want, got_t, got_j = aligned
         moved = channels_last and any(w.ndim >= 3 for w in want)
         torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
+        if measured is not None and not moved and (found := positions.measure(want, got_t, got_j, length)):
+            measured[name] = found
         jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
         if jax_only:  # NaN/inf in JAX where torch has another value: never agreement
             jax_err = float("inf")
@@ -358,17 +363,14 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
     named by torch module paths, in the order the calls return; a module called k times gets
-    ``path``, ``path#1``, ... A torch module the Flax model does not call at that path (e.g. a
-    BERT attention head that the Flax attention folds into one matmul) is skipped with a status.
-    The budget rule, "introduced" and "inherited" and ``first_divergent`` are in the module
-    docstring. torch's calls are recorded by forward hooks; the Flax ones by wrapping each Module
-    class's ``__call__`` for the duration of the run (``capture.nnx_calls``; its docstring says
-    why not ``nnx.capture``: that sows outputs only, and loses the call order). ``use_jit`` runs
-    the Flax model under ``nnx.jit`` (the reruns of single modules run eagerly).
+    ``path``, ``path#1``, ... The budget rule, "introduced" and "inherited", ``first_divergent``
+    and the statuses of torch calls with no Flax call are in the module docstring. Calls are
+    recorded by ``capture`` (torch hooks; NNX ``__call__`` wrapped). ``use_jit`` runs the Flax
+    model under ``nnx.jit`` (the reruns of single modules run eagerly). Sequence outputs also get
+    their error per position (``report.positions``, ``positions``: where an error starts).
 
-    A skipped call or gradient makes the report incomplete, which fails unless ``allow_skipped``;
-    values NaN or inf in both frameworks fail unless ``allow_nonfinite`` (NaN or inf on one side
-    always fails). See the module docstring.
+    A skipped call or gradient fails unless ``allow_skipped``; NaN or inf in both frameworks
+    unless ``allow_nonfinite`` (on one side, always).
 
     Outputs of any structure (tuples, dicts, dataclasses, HF ``ModelOutput``s, ``None`` leaves)
     are compared leaf by leaf, their floating-point arrays matched by path
@@ -402,16 +404,18 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
         t_out, t32 = capture.torch_calls(torch_model, t_args, t_kwargs)
         _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
     j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
-    modules32 = dict(torch_model.named_modules())
+    modules32, measured = dict(torch_model.named_modules()), {}
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
-                        _flax_names(flax_model), pairs, _tied(torch_model))
+                        _flax_names(flax_model), pairs, _tied(torch_model), measured,
+                        positions.sequence_length((t_args, t_kwargs)))
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
-                          first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared)
+                          first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared,
+                          positions=positions.attach(rows, measured))
     if grads:
         report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn)
-        report.first_divergent_grad = _first_divergent_grad(report, t32)
+        report.first_divergent_grad = first_divergent_grad(report, [call.path for call in t32])
     return report.settle()
 
 
@@ -462,7 +466,7 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
         want = g64[key.name]
         if not key.flax:
             rows.append(GradRow(key.name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"
-                                + ("" if rename else " (rename=?)"), note=key.note))
+                                + ("" if rename else " (rename=?)"), note=key.note, keys=key.tied))
             continue
         (scale, limit), got_t, got_j = budgets[key.name], [g32[key.name]], [frameworks.sum_grads(gj, key.flax)]
         torch_err, jax_err = _err(got_t, [want]), _err(got_j, [want])
@@ -477,24 +481,7 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
         elif both and status == "ok":
             status = BOTH_NONFINITE
         rows.append(GradRow(key.name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit,
-                            note=key.note))
+                            note=key.note, keys=key.tied))
     rows += [GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
                      + ("" if rename else " (rename=?)")) for name in flax_only]
     return rows
-
-
-def _first_divergent_grad(report: BisectReport, t32_calls) -> str | None:
-    diverged = [g.name for g in report.grad_rows if _fails(g.status, report.allow_nonfinite)]
-    if not diverged:
-        return None
-    forward = _first_divergent(report.rows)  # the forward's own first divergence, not a report-level name
-    if forward is not None:
-        prefix = forward.split("#")[0]
-        inside = [n for n in diverged if not prefix or n.startswith(prefix + ".")]
-        if inside:
-            return inside[0]
-    # backward order: owning modules in reverse order of their first return
-    order = {}
-    for i, call in enumerate(t32_calls):
-        order.setdefault(call.path, i)
-    return max(diverged, key=lambda n: order.get(n.rpartition(".")[0], -1))

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from flax_transformer.verification import positions as _positions
+
 SLACK = 10.0  # JAX may be this many times less accurate than torch fp32 ...
 FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magnitude
 EPS32 = float(np.finfo(np.float32).eps)
@@ -133,6 +135,7 @@ class GradRow:
     nonfinite_both: int = 0
     budget: float | None = None  # grad_budgets: over the model
     note: str = ""  # "tied: lm_head.weight = tok_emb.weight": a tensor with several keys, its uses summed
+    keys: tuple[str, ...] = ()  # every torch key of a tied tensor (``name`` is the first)
 
     @property
     def ratio(self) -> float:
@@ -167,6 +170,14 @@ class BisectReport:
     first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
     outputs_differ: list[str] = field(default_factory=list)  # model outputs that are not float arrays and differ
     outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
+    # {row path: positions.PositionErrors}: the error per position of every sequence output
+    positions: dict = field(default_factory=dict)
+
+    def onset(self, path: str) -> int | None:
+        """The first position where the call at ``path`` (``MODEL``: the model's output) leaves its
+        budget; None when it never does or its output is not a sequence (``positions``)."""
+        found = self.positions.get(_path(path))
+        return None if found is None else found.onset
 
     @property
     def unverified(self) -> str | None:
@@ -261,6 +272,8 @@ class BisectReport:
             if any(r.status == BOTH_NONFINITE for r in self.rows):
                 line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite" + (f"; {at})" if at else ")")
         lines.append(line)
+        where = _positions.summary_line(self.positions, None if path is None else _path(path))
+        lines += [where] if where else []
         if self.grad_rows:
             if self.first_divergent_grad is None:
                 missing = sum(g.status.startswith("skipped") for g in self.grad_rows)
@@ -271,8 +284,9 @@ class BisectReport:
                     line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite)"
             else:
                 g = next(g for g in self.grad_rows if g.name == self.first_divergent_grad)
+                notes = [n for n in (g.status if g.status != "diverged" else "", g.note) if n]
                 line = f"gradients: first wrong at {self.first_divergent_grad}" + (
-                    f" ({g.status})" if g.status != "diverged" else "")
+                    f" ({'; '.join(notes)})" if notes else "")
             lines.append(line)
         return "\n".join(lines)
 
@@ -302,14 +316,15 @@ class BisectReport:
         return "\n".join(lines + [self.summary()])
 
     def to_dict(self) -> dict:
-        rows = [asdict(r) | {"ratio": r.ratio, "budget": r.budget} for r in self.rows]
+        rows = [asdict(r) | {"ratio": r.ratio, "budget": r.budget, "onset": self.onset(r.path)} for r in self.rows]
         grads = [asdict(g) | {"ratio": g.ratio} for g in self.grad_rows]
         return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
                 "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
                 "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
                 "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(), "modules": rows,
-                "gradients": grads}
+                "gradients": grads, "positions": _positions.report_dict(
+                    self.positions, None if self.first_divergent is None else _path(self.first_divergent))}
 
     def to_json(self, path=None, *, overwrite: bool = False) -> str:
         """The report as JSON text; also written to ``path`` (through ``files``) when given."""
@@ -342,6 +357,28 @@ def _table(header, body) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def first_divergent_grad(report: BisectReport, call_order: list[str]) -> str | None:
+    """The parameter ``report.first_divergent_grad`` names (``call_order``: torch's module paths in the
+    order their calls returned): when the forward diverged, the first diverged gradient of a
+    parameter under the forward's first divergent module (a tied tensor counts under any of its
+    keys: a head tied to the embedding is under ``lm_head``); else, or if none is, the first in
+    backward order (owning modules in reverse order of their first return)."""
+    diverged = [g for g in report.grad_rows if _fails(g.status, report.allow_nonfinite)]
+    if not diverged:
+        return None
+    forward = _first_divergent(report.rows)  # the forward's own first divergence, not a report-level name
+    if forward is not None:
+        prefix = forward.split("#")[0]
+        inside = [g.name for g in diverged
+                  if any(not prefix or k.startswith(prefix + ".") for k in g.keys or (g.name,))]
+        if inside:
+            return inside[0]
+    order = {}
+    for i, path in enumerate(call_order):
+        order.setdefault(path, i)
+    return max((g.name for g in diverged), key=lambda n: order.get(n.rpartition(".")[0], -1))
 
 
 def _first_divergent(rows: list[ModuleRow]) -> str | None:

@@ -280,6 +280,7 @@ def test_q_norm_after_rope_instead_of_before():
     _assert_named(report, ATTN)
     # the norm computes right on its right input (rerun alone): what is wrong is where it is called
     assert next(r for r in report.rows if r.path == f"{ATTN}.q_norm").status == "inherited", str(report)
+    assert _onset(report, ATTN) == 1, str(report)  # RoPE turns nothing at position 0: there the order is moot
 
 
 @pytest.mark.parametrize("name", ["window+1", "window-1"])

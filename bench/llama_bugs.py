@@ -1,0 +1,84 @@
+"""Issue 24 item 6's porting bugs, each planted in a tiny Flax llama: what ``verify.bisect`` says.
+
+    python bench/llama_bugs.py [--png docs/images/bisect_positions.png]
+
+The bugs, models and inputs are ``parity_tests/test_llama_bisect.py``'s (``BUGS``, ``run``: the
+test asserts these verdicts). Prints a Markdown table: each bug, the module ``bisect`` names
+(JAX's error there over its budget), the first wrong gradient, and where the error starts
+(``report.positions``: the first position whose JAX error leaves the budget) in that module and
+in the model's output. ``--png`` draws the error per position of the two bugs that depend on
+position, a sliding window one too wide and llama3 RoPE scaling ignored: JAX and torch fp32
+against float64, for the module named and for the model's output, with their budgets.
+About 40 s on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--png", metavar="OUT", help="also draw the error per position of window+1 and rope-scaling")
+    args = parser.parse_args()
+
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
+    from parity_tests import test_llama_bisect as bugs
+
+    print("| bug | module named | JAX / budget there | first wrong gradient | error starts at (module; model output) |")
+    print("|---|---|---|---|---|")
+    reports = {}
+    for name, bug in bugs.BUGS.items():
+        report = reports[name] = bugs.run(name)
+        row = next(r for r in report.rows if r.path == report.first_divergent)
+        out = report.positions.get("")
+        starts = f"{report.onset(report.first_divergent)}; {None if out is None else out.onset}"
+        print(f"| {bug.what} | `{report.first_divergent}` ({row.status}) | {row.jax_err / row.budget:.2g} | "
+              f"{'`' + report.first_divergent_grad + '`' if report.first_divergent_grad else '(forward only)'} | "
+              f"{starts} |")
+    if args.png:
+        _draw(reports, bugs, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _draw(reports, bugs, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    floor = 1e-9  # exact zeros drawn here (a log scale has no zero)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, name in zip(axes, ("window+1", "rope-scaling")):
+        report, bug = reports[name], bugs.BUGS[name]
+        for row, label, color in ((bug.named, bug.named.replace("model.layers.", "layers."), "C3"),
+                                  ("", "model output (logits)", "C0")):
+            found = report.positions[row]
+            x = np.arange(len(found.jax))
+            ax.plot(x, np.maximum(found.jax, floor), "o-", color=color, label=f"JAX: {label}")
+            ax.plot(x, np.maximum(found.torch, floor), "x:", color=color, alpha=0.6, label=f"torch fp32: {label}")
+            ax.axhline(found.budget, color=color, ls="--", lw=0.8, label=f"budget: {label}")
+            if found.onset is not None:
+                ax.axvline(found.onset, color=color, lw=0.6, alpha=0.5)
+        ax.set_yscale("log")
+        ax.set_ylabel("max |x - float64| at the position")
+        positions = np.arange(bugs.T) if bug.position_ids is None else bug.position_ids[0]
+        ax.set_xticks(np.arange(bugs.T), [str(p) for p in positions], rotation=45 if positions.max() > 99 else 0)
+        ax.set_xlabel("position" + ("" if bug.position_ids is None else " id (the input's position_ids)"))
+        ax.set_title(bug.what, fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("bisect: error against position (vertical lines: where JAX leaves the budget)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

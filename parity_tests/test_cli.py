@@ -60,12 +60,14 @@ def test_every_module_of_every_family_has_a_verify_spec():
     import flax_transformer.models.encoder as fe
     import flax_transformer.models.former as ff
     import flax_transformer.models.gpt as fg
+    import flax_transformer.models.llama as fl
 
     covered = {(s.family, s.name.split("(")[0]) for s in verify.specs()}
-    for family, module in (("former", ff), ("encoder", fe), ("gpt", fg), ("classic", fc)):
+    for family, module in (("former", ff), ("encoder", fe), ("gpt", fg), ("classic", fc), ("llama", fl)):
         for name in ("CTransformer", "GTransformer", "TransformerForSequenceClassification", "TransformerEncoder",
                      "GPTTransformer", "Transformer", "MultiHeadAttention", "GPTMHAttention", "MHSelfAttention",
-                     "TransformerDecoder", "GPT2LMHeadModel", "EncoderBlock", "DecoderBlock", "TransformerBlock"):
+                     "TransformerDecoder", "GPT2LMHeadModel", "EncoderBlock", "DecoderBlock", "TransformerBlock",
+                     "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM"):
             if hasattr(module, name) and getattr(module, name).__module__ == module.__name__:
                 assert (family, name) in covered, (family, name)
 

@@ -116,6 +116,32 @@ def test_a_real_checkpoint_imports_with_its_moments_step_and_mask():
     assert written["scheduler"]["_last_lr"] == pytest.approx(ckpt["scheduler"]["_last_lr"])
 
 
+def test_a_tied_head_is_one_parameter_under_either_name_and_a_differing_copy_is_refused():
+    """torch's state_dict of a tied llama holds the table twice (model.embed_tokens.weight, lm_head.weight):
+    one parameter of the optimizer. Either name alone imports; a head that differs from the table is refused."""
+    from flax_transformer.models.llama_config import LlamaConfig
+    from torch_reference.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                              tie_word_embeddings=True))
+    optimizer, scheduler = torch_optimizer(model, CONFIG)
+    ids = torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(ids).logsumexp(-1).mean().backward()
+    optimizer.step()
+    scheduler.step()
+    ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": 1}
+    table = ckpt["model"]["model.embed_tokens.weight"]
+    for state in (ckpt["model"], {k: v for k, v in ckpt["model"].items() if k != "model.embed_tokens.weight"}):
+        flax_model = porting.torch_to_flax(LlamaForCausalLM(model.config))
+        import_torch_state({**ckpt, "model": state}, flax_model, CONFIG)
+        np.testing.assert_array_equal(np.asarray(flax_model.model.embed_tokens.embedding[...]), table.numpy())
+    differing = {**ckpt["model"], "lm_head.weight": table + 1}
+    with pytest.raises(TorchStateError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        import_torch_state({**ckpt, "model": differing}, porting.torch_to_flax(model), CONFIG)
+
+
 def test_the_layouts_without_names_one_group_and_the_library_groups():
     """The notebooks' Adam(model.parameters()) and torch_optimizer's groups built from bare parameters."""
     model = _tiny()

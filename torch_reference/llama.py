@@ -204,8 +204,9 @@ class LlamaAttention(Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.attn_dropout = nn.Dropout(config.attention_dropout)
 
-    def forward(self, x, attention_mask=None, position_ids=None):
-        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden)."""
+    def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False):
+        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden),
+        and with ``return_weights`` the attention weights (b, h, t, t), one map per query head."""
         check_features(x, self.hidden_size)
         b, t, _ = x.shape
         position_ids = check_position_ids(position_ids, b, t, x.device)
@@ -219,8 +220,9 @@ class LlamaAttention(Module):
         cos, sin = self.rotary_emb(x, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, t, d)
-        out, _ = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+        out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout)
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
+        return (out, weights) if return_weights else out
 
 
 class LlamaDecoderLayer(Module):
@@ -237,10 +239,14 @@ class LlamaDecoderLayer(Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
-    def forward(self, x, attention_mask=None, position_ids=None):
-        """(b, t, hidden) -> (b, t, hidden)."""
-        x = x + self.self_attn(self.input_layernorm(x), attention_mask, position_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False):
+        """(b, t, hidden) -> (b, t, hidden) (and its attention weights (b, h, t, t) with ``return_weights``)."""
+        attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, return_weights=return_weights)
+        if return_weights:
+            attended, weights = attended
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (x, weights) if return_weights else x
 
 
 class LlamaModel(Module):
@@ -261,8 +267,9 @@ class LlamaModel(Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        """(b, t) ids -> last hidden state (b, t, hidden)."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False):
+        """(b, t) ids -> last hidden state (b, t, hidden) (and with ``return_attentions`` a tuple with
+        each layer's weights (b, h, t, t))."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, t = input_ids.shape  # the masks and positions are checked before anything is computed
         normalize_mask(attention_mask, b, t, t, name="attention_mask")
@@ -270,9 +277,13 @@ class LlamaModel(Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the model's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
+        attentions = []
         for layer in self.layers:
-            x = layer(x, attention_mask, position_ids)
-        return self.norm(x)
+            x = layer(x, attention_mask, position_ids, return_weights=return_attentions)
+            if return_attentions:
+                x, weights = x
+                attentions.append(weights)
+        return (self.norm(x), tuple(attentions)) if return_attentions else self.norm(x)
 
 
 class LlamaForCausalLM(Module):
@@ -314,13 +325,18 @@ class LlamaForCausalLM(Module):
                 state_dict = {**state_dict, **({names[0]: table} if head is None else {names[1]: head})}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False):
         """Args:
             input_ids: (b, t) token ids.
             attention_mask: optional (b, t), 1 = token, 0 = pad.
             position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
+            return_attentions: also return a tuple with each layer's weights (b, h, t, t), one map
+                per query head (a key/value head's keys seen through each of its query heads).
 
         Returns:
-            (b, t, vocab_size) logits.
+            (b, t, vocab_size) logits, and the attentions if asked.
         """
+        if return_attentions:
+            hidden, attentions = self.model(input_ids, attention_mask, position_ids, return_attentions=True)
+            return self.lm_head(hidden), attentions
         return self.lm_head(self.model(input_ids, attention_mask, position_ids))

@@ -3,7 +3,7 @@
     flax-transformer verify [--checkpoint PATH]   torch <-> Flax parity table (exit 1 on failure)
     flax-transformer port SRC DST [--verify]      convert checkpoints between frameworks and formats
     flax-transformer summary MODEL_OR_CHECKPOINT  modules, parameter counts and shapes, largest layers
-    flax-transformer attention-map --text ...     a BERT's attention on a sentence (pair), PNG or HTML
+    flax-transformer attention-map --text ...     a BERT's or a decoder's attention on a text, PNG or HTML
     flax-transformer generate --checkpoint RUN_DIR --prompt TEXT   continue a prompt with a train.lm run
 """
 
@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from flax_transformer.cli import verify_flags
 from flax_transformer.cli.bisect_cli import load_model
 
 
@@ -38,45 +39,34 @@ def _verify(args) -> int:
     from flax_transformer.models.generate import check_seed
 
     check_seed(args.seed, "--seed")  # JAX keeps 32 bits of a seed; a larger one would be a traceback there
-    if args.checkpoint and args.pair and not args.bisect:  # your own model's certified export, with its pair
-        if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
-                or args.allow_nonfinite:
-            raise ValueError("--checkpoint PATH --pair MODULE:FACTORY re-checks your own model's certified export; "
-                             "it takes no --train-steps, --family, --text, --json, --allow-skipped, "
-                             "--allow-nonfinite or --rename (the certificate records the rename)")
+    check = verify_flags.mode(args)  # flags that do not go together: one line
+    if check == verify_flags.CERTIFIED_PAIR:  # your own model's certified export, with its pair
         return _verify_checkpoint(args.checkpoint, start, pair=args.pair)
-    if args.bisect or args.pair:  # one pair, module by module with --bisect: bisect_cli.py
-        if args.train_steps or args.family:
-            raise ValueError("--bisect and --pair take no --train-steps or --family")
+    if check == verify_flags.PAIR:  # one pair, module by module with --bisect: bisect_cli.py
         for text in args.text or ():
             _check_text("--text", text)
         from flax_transformer.cli import bisect_cli
 
         return bisect_cli.run(args)
-    if args.text or args.json or args.allow_skipped or args.allow_nonfinite or args.rename:
-        raise ValueError("--text, --json, --allow-skipped, --allow-nonfinite and --rename go with --bisect or --pair")
-    if args.through_torch_state and not args.train_steps:
-        raise ValueError("--through-torch-state goes with --train-steps K")
-    if args.train_steps:
+    if check == verify_flags.TRAIN_STEPS:
         return _verify_training(args, start)
-    if args.checkpoint:
+    if check == verify_flags.CHECKPOINT:
         return _verify_checkpoint(args.checkpoint, start)
-    else:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            tqdm = None
-        rows = []
-        progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
-        families = tuple(args.family or ())
-        checks = (verify.gradient_rows(seed=args.seed, families=families) if args.grads else
-                  verify.run(seed=args.seed, use_jit=not args.no_jit, families=families))
-        for row in checks:
-            rows.append(row)
-            if progress is not None:
-                progress.update()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    rows = []
+    progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
+    families = tuple(args.family or ())
+    checks = (verify.gradient_rows(seed=args.seed, families=families) if args.grads else
+              verify.run(seed=args.seed, use_jit=not args.no_jit, families=families))
+    for row in checks:
+        rows.append(row)
         if progress is not None:
-            progress.close()
+            progress.update()
+    if progress is not None:
+        progress.close()
     print(verify.format_table(rows))
     failed = [r for r in rows if not r.passed]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
@@ -285,6 +275,7 @@ def _presets():
     """Named model shapes for ``summary`` (built without initialising any weights)."""
     from flax_transformer.interop import porting
     from flax_transformer.models.configs import EncoderConfig, GPTConfig
+    from flax_transformer.models.llama_config import LlamaConfig
 
     def make(module, name, **kwargs):
         import importlib
@@ -300,7 +291,14 @@ def _presets():
         "bert-base": make("encoder", "TransformerEncoder", config=EncoderConfig.bert(EncoderConfig.base())),
         "gpt2-small": make("gpt", "GPT2LMHeadModel", config=GPTConfig.small()),
         "transformer-base": make("classic", "Transformer", src_vocab_size=37_000, tgt_vocab_size=37_000),
+        **{name: make("llama", "LlamaForCausalLM", config=getattr(LlamaConfig, preset)())
+           for name, preset in LLAMA_PRESETS.items()},
     }
+
+
+# summary's llama-family presets: LlamaConfig's real shapes
+LLAMA_PRESETS = {"llama-3.1-8b": "llama3_8b", "llama-3.2-1b": "llama3_1b", "mistral-7b": "mistral_7b",
+                 "qwen2.5-0.5b": "qwen2_0_5b", "qwen3-0.6b": "qwen3_0_6b", "gemma-2b": "gemma_2b"}
 
 
 def _attention_map(args) -> int:
@@ -322,19 +320,19 @@ def _attention_map(args) -> int:
     files.check_target(out, kind="file", overwrite=args.overwrite)
     for flag, text in (("--text", args.text), ("--text-b", args.text_b)):
         _check_text(flag, text)
-    tokens, weights, b_start = inspection.bert_attentions(folder, args.text, args.text_b)
+    tokens, weights, b_start, groups = inspection.attentions(folder, args.text, args.text_b, load=load_model)
     layers, heads = weights.shape[:2]
     if not 0 <= args.layer < layers:
         raise ValueError(f"--layer must lie in [0, {layers}), got {args.layer}")
     if args.head is not None and not 0 <= args.head < heads:
         raise ValueError(f"--head must lie in [0, {heads}), got {args.head}")
     if out.suffix == ".png":
-        inspection.save_attention_png(tokens, weights, args.layer, args.head, out, b_start=b_start,
+        inspection.save_attention_png(tokens, weights, args.layer, args.head, out, b_start=b_start, groups=groups,
                                       overwrite=args.overwrite)
     else:
         title = args.text + (f" / {args.text_b}" if args.text_b else "")
         inspection.save_attention_html(tokens, weights, args.layer, args.head or 0, out, b_start=b_start, title=title,
-                                       overwrite=args.overwrite)
+                                       groups=groups, overwrite=args.overwrite)
     shown = "every head (choose in the page)" if out.suffix == ".html" else (
         "all heads" if args.head is None else f"head {args.head}")
     print(f"wrote {out}: layer {args.layer}, {shown}, {len(tokens)} tokens")
@@ -404,44 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                "\n\n'flax-transformer COMMAND --help' lists a command's options; docs/ has the details.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")
-    p.add_argument("--checkpoint", help="verify one checkpoint (HF folder, safetensors or orbax) against its torch twin, "
-                                        "and re-check its certificate (verification.json) if it has one")
-    p.add_argument("--family", action="append", choices=["former", "encoder", "gpt", "classic"],
-                   help="only this family (repeatable; default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
-    p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
-    p.add_argument("--grads", action="store_true",
-                   help="compare every parameter's gradient of every full model instead (error relative to the "
-                        "gradient's scale)")
-    p.add_argument("--train-steps", type=int, metavar="K", default=0,
-                   help="instead, train each family's full model K steps with the notebooks' torch setup and with "
-                        "the optax chain, and print both loss curves")
-    p.add_argument("--through-torch-state", action="store_true",
-                   help="with --train-steps K: K steps in one framework, a torch training checkpoint (Adam moments, "
-                        "step, schedule), K in the other, against 2K uninterrupted; both ways")
-    p.add_argument("--bisect", action="store_true",
-                   help="with --checkpoint or --pair: every submodule's output (and with --grads every parameter's "
-                        "gradient) against float64 torch, and the first module where Flax diverges")
-    p.add_argument("--pair", metavar="MODULE:FACTORY",
-                   help="verify your own pair: FACTORY() in MODULE (a dotted module or a .py file) returns "
-                        "(torch_model, flax_model, args) or (torch_model, flax_model, args, kwargs); with "
-                        "--checkpoint PATH: re-check PATH, a certified export of that model, with them")
-    p.add_argument("--text", action="append",
-                   help="with --checkpoint --bisect: a text to run through the checkpoint's tokenizer.json "
-                        "(repeatable: a batch; default: random ids)")
-    p.add_argument("--allow-skipped", action="store_true",
-                   help="with --bisect or --pair: pass a report in which some module calls, outputs or gradients "
-                        "could not be compared (they are listed; by default they fail it)")
-    p.add_argument("--allow-nonfinite", action="store_true",
-                   help="with --bisect or --pair: pass values that are NaN/inf in both frameworks alike (by default "
-                        "they fail; NaN/inf on one side always fails)")
-    p.add_argument("--rename", action="append", metavar="REGEX=REPL",
-                   help="with --pair: torch names that differ from the Flax model's (repeatable, applied in order "
-                        "with re.sub, as porting's rename=): module paths and gradients are matched through them")
-    p.add_argument("--json", metavar="OUT", help="with --bisect or --pair: also write the report as JSON")
-    p.add_argument("--overwrite", action="store_true", help="replace --json OUT if it exists")
-    p.set_defaults(func=_verify)
+    verify_flags.add_parser(sub, _verify)
 
     p = sub.add_parser("port", help="convert a checkpoint: torch/safetensors/HF -> Flax safetensors/orbax/HF/torch")
     p.add_argument("src", help="HF folder, flax_transformer safetensors/orbax, or a torch state_dict (.pt/.bin/.safetensors)")
@@ -470,16 +431,19 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("summary", help="modules, parameter counts and shapes, totals, largest layers")
     p.add_argument("model", help="a checkpoint (HF folder, safetensors, orbax) or a preset: " + ", ".join(
-        ["former-000", "gpt-002", "bert-base", "gpt2-small", "transformer-base"]))
+        ["former-000", "gpt-002", "bert-base", "gpt2-small", "transformer-base", *LLAMA_PRESETS]))
     p.add_argument("--top", type=int, default=5, help="how many of the largest modules to list")
     p.set_defaults(func=_summary)
 
-    p = sub.add_parser("attention-map", help="a BERT's attention on a sentence (pair) as PNG heatmaps or HTML")
+    p = sub.add_parser("attention-map", help="a BERT's attention on a sentence (pair), or a llama-family decoder's "
+                                             "causal attention on a text, as PNG heatmaps or HTML")
     p.add_argument("--text", required=True, help="the sentence (with --text-b, the pair's first)")
-    p.add_argument("--text-b", help="a second sentence (BERT sentence pair)")
-    p.add_argument("--checkpoint", help="an HF BERT folder with tokenizer.json (default: all-MiniLM-L6-v2)")
+    p.add_argument("--text-b", help="a second sentence (BERT sentence pair; a decoder reads one text)")
+    p.add_argument("--checkpoint", help="a BERT or llama-family checkpoint (an HF folder, or any checkpoint or run "
+                                        "directory) with tokenizer.json in it or beside it (default: all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=int, required=True, help="the layer, counting from 0")
-    p.add_argument("--head", type=int, help="one head (default: a grid of all heads of the layer)")
+    p.add_argument("--head", type=int, help="one head, a query head under grouped-query attention (default: a grid "
+                                            "of all heads of the layer)")
     p.add_argument("--out", required=True, help="FILE.png or FILE.html")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_attention_map)

@@ -206,8 +206,9 @@ class LlamaAttention(_LlamaConfigModule):
         self.rotary_emb = LlamaRotaryEmbedding(config, **kw)
         self.attn_dropout = nnx.Dropout(config.attention_dropout, rngs=rngs)
 
-    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0):
-        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden).
+    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False):
+        """x (b, t, hidden); attention_mask (b, t), 1 = token; position_ids (b|1, t). Returns (b, t, hidden),
+        and with ``return_weights`` the attention weights (b, h, t, t), one map per query head.
 
         With ``cache`` (keys, values (b, h_kv, max_len, d): only the key/value heads are kept,
         repeated for their query heads when attended), x holds positions [index, index + t) of
@@ -216,6 +217,8 @@ class LlamaAttention(_LlamaConfigModule):
         """
         check_features(x, self.hidden_size)
         b, t, _ = x.shape
+        if cache is not None and return_weights:
+            raise ValueError("return_weights is not taken with a cache")
         if cache is None:
             position_ids = check_position_ids(position_ids, b, t)
             keep = attention_keep(attention_mask, b, t, self.sliding_window)
@@ -235,10 +238,12 @@ class LlamaAttention(_LlamaConfigModule):
         if cache is not None:  # keys already turned by RoPE: a cached key never moves again
             k, v = cache = update_cache(cache, k, v, index)  # (b, h_kv, max_len, d)
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, s, d)
-        out, _ = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
-                        implementation=self.attention_impl, need_weights=False)
+        out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
+                              implementation=self.attention_impl, need_weights=return_weights)
         out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
-        return out if cache is None else (out, cache)
+        if cache is not None:
+            return out, cache
+        return (out, weights) if return_weights else out
 
 
 class LlamaDecoderLayer(_LlamaConfigModule):
@@ -254,15 +259,17 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
-    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0):
-        """(b, t, hidden) -> (b, t, hidden) (and the layer's cache when decoding, as ``LlamaAttention``)."""
+    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False):
+        """(b, t, hidden) -> (b, t, hidden) (and the layer's cache when decoding, or its attention
+        weights (b, h, t, t) with ``return_weights``, as ``LlamaAttention``)."""
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
-        attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, cache=cache, index=index)
-        if cache is not None:
-            attended, cache = attended
+        attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, cache=cache, index=index,
+                                  return_weights=return_weights)
+        if cache is not None or return_weights:
+            attended, extra = attended  # the cache, or the weights
         x = x + attended
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x if cache is None else (x, cache)
+        return (x, extra) if cache is not None or return_weights else x
 
 
 class LlamaModel(_LlamaConfigModule):
@@ -279,8 +286,10 @@ class LlamaModel(_LlamaConfigModule):
         self.layers = nnx.List([LlamaDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, index=0):
-        """(b, t) ids -> last hidden state (b, t, hidden) (and the cache, one entry per layer, when decoding)."""
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, index=0,
+                 return_attentions=False):
+        """(b, t) ids -> last hidden state (b, t, hidden) (and the cache, one entry per layer, when decoding;
+        or with ``return_attentions`` a tuple with each layer's weights (b, h, t, t))."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, t = input_ids.shape  # the masks and positions are checked before anything is computed
         if cache is None:
@@ -288,6 +297,8 @@ class LlamaModel(_LlamaConfigModule):
             check_position_ids(position_ids, b, t)
         else:
             check_no_mask_with_cache(attention_mask, position_ids)
+            if return_attentions:
+                raise ValueError("return_attentions is not taken with a cache")
             if len(cache) != len(self.layers):
                 raise ValueError(f"the cache has {len(cache)} layers, the model {len(self.layers)}")
         x = lookup(self.embed_tokens, input_ids, self.dtype)  # (b, t, hidden)
@@ -296,9 +307,13 @@ class LlamaModel(_LlamaConfigModule):
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to float32, then to the compute dtype
             x = x * jnp.asarray(self.config.embed_scale, jnp.float32).astype(self.dtype)
         if cache is None:
+            attentions = []
             for layer in self.layers:
-                x = layer(x, attention_mask, position_ids)
-            return self.norm(x)
+                x = layer(x, attention_mask, position_ids, return_weights=return_attentions)
+                if return_attentions:
+                    x, weights = x
+                    attentions.append(weights)
+            return (self.norm(x), tuple(attentions)) if return_attentions else self.norm(x)
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache = layer(x, cache=layer_cache, index=index)
@@ -326,15 +341,20 @@ class LlamaForCausalLM(_LlamaConfigModule):
         """What the model reads (ids, positions for RoPE's trained context), so tools need not know its class."""
         return InputSpec(self.config.vocab_size, self.config.max_position_embeddings, generates=True)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions: bool = False):
         """Args:
             input_ids: (b, t) token ids.
             attention_mask: optional (b, t), 1 = token, 0 = pad.
             position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
+            return_attentions: also return a tuple with each layer's weights (b, h, t, t), one map
+                per query head (a key/value head's keys seen through each of its query heads).
 
         Returns:
-            (b, t, vocab_size) float32 logits.
+            (b, t, vocab_size) float32 logits, and the attentions if asked.
         """
+        if return_attentions:
+            hidden, attentions = self.model(input_ids, attention_mask, position_ids, return_attentions=True)
+            return self._head(hidden), attentions
         return self._head(self.model(input_ids, attention_mask, position_ids))
 
     def _head(self, hidden):

@@ -26,7 +26,7 @@ from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy, make_steps
 from flax_transformer.training.torch_state import torch_optimizer
 
-MODELS = ("former", "encoder", "gpt", "classic")
+MODELS = ("former", "encoder", "gpt", "classic", "llama")
 
 
 @dataclass
@@ -122,6 +122,22 @@ def _setup(name: str, rng: np.random.Generator):
             return F.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(x["out"]).long().reshape(-1))
 
         flax_loss = lambda m, x: cross_entropy(m(x["src"], x["tgt"]), x["out"])  # noqa: E731
+    elif name == "llama":  # grouped-query attention, a tied head (its gradient sums both uses)
+        from flax_transformer.models.llama_config import LlamaConfig
+        from torch_reference.llama import LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig.tiny(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                  max_position_embeddings=t, tie_word_embeddings=True))
+
+        def batch():
+            ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+            return {"ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+        def torch_loss(m, x):
+            logits = m(torch.from_numpy(x["ids"]).long())
+            return F.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(x["labels"]).long().reshape(-1))
+
+        flax_loss = lambda m, x: cross_entropy(m(x["ids"]), x["labels"])  # noqa: E731
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     return model, batch, torch_loss, flax_loss
@@ -164,7 +180,10 @@ def trajectory(name: str, *, steps: int = 10, optimizer: str = "adamw", lr: floa
             result.jax_losses.append(float(train_step(flax_model, tx, {k: jnp.asarray(v) for k, v in x.items()})["loss"]))
     ours = porting.state_dict(flax_model)
     scale = max(largest_grad.values())
+    again = {name for group in porting.tied_keys(model) for name in group[1:]}  # a tied tensor: once, by its first name
     for key, p in model.state_dict().items():
+        if key in again:
+            continue
         theirs = p.detach().numpy()
         err = _gap(ours[key], theirs) / max(1.0, float(np.abs(theirs).max(initial=0.0)))
         if largest_grad.get(key, scale) <= 1e-6 * scale:
@@ -322,6 +341,8 @@ def _compare(result: Continuity, ours: dict, model, opt, largest_grad: dict) -> 
     theirs = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     scale = max(largest_grad.values())
     for key, p in theirs["model"].items():
+        if key not in largest_grad:  # a tied tensor's second name (named_parameters gives it once)
+            continue
         err = _gap(ours["model"][key].numpy(), p.numpy()) / max(1.0, float(p.abs().max()))
         if largest_grad[key] <= 1e-6 * scale:
             result.noise_params[key] = err

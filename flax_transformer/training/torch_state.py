@@ -330,14 +330,24 @@ def _read_checked(ckpt: dict, model, optim: OptimConfig) -> TorchState:
     twin = _torch_twin_on_meta(model)
     shapes = {n: tuple(p.shape) for n, p in twin.named_parameters()}
     torch_names = list(shapes)
+    # a tied head is one parameter (its first key) that torch's state_dict holds under each key: the others
+    by_tensor = {}  # must equal it. The twin is on the meta device: one Parameter object, no storage to compare
+    for name, p in twin.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    tied = {name: tuple(group) for group in by_tensor.values() if len(group) > 1 for name in group}
+    model_state = ckpt["model"]
     params = {}
-    problems = [f"{k} missing" for k in torch_names if k not in ckpt["model"]]
-    problems += [f"{k} unexpected" for k in ckpt["model"] if k not in shapes]
+    problems = [f"{k} missing" for k in torch_names if not any(n in model_state for n in tied.get(k, (k,)))]
+    problems += [f"{k} unexpected" for k in model_state if k not in shapes and k not in tied]
     for k in torch_names:
-        if k in ckpt["model"]:
-            params[k] = _numpy(ckpt["model"][k], f'"model"[{k!r}]')
+        present = [n for n in tied.get(k, (k,)) if n in model_state]
+        if present:
+            params[k] = _numpy(model_state[present[0]], f'"model"[{present[0]!r}]')
             if params[k].shape != shapes[k]:
-                problems.append(f"{k} has shape {params[k].shape}, the model's is {shapes[k]}")
+                problems.append(f"{present[0]} has shape {params[k].shape}, the model's is {shapes[k]}")
+            for other in present[1:]:
+                if not np.array_equal(_numpy(model_state[other], f'"model"[{other!r}]'), params[k]):
+                    problems.append(f"{other} differs from {present[0]}, which this model ties it to")
     if problems:
         raise TorchStateError(f'the "model" entry is for another model ({type(model).__name__}): '
                               + "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))

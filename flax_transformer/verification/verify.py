@@ -183,7 +183,56 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
              lambda c: te.TransformerForSequenceClassification(dataclasses.replace(bert, classifier_pooling="mean")),
              ids_in, model_cases),
         Spec("gpt", "GPT2LMHeadModel", lambda c: tg.GPT2LMHeadModel(gpt2), ids_in, ("none", "padding")),
+        *_llama_specs(b, t, emb, vocab),
     ]
+
+
+# Each row's first position (b rows take them in turn): llama3 and dynamic RoPE scaling change
+# nothing at position 0 and more with each position, so the llama rows reach beyond 16,000.
+LLAMA_OFFSETS = (0, 8190, 16380)
+
+
+def _llama_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
+    """The llama family (always causal; ``attention_mask`` (b, t), 1 = token), every switch a real
+    checkpoint uses: GQA and MQA, head_dim beyond hidden / heads, RoPE plain, linear, dynamic and
+    llama3 at long positions, q/k norms, biases, a sliding window, Gemma's ``1 + w`` norms, tanh
+    GELU and scaled embeddings, tied and untied heads."""
+    from flax_transformer.models.llama_config import LlamaConfig
+    from torch_reference import llama as tl
+
+    def config(**switches):
+        return LlamaConfig(**{**dict(vocab_size=vocab, hidden_size=emb, intermediate_size=2 * emb, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     max_position_embeddings=8192, rms_norm_eps=1e-5), **switches})
+
+    # head_dim 8 under llama3 puts one frequency in each band: kept, blended, divided by factor
+    llama3 = dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
+    gemma = dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh", norm_plus_one=True,
+                 embed_scale=emb ** 0.5, model_type="gemma")
+    positions = (np.array(LLAMA_OFFSETS)[np.arange(b) % len(LLAMA_OFFSETS), None] + np.arange(t)).astype(np.int64)
+    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m, positions), {})  # noqa: E731
+    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m, positions), {})  # noqa: E731
+    cases = ("causal", "causal+padding", "fully-masked-row")
+    layers = {
+        "LlamaAttention(GQA, llama3 RoPE)": (tl.LlamaAttention, config(**llama3)),
+        "LlamaAttention(MQA, q/k norm, window 3)": (tl.LlamaAttention, config(num_key_value_heads=1, qk_norm=True,
+                                                                              sliding_window=3)),
+        "LlamaDecoderLayer(GQA, llama3 RoPE)": (tl.LlamaDecoderLayer, config(**llama3)),
+        "LlamaDecoderLayer(q/k/v biases, MLP biases, window 3, dynamic RoPE)": (tl.LlamaDecoderLayer, config(
+            attention_bias=True, o_proj_bias=False, mlp_bias=True, sliding_window=3,
+            rope_scaling=dict(rope_type="dynamic", factor=4.0))),
+        "LlamaDecoderLayer(MHA, q/k norm, linear RoPE)": (tl.LlamaDecoderLayer, config(
+            num_key_value_heads=4, qk_norm=True, rope_scaling=dict(rope_type="linear", factor=4.0))),
+        "LlamaDecoderLayer(Gemma: 1+w norms, tanh GELU, MQA, head_dim 16)": (tl.LlamaDecoderLayer, config(**gemma)),
+    }
+    models = {
+        "LlamaForCausalLM(untied, GQA, llama3 RoPE)": config(num_hidden_layers=2, **llama3),
+        "LlamaForCausalLM(tied, Gemma)": config(num_hidden_layers=2, tie_word_embeddings=True, pad_token_id=0, **gemma),
+    }
+    return ([Spec("llama", name, lambda c, cls=cls, cfg=cfg: cls(cfg), x_in, cases) for name, (cls, cfg) in layers.items()]
+            + [Spec("llama", name, lambda c, cfg=cfg: tl.LlamaForCausalLM(cfg), ids_in, cases)
+               for name, cfg in models.items()])
 
 
 def _masked_out(keep):
@@ -292,7 +341,8 @@ def perturb_flax(flax_module, seed: int) -> None:
 MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "TransformerEncoder",
           "TransformerForSequenceClassification", "TransformerForSequenceClassification(post-LN)", "GPTTransformer",
           "Transformer", "TransformerEncoder(BERT)", "TransformerForSequenceClassification(BERT)",
-          "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel")
+          "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel",
+          "LlamaForCausalLM(untied, GQA, llama3 RoPE)", "LlamaForCausalLM(tied, Gemma)")
 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:

@@ -1,0 +1,81 @@
+"""``flax-transformer verify``'s flags: what each one means, and which of them go together.
+
+``add_parser`` declares them; ``mode`` reads a parsed command line and says which check runs
+(``commands._verify`` runs it), refusing in one line the flags that belong to another check
+(``--text`` without ``--bisect`` or ``--pair``, ``--family`` with ``--pair``, ...).
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("former", "encoder", "gpt", "classic", "llama")
+
+# what ``mode`` returns: the check that runs
+CERTIFIED_PAIR = "certified pair"  # --checkpoint PATH --pair MODULE:FACTORY: your own model's certified export
+PAIR = "pair"  # --pair or --bisect: bisect_cli
+TRAIN_STEPS = "train steps"  # --train-steps K [--through-torch-state]
+CHECKPOINT = "checkpoint"  # --checkpoint PATH
+TABLE = "table"  # every module (or with --grads every full model's gradients)
+
+
+def mode(args) -> str:
+    """The check ``args`` asks for; raises ValueError for flags that do not go with it."""
+    if args.checkpoint and args.pair and not args.bisect:
+        if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
+                or args.allow_nonfinite:
+            raise ValueError("--checkpoint PATH --pair MODULE:FACTORY re-checks your own model's certified export; "
+                             "it takes no --train-steps, --family, --text, --json, --allow-skipped, "
+                             "--allow-nonfinite or --rename (the certificate records the rename)")
+        return CERTIFIED_PAIR
+    if args.bisect or args.pair:
+        if args.train_steps or args.family:
+            raise ValueError("--bisect and --pair take no --train-steps or --family")
+        return PAIR
+    if args.text or args.json or args.allow_skipped or args.allow_nonfinite or args.rename:
+        raise ValueError("--text, --json, --allow-skipped, --allow-nonfinite and --rename go with --bisect or --pair")
+    if args.through_torch_state and not args.train_steps:
+        raise ValueError("--through-torch-state goes with --train-steps K")
+    if args.train_steps:
+        return TRAIN_STEPS
+    return CHECKPOINT if args.checkpoint else TABLE
+
+
+def add_parser(sub, func) -> None:
+    """The ``verify`` subcommand and its flags, calling ``func(args)``."""
+    p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")
+    p.add_argument("--checkpoint", help="verify one checkpoint (HF folder, safetensors or orbax) against its torch twin, "
+                                        "and re-check its certificate (verification.json) if it has one")
+    p.add_argument("--family", action="append", choices=list(FAMILIES),
+                   help="only this family (repeatable; default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
+    p.add_argument("--no-jit", action="store_true", help="run the Flax side eagerly instead of under jit")
+    p.add_argument("--grads", action="store_true",
+                   help="compare every parameter's gradient of every full model instead (error relative to the "
+                        "gradient's scale)")
+    p.add_argument("--train-steps", type=int, metavar="K", default=0,
+                   help="instead, train each family's full model K steps with the notebooks' torch setup and with "
+                        "the optax chain, and print both loss curves")
+    p.add_argument("--through-torch-state", action="store_true",
+                   help="with --train-steps K: K steps in one framework, a torch training checkpoint (Adam moments, "
+                        "step, schedule), K in the other, against 2K uninterrupted; both ways")
+    p.add_argument("--bisect", action="store_true",
+                   help="with --checkpoint or --pair: every submodule's output (and with --grads every parameter's "
+                        "gradient) against float64 torch, and the first module where Flax diverges")
+    p.add_argument("--pair", metavar="MODULE:FACTORY",
+                   help="verify your own pair: FACTORY() in MODULE (a dotted module or a .py file) returns "
+                        "(torch_model, flax_model, args) or (torch_model, flax_model, args, kwargs); with "
+                        "--checkpoint PATH: re-check PATH, a certified export of that model, with them")
+    p.add_argument("--text", action="append",
+                   help="with --checkpoint --bisect: a text to run through the checkpoint's tokenizer.json "
+                        "(repeatable: a batch; default: random ids)")
+    p.add_argument("--allow-skipped", action="store_true",
+                   help="with --bisect or --pair: pass a report in which some module calls, outputs or gradients "
+                        "could not be compared (they are listed; by default they fail it)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="with --bisect or --pair: pass values that are NaN/inf in both frameworks alike (by default "
+                        "they fail; NaN/inf on one side always fails)")
+    p.add_argument("--rename", action="append", metavar="REGEX=REPL",
+                   help="with --pair: torch names that differ from the Flax model's (repeatable, applied in order "
+                        "with re.sub, as porting's rename=): module paths and gradients are matched through them")
+    p.add_argument("--json", metavar="OUT", help="with --bisect or --pair: also write the report as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace --json OUT if it exists")
+    p.set_defaults(func=func)

@@ -37,6 +37,56 @@ torch.use_deterministic_algorithms(True)
 
 TOL = 1e-5  # fp32, matmul precision "highest": a larger error is a bug, not noise
 
+# The heaviest tests, left out of the default run (pyproject's addopts: -m "not slow"), which is
+# CI's, so that the suite stays within about 15 minutes on 2 idle cores (issue 21). Each is an
+# end-to-end variant, or a second model, of something a lighter test of the default run checks
+# (named here). `python -m pytest parity_tests -q -n 2 -m slow` runs these alone, and
+# `-m "slow or not slow"` runs everything. A name here that no longer exists fails the run.
+SLOW = {
+    "test_runs.py::test_bucket_padding_does_not_change_the_classifier_output":
+        "test_guards_training's filler-row tests: padding changes no loss, metric or gradient",
+    "test_runs.py::test_classify_tiny_on_the_real_imdb": "test_classify_tiny_end_to_end_then_predict_and_export, fake data",
+    "test_runs.py::test_classify_encoder_model": "test_guards_training[encoder-*], test_encoder",
+    "test_runs.py::test_lm_former_at_word_level": "test_lm_tiny_end_to_end",
+    "test_finetune.py::test_minilm_fine_tune_end_to_end_and_the_export_in_transformers":
+        "test_hf's MiniLM parity, test_finetune's other cases",
+    "test_finetune.py::test_frozen_encoder_caches_features_trains_the_head_and_resumes":
+        "test_runs' resume tests",
+    "test_finetune.py::test_fine_tune_resume_equals_an_uninterrupted_run": "test_runs' resume tests",
+    "test_finetune.py::test_classifier_from_pretrained_reads_its_own_export_and_a_wrong_head":
+        "test_hf_more::test_sequence_classifier_heads",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[former-CTransformer(max)]":
+        "the same bound on CTransformer(mean)",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[former-GTransformer]":
+        "the same bound on CTransformer(mean)",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[classic-Transformer]":
+        "the same bound on the classic TransformerEncoder",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[gpt-GPT2LMHeadModel]":
+        "the same bound on GPTTransformer",
+    "test_hf.py::test_gpt2_from_transformers_and_back[True]": "test_gpt2_from_transformers_and_back[False]",
+    "test_hf.py::test_pytorch_bin_sharded_index_and_bf16": "test_hf_more::test_encoder_folder_both_ways (sharded)",
+    "test_hf_more.py::test_bf16_export_and_import": "test_llama_hf's bf16 shards, test_porting's bf16 cases",
+    "test_hf_more.py::test_sharded_save_streams_and_transformers_loads":
+        "test_hf_more::test_encoder_folder_both_ways[distilbert-True], test_sharded",
+    "test_generate.py::test_a_row_in_a_ragged_batch_equals_the_row_alone[former]": "the same test on [gpt]",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a heavy test left out of the default run (conftest.SLOW says which "
+                                       "lighter test covers it); -m slow runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    names = {item.nodeid.rpartition("parity_tests/")[2]: item for item in items}
+    files = {name.partition("::")[0] for name in names}
+    stale = [name for name in SLOW if name.partition("::")[0] in files and name not in names]
+    if stale:
+        raise pytest.UsageError(f"conftest.SLOW names tests that do not exist: {stale}")
+    for name, item in names.items():
+        if name in SLOW:
+            item.add_marker(pytest.mark.slow)
+
 
 def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, eager_too=False):
     """torch->Flax and Flax->torch parity under jit, and also eagerly if asked.

@@ -207,7 +207,7 @@ def test_notebook_000_attention_and_004_self_attention_checkpoints(rng):
 # ------------------------------------------------------------------ property
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     heads=st.integers(1, 6),
     head_width=st.integers(1, 6),

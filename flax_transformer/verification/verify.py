@@ -215,9 +215,7 @@ def _llama_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
     ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m, positions), {})  # noqa: E731
     cases = ("causal", "causal+padding", "fully-masked-row")
     layers = {
-        "LlamaAttention(GQA, llama3 RoPE)": (tl.LlamaAttention, config(**llama3)),
-        "LlamaAttention(MQA, q/k norm, window 3)": (tl.LlamaAttention, config(num_key_value_heads=1, qk_norm=True,
-                                                                              sliding_window=3)),
+        "LlamaAttention(GQA, llama3 RoPE)": (tl.LlamaAttention, config(**llama3)),  # its other switches: blocks
         "LlamaDecoderLayer(GQA, llama3 RoPE)": (tl.LlamaDecoderLayer, config(**llama3)),
         "LlamaDecoderLayer(q/k/v biases, MLP biases, window 3, dynamic RoPE)": (tl.LlamaDecoderLayer, config(
             attention_bias=True, o_proj_bias=False, mlp_bias=True, sliding_window=3,
@@ -228,7 +226,7 @@ def _llama_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
     }
     models = {
         "LlamaForCausalLM(untied, GQA, llama3 RoPE)": config(num_hidden_layers=2, **llama3),
-        "LlamaForCausalLM(tied, Gemma)": config(num_hidden_layers=2, tie_word_embeddings=True, pad_token_id=0, **gemma),
+        "LlamaForCausalLM(tied, Gemma)": config(tie_word_embeddings=True, pad_token_id=0, **gemma),  # 1 layer
     }
     return ([Spec("llama", name, lambda c, cls=cls, cfg=cfg: cls(cfg), x_in, cases) for name, (cls, cfg) in layers.items()]
             + [Spec("llama", name, lambda c, cfg=cfg: tl.LlamaForCausalLM(cfg), ids_in, cases)

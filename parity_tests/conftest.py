@@ -68,7 +68,14 @@ SLOW = {
     "test_hf_more.py::test_bf16_export_and_import": "test_llama_hf's bf16 shards, test_porting's bf16 cases",
     "test_hf_more.py::test_sharded_save_streams_and_transformers_loads":
         "test_hf_more::test_encoder_folder_both_ways[distilbert-True], test_sharded",
-    "test_generate.py::test_a_row_in_a_ragged_batch_equals_the_row_alone[former]": "the same test on [gpt]",
+    "test_generate.py::test_a_row_in_a_ragged_batch_equals_the_row_alone[former]":
+        "test_generate_hf's and test_llama_generate's ragged batches",
+    "test_generate.py::test_a_row_in_a_ragged_batch_equals_the_row_alone[gpt]":
+        "test_generate_hf's and test_llama_generate's ragged batches",
+    "test_former.py::test_random_configurations": "test_former's parametrised parity tests (every attention, scale, pooling)",
+    "test_encoder.py::test_random_configurations": "test_encoder's parametrised parity tests",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[llama-LlamaForCausalLM(tied, Gemma)]":
+        "the same bound on the untied GQA llama",
 }
 
 

@@ -65,6 +65,25 @@ def _gap(a, b) -> float:
     return float(np.abs(a - b).max(initial=0.0))
 
 
+def _next_token_task(rng: np.random.Generator, b: int, t: int, vocab: int):
+    """(batch maker, torch loss, flax loss) of next-token prediction, for the decoders (gpt, llama)."""
+    import torch
+    import torch.nn.functional as F
+
+    def batch():
+        ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+        return {"ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+    def torch_loss(m, x):
+        logits = m(torch.from_numpy(x["ids"]).long())
+        return F.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(x["labels"]).long().reshape(-1))
+
+    def flax_loss(m, x):
+        return cross_entropy(m(x["ids"]), x["labels"])
+
+    return batch, torch_loss, flax_loss
+
+
 def _setup(name: str, rng: np.random.Generator):
     """(torch model, batch maker, torch loss, flax loss) for one family's full model, dropout 0."""
     import torch
@@ -98,16 +117,7 @@ def _setup(name: str, rng: np.random.Generator):
         from torch_reference.gpt import GPTTransformer
 
         model = GPTTransformer(2, 32, 64, 4, vocab, t, dropout=0.0)
-
-        def batch():
-            ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
-            return {"ids": ids[:, :-1], "labels": ids[:, 1:]}
-
-        def torch_loss(m, x):
-            logits = m(torch.from_numpy(x["ids"]).long())
-            return F.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(x["labels"]).long().reshape(-1))
-
-        flax_loss = lambda m, x: cross_entropy(m(x["ids"]), x["labels"])  # noqa: E731
+        batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
     elif name == "classic":
         from torch_reference.classic import Transformer
 
@@ -128,16 +138,7 @@ def _setup(name: str, rng: np.random.Generator):
 
         model = LlamaForCausalLM(LlamaConfig.tiny(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                                   max_position_embeddings=t, tie_word_embeddings=True))
-
-        def batch():
-            ids = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
-            return {"ids": ids[:, :-1], "labels": ids[:, 1:]}
-
-        def torch_loss(m, x):
-            logits = m(torch.from_numpy(x["ids"]).long())
-            return F.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(x["labels"]).long().reshape(-1))
-
-        flax_loss = lambda m, x: cross_entropy(m(x["ids"]), x["labels"])  # noqa: E731
+        batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     return model, batch, torch_loss, flax_loss

@@ -85,6 +85,12 @@ def run(args) -> int:
     rename = parse_renames(getattr(args, "rename", None))
     if args.json:
         files.check_target(args.json, kind="file", overwrite=args.overwrite)  # before any computation
+    pictures = {suffix: out for suffix, out in ((".html", getattr(args, "html", None)),
+                                                (".png", getattr(args, "png", None))) if out}
+    for suffix, out in pictures.items():  # verify_flags.mode has refused them without --bisect
+        if Path(out).suffix != suffix:
+            raise ValueError(f"--{suffix[1:]} must end in {suffix}, got {out}")
+        files.check_target(out, kind="file", overwrite=args.overwrite)
     if args.text and not (Path(args.checkpoint) / "tokenizer.json").is_file():
         raise ValueError(f"--text needs a checkpoint folder with a tokenizer.json; {args.checkpoint} has none "
                          "(leave --text out for random ids)")
@@ -125,4 +131,10 @@ def run(args) -> int:
         text = bisect.json_text(report.to_dict())
         files.write_text(args.json, text + "\n", overwrite=args.overwrite)
         print(f"wrote {args.json}")
+    if ".html" in pictures:
+        report.to_html(pictures[".html"], overwrite=args.overwrite)
+        print(f"wrote {pictures['.html']}")
+    if ".png" in pictures:
+        report.to_png(pictures[".png"], overwrite=args.overwrite)
+        print(f"wrote {pictures['.png']}")
     return 1 if failed else 0

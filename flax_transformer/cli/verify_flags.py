@@ -19,6 +19,11 @@ TABLE = "table"  # every module (or with --grads every full model's gradients)
 
 def mode(args) -> str:
     """The check ``args`` asks for; raises ValueError for flags that do not go with it."""
+    pictures = [flag for flag, value in (("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
+                if value]
+    if pictures and not args.bisect:  # a picture of bisect's report: compare's has no modules to draw
+        raise ValueError(f"{' and '.join(pictures)} go{'es' if len(pictures) == 1 else ''} with --bisect "
+                         "(a picture of its report)")
     if args.checkpoint and args.pair and not args.bisect:
         if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
                 or args.allow_nonfinite:
@@ -77,5 +82,8 @@ def add_parser(sub, func) -> None:
                    help="with --pair: torch names that differ from the Flax model's (repeatable, applied in order "
                         "with re.sub, as porting's rename=): module paths and gradients are matched through them")
     p.add_argument("--json", metavar="OUT", help="with --bisect or --pair: also write the report as JSON")
-    p.add_argument("--overwrite", action="store_true", help="replace --json OUT if it exists")
+    p.add_argument("--html", metavar="OUT.html", help="with --bisect: also draw the report as one self-contained "
+                                                      "HTML page (every module's errors on a log scale)")
+    p.add_argument("--png", metavar="OUT.png", help="with --bisect: also draw the report as a PNG")
+    p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT if it exists")
     p.set_defaults(func=func)

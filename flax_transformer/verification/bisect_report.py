@@ -336,6 +336,29 @@ class BisectReport:
             files.write_text(path, text + "\n", overwrite=overwrite)
         return text
 
+    def to_html(self, path=None, *, overwrite: bool = False) -> str:
+        """The report as one self-contained HTML page (``bisect_picture``: a row per module call on a
+        log scale, the first divergent highlighted); also written to ``path`` when given, as ``to_json``."""
+        from flax_transformer.interop import files
+        from flax_transformer.verification import bisect_picture
+
+        if path is not None:
+            files.check_target(path, kind="file", overwrite=overwrite)  # before the drawing
+        page = bisect_picture.to_html(self)
+        if path is not None:
+            files.write_text(path, page, overwrite=overwrite)
+        return page
+
+    def to_png(self, path, *, overwrite: bool = False) -> bytes:
+        """The same picture as a PNG (matplotlib, Agg), written to ``path`` as ``to_json`` writes; returns its bytes."""
+        from flax_transformer.interop import files
+        from flax_transformer.verification import bisect_picture
+
+        files.check_target(path, kind="file", overwrite=overwrite)
+        data = bisect_picture.to_png(self)
+        files.write_bytes(path, data, overwrite=overwrite)
+        return data
+
 
 def json_text(data: dict) -> str:
     """JSON of a report's ``to_dict()`` (infinities and NaN as strings: JSON has no such numbers)."""

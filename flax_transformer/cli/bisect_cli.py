@@ -74,6 +74,10 @@ def run(args) -> int:
     from flax_transformer.interop import files
     from flax_transformer.verification import bisect, certificate, pairs, verify
 
+    if getattr(args, "bisect_generate", False):
+        from flax_transformer.cli import generation_cli
+
+        return generation_cli.run(args)
     if args.pair and args.checkpoint:
         raise ValueError("--pair and --checkpoint exclude each other")
     if not (args.pair or args.checkpoint):

@@ -85,16 +85,18 @@ def _verify_checkpoint(path, start, pair: str | None = None) -> int:
         return 0 if report.passed else 1
     report = certificate_check.recheck(path) if certificate.find(path) else None
     try:
-        rows = verify.checkpoint_rows(path, load=load_model)
+        rows, agreements = verify.checkpoint_report(path, load=load_model)
     except (OSError, ValueError) as error:
         if report is None or report.passed:
             raise
-        rows = []  # a changed tensor can make the weights unloadable: the certificate names it
+        rows, agreements = [], []  # a changed tensor can make the weights unloadable: the certificate names it
         print(f"cannot load {path} for the table: {certificate._brief(error)}")
     if rows:
         print(verify.format_table(rows))
-    failed = [r for r in rows if not r.passed]
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed" if rows else
+    for what, agreement in agreements:  # a language model: its next-token distributions, beside the max abs err
+        print(f"\n{what}:\n" + "\n".join(f"  {line}" for line in agreement.lines()))
+    failed = [r for r in rows if not r.passed] + [a for _, a in agreements if not a.passed]
+    print(f"\n{len(rows) + len(agreements) - len(failed)} passed, {len(failed)} failed" if rows else
           "\nnothing compared: the table has no rows (a failure)", end="")
     print(f" (tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
     if report is not None:

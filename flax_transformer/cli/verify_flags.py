@@ -19,6 +19,17 @@ TABLE = "table"  # every module (or with --grads every full model's gradients)
 
 def mode(args) -> str:
     """The check ``args`` asks for; raises ValueError for flags that do not go with it."""
+    if getattr(args, "bisect_generate", False):  # run by bisect_cli, which hands it to generation_cli
+        taken = [flag for flag, value in (("--bisect", args.bisect), ("--pair", args.pair), ("--grads", args.grads),
+                                          ("--text", args.text), ("--train-steps", args.train_steps),
+                                          ("--family", args.family), ("--rename", args.rename),
+                                          ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
+                 if value]
+        if taken:
+            raise ValueError(f"--bisect-generate takes no {', '.join(taken)} (it decodes one checkpoint's prompt)")
+        return PAIR
+    if getattr(args, "prompt", None) is not None or getattr(args, "max_new_tokens", None) is not None:
+        raise ValueError("--prompt and --max-new-tokens go with --bisect-generate")
     pictures = [flag for flag, value in (("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
                 if value]
     if pictures and not args.bisect:  # a picture of bisect's report: compare's has no modules to draw
@@ -65,6 +76,14 @@ def add_parser(sub, func) -> None:
     p.add_argument("--bisect", action="store_true",
                    help="with --checkpoint or --pair: every submodule's output (and with --grads every parameter's "
                         "gradient) against float64 torch, and the first module where Flax diverges")
+    p.add_argument("--bisect-generate", action="store_true",
+                   help="with --checkpoint and --prompt: decode greedily in torch fp32, torch fp64 and JAX with its "
+                        "cache, and report the first step whose logits leave the budget, then the first module and "
+                        "the first layer's cached keys/values that disagree there")
+    p.add_argument("--prompt", help="with --bisect-generate: the text to continue, through the checkpoint's "
+                                    "tokenizer.json")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="with --bisect-generate: how many steps to decode (default 16)")
     p.add_argument("--pair", metavar="MODULE:FACTORY",
                    help="verify your own pair: FACTORY() in MODULE (a dotted module or a .py file) returns "
                         "(torch_model, flax_model, args) or (torch_model, flax_model, args, kwargs); with "

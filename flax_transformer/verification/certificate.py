@@ -6,6 +6,8 @@ example inputs (outputs, and every parameter's gradient), and records:
 
 * the sha256 of every tensor (and of the files that describe the model),
 * the forward and backward errors and the tolerance, and the inputs they were measured on,
+* for a language model, its next-token agreement: KL(torch || JAX) and top-1/top-5 (``lm``, from
+  ``lm_agreement``; optional, so certificates written before it still verify),
 * the tensors' dtypes and the matmul precision,
 * the versions of jax, flax, torch, transformers (...) and the platform.
 
@@ -277,9 +279,11 @@ def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int =
     inputs = {"seed": seed, "batch": batch, "length": length,
               "shapes": [None if a is None else list(np.shape(a)) for a in args],
               "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
-    with jax.default_matmul_precision("highest"):
-        report = compare(torch_model, flax_model, args, grads=True, seed=seed)  # forward and backward, one compile
-    return {"inputs": inputs} | _entries(report)
+    lm = flax_model.input_spec().generates  # a language model: its next-token distributions too (lm_agreement)
+    with jax.default_matmul_precision("highest"):  # forward and backward, one compile
+        report = compare(torch_model, flax_model, args, grads=True, seed=seed, lm=lm,
+                         lm_mask=pairs.lm_mask(flax_model, args) if lm else None)
+    return {"inputs": inputs} | _entries(report) | ({"lm": report.lm.to_dict()} if lm else {})
 
 
 def _entries(report) -> dict:
@@ -318,6 +322,8 @@ def _refuse_failed(record: dict, label: str, reloaded: str) -> None:
     """``CertificateError`` naming every failed entry of ``record``: the caller then writes nothing."""
     failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g}){_float64_note(v)}{_not_compared_note(v)}"
               for k in ("forward", "backward") if not (v := record[k]).get("passed", True)]
+    if not record.get("lm", {}).get("passed", True):
+        failed.append(lm_line(record["lm"]))
     if failed:
         raise CertificateError(f"{label}: the export check failed: {', '.join(failed)} between the model and what "
                                f"was written, {reloaded}; nothing was written (certify=False writes without the check)")
@@ -373,6 +379,16 @@ def _value(entry: dict, relative: bool = True) -> str:
     if "not_measured" in entry:
         return entry["not_measured"]
     return f"{_error(entry, relative):.2e}" + ("" if entry["finite"] else " (NaN/inf)")
+
+
+def lm_line(entry: dict) -> str:
+    """A certificate's ``lm`` entry (``lm_agreement.LMAgreement.to_dict``) in one line."""
+    if not entry.get("measured", True) or "not_measured" in entry:
+        return f"LM agreement not measured: {entry.get('reason') or entry.get('not_measured')}"
+    gates = entry["gates"]
+    return (f"LM KL(torch || JAX) mean {entry['kl_mean']:.2e}, max {entry['kl_max']:.2e} over {entry['tokens']} "
+            f"tokens (gate {gates['kl_max']:g}), top-1 {entry['top1']:.4f}, top-5 {entry['top5']:.4f} (gates "
+            f"{gates['top1']:g}, {gates['top5']:g})")
 
 
 def to_json(record: dict) -> str:

@@ -205,7 +205,21 @@ def recheck(path, pair=None) -> Report:
         measured = cert.measure(flax_model, torch_model, seed=inputs["seed"], batch=inputs["batch"],
                                 length=inputs["length"])
     _compare_errors(report, record, measured, same_environment=not changed)
+    _compare_lm(report, record, measured)
     return report
+
+
+def _compare_lm(report: Report, record: dict, measured: dict) -> None:
+    """A language model's next-token agreement (``lm`` in the certificate; certificates before it
+    have none), measured now against its gates; the recorded figures are shown beside."""
+    now, was = measured.get("lm"), record.get("lm")
+    if now is None:
+        if was is not None:
+            report.notes.append("LM agreement: not re-measured" + (
+                f" ({measured['forward']['not_measured']})" if "not_measured" in measured["forward"] else ""))
+        return
+    line = cert.lm_line(now) + " now" + (f"; at export KL max {was['kl_max']:.2e}" if was and "kl_max" in was else "")
+    (report.passes if now["passed"] else report.failures).append(line)
 
 
 # ------------------------------------------------------------------ your own model

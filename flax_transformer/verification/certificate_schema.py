@@ -141,6 +141,26 @@ def _check_error_entry(s: _Schema, key: str, entry) -> None:
         s.optional(f64, "passed", lambda f, v: s.kind(f"{key}.float64.{f}", v, bool, "true or false"))
 
 
+def _check_lm(s: _Schema, entry) -> None:
+    """``lm`` (a language model's certificate; older ones have none): ``lm_agreement.LMAgreement.to_dict``."""
+    s.kind("lm", entry, dict, "a JSON object")
+    if "not_measured" in entry:
+        s.text("lm.not_measured", entry["not_measured"], 500, empty=False)
+        return
+    s.integer("lm.tokens", entry.get("tokens"), 0, MAX_TOKENS)
+    s.integer("lm.vocab", entry.get("vocab"), 0, 2**40)
+    s.optional(entry, "top1_near_ties", lambda f, v: s.integer(f"lm.{f}", v, 0, MAX_TOKENS))
+    for f, high in (("kl_mean", float("inf")), ("kl_max", float("inf")), ("top1", 1.0), ("top5", 1.0)):
+        s.number(f"lm.{f}", entry.get(f), 0.0, high, finite=False)  # NaN: nothing measured, or NaN logits
+    for f in ("finite", "measured", "passed"):
+        s.kind(f"lm.{f}", entry.get(f), bool, "true or false")
+    s.optional(entry, "reason", lambda f, v: s.text(f"lm.{f}", v))
+    gates = s.kind("lm.gates", entry.get("gates"), dict, "a JSON object")
+    s.text("lm.gates.name", gates.get("name"), 32)
+    for f in ("kl_mean", "kl_max", "top1", "top5", "tie_margin"):
+        s.number(f"lm.gates.{f}", gates.get(f))
+
+
 def _check_inputs(s: _Schema, inputs) -> None:
     s.kind("inputs", inputs, dict, "a JSON object or null")
     for key, (low, high) in INPUT_BOUNDS.items():
@@ -253,6 +273,7 @@ def validate(record, cert) -> dict:
         _check_shape(s, f"{field}.shape", entry.get("shape"))
     for key in ("forward", "backward"):
         _check_error_entry(s, key, record.get(key))
+    s.optional(record, "lm", lambda f, v: _check_lm(s, v))
     if user:  # required: a re-check must run on the very inputs the figures were measured on
         _check_user_inputs(s, record.get("inputs"))
     else:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
+from flax_transformer.verification import lm_agreement
 from flax_transformer.verification.bisect import _cast, budget_rule, grad_budget
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
@@ -37,6 +38,8 @@ from flax_transformer.verification.frameworks import (
 from flax_transformer.verification.frameworks import flax_grads as _flax_grads
 from flax_transformer.verification.leaf_checks import blank as _blank
 from flax_transformer.verification.leaf_checks import check as _check
+from flax_transformer.verification.leaf_checks import leaf as _leaf
+from flax_transformer.verification.leaf_checks import logits_path as _logits_path
 from flax_transformer.verification.leaf_checks import outputs as _outputs
 
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
@@ -153,10 +156,12 @@ class CompareReport:
     skipped: tuple[str, ...] = ()  # what could not be compared (an output leaf, the float64 reference)
     allow_nonfinite: bool = False
     allow_skipped: bool = False
+    lm: lm_agreement.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.rows) and (not self.skipped or self.allow_skipped)
+        return (all(r.passed for r in self.rows) and (not self.skipped or self.allow_skipped)
+                and (self.lm is None or self.lm.passed))
 
     @property
     def max_rel_err(self) -> float:
@@ -208,7 +213,11 @@ class CompareReport:
             lines.append(f"gradients: {len(grads) - len(failed)} of {len(grads)} parameters pass (worst relative "
                          f"err {self.grad_err:.2e}, {self.worst_grad_key})"
                          + (f"; failing: {', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}" if failed else ""))
+        if self.lm is not None:
+            lines.extend(self.lm.lines())
         problems = [f"{r.module}: {'; '.join(p)}" for r in self.rows if not r.passed and (p := r.problems())]
+        if self.lm is not None and not self.lm.passed:
+            problems.append("LM agreement: " + "; ".join(self.lm.problems()))
         lines.append("pass" if self.passed else "FAIL" + (f" ({problems[0]})" if problems else ""))
         return "\n".join(lines)
 
@@ -219,13 +228,15 @@ class CompareReport:
                 "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
                 "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs), "others": list(self.others),
+                "lm": None if self.lm is None else self.lm.to_dict(),
                 "rows": [dataclasses.asdict(r) | {"passed": r.passed, "problems": r.problems()} for r in self.rows]}
 
 
 def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
             grads: bool = False, use_jit: bool = True, seed: int = 0, fp64: bool = True,
             allow_nonfinite: bool = False, allow_skipped: bool = False, rename=None,
-            loss_fn=None) -> CompareReport:
+            loss_fn=None, lm: bool = False, lm_mask=None, lm_gates: lm_agreement.Gates = lm_agreement.FP32
+            ) -> CompareReport:
     """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
 
     Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
@@ -283,6 +294,14 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             ``.max()``, ``.reshape()``, e.g. ``lambda out: out[1]`` (a loss the model returns) or
             ``lambda out: (out.logits ** 2).mean()``; no ``torch.*`` or ``jnp.*`` calls. Or give a
             pair ``(torch_fn, flax_fn)``, one per framework.
+        lm: the pair is a language model: also measure the next-token distributions
+            (``lm_agreement.measure``: per-token KL(torch || JAX), mean and max, top-1 and top-5
+            agreement) on the logits, the output itself, its ``.logits`` or its first element; a
+            ``ValueError`` right after torch's forward, before the Flax model runs, when that is
+            not floating-point ``[..., vocab]`` logits. The figures are in ``report.lm``, its
+            summary and ``to_dict()["lm"]``, and the report passes only if they meet ``lm_gates``.
+        lm_mask: ``logits.shape[:-1]``, nonzero at real tokens (padding is left out); None: all.
+        lm_gates: ``lm_agreement.FP32`` (default) or ``BF16`` (a bf16-compute Flax model).
 
     Returns:
         A ``CompareReport``: one row for the outputs, then one per parameter gradient.
@@ -300,6 +319,9 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
     with torch.set_grad_enabled(grads):
         torch_out = torch_model(*t_args, **t_kwargs)
+    if lm:  # checked before anything else runs: a wrong output is the caller's mistake, not a finding
+        logits_at = _logits_path(torch_out)
+        torch_logits = lm_agreement.check_logits(_leaf(torch_out, logits_at), f"the torch model's {logits_at}")
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
     weights, torch_grads = None, {}
@@ -320,6 +342,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
                                            {p: jnp.asarray(w) for p, w in weights.items()}, t_paths, flax_fn)
     else:
         flax_out = _run(flax_model, j_args, j_kwargs, use_jit)
+    agreement = (lm_agreement.measure(torch_logits, _leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
+                 if lm else None)
     measured = fp64 and not why_not
     checks, others, skipped, mismatched = _outputs(torch_out, flax_out, ref_out, measured)
     skipped = ([why_not] if why_not else []) + skipped
@@ -330,7 +354,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     outputs = tuple(checks)
     if not grads:
         return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=outputs, others=tuple(others),
-                             skipped=tuple(skipped), **allow)
+                             skipped=tuple(skipped), lm=agreement, **allow)
     rows = [out_row]
     holder = nnx.clone(flax_model)
     nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
@@ -363,7 +387,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         if g_err >= worst:
             worst, worst_key = g_err, key
     return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
-                         outputs=outputs, others=tuple(others), skipped=tuple(skipped), **allow)
+                         outputs=outputs, others=tuple(others), skipped=tuple(skipped), lm=agreement, **allow)
 
 
 def _run(flax_model, j_args, j_kwargs, use_jit: bool):

@@ -12,6 +12,22 @@ from flax_transformer.verification.bisect import _scale, budget
 from flax_transformer.verification.frameworks import finite_abs_err, flatten, match_outputs, nonfinite, to_numpy
 
 
+def logits_path(torch_out) -> str | None:
+    """Which leaf of a language model's output holds its logits (``compare(..., lm=True)``): the
+    output itself, a ``.logits`` field (HF's ``ModelOutput``), else the first leaf that is not None
+    (``(logits, loss)``). None: no leaf at all."""
+    paths = [p for p, v in flatten(torch_out) if v is not None]
+    return next((p for p in paths if p.endswith((".logits", "['logits']"))), paths[0] if paths else None)
+
+
+def leaf(out, path: str | None, torch_out=None):
+    """The leaf of ``out`` at torch's ``path`` (as numpy; None where there is none); with
+    ``torch_out``, ``out`` is Flax's output, its leaves paired with torch's as ``compare`` pairs them."""
+    if torch_out is None:
+        return next((to_numpy(v) for p, v in flatten(out) if p == path), None)
+    return next((to_numpy(j) for _, p, _, j in match_outputs(torch_out, out)[0] if p == path), None)
+
+
 def outputs(torch_out, flax_out, ref_out, measured: bool):
     """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
     leaves matched by ``frameworks.match_outputs``."""

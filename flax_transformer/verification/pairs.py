@@ -78,6 +78,15 @@ def example_inputs(model, *, seed: int = 0, batch: int = 2, length: int = 9) -> 
     return ids, mask
 
 
+def lm_mask(model, args: tuple):
+    """The real tokens of a language model's logits for ``example_inputs``' ``args`` (1 = token):
+    a decoder's padding mask (its last argument; None: every position), None for an
+    encoder-decoder, whose target positions are all real."""
+    if input_spec(model).encoder_decoder:
+        return None
+    return None if args[-1] is None else np.asarray(args[-1])
+
+
 # ------------------------------------------------- a user's pair: MODULE:FACTORY
 
 

@@ -7,7 +7,8 @@ largest absolute difference, and JAX's error against a float64 torch copy with i
 (``compare``; NaN or inf never passes). ``flax-transformer verify`` prints the table.
 
 ``compare`` does one comparison for any pair (a ``CompareReport``, gradients too with
-``grads=True``); ``bisect`` (``bisect.py``) finds the first submodule where a pair diverges.
+``grads=True``); ``bisect`` (``bisect.py``) finds the first submodule where a pair diverges;
+``bisect_generation`` (``generation_bisect.py``) the first step of greedy decoding that does.
 
 torch is imported here at call time only (this is a verification module).
 """
@@ -36,6 +37,7 @@ from flax_transformer.verification.compare import (  # noqa: F401  (verify.compa
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import leaves as _leaves  # noqa: F401  (verify._leaves, read by tests)
 from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
+from flax_transformer.verification.generation_bisect import GenerationReport, bisect_generation  # noqa: F401  (verify.bisect_generation)
 
 # ------------------------------------------------------------------ inputs
 
@@ -367,27 +369,40 @@ def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> 
 def checkpoint_rows(path, *, load=None) -> list[Row]:
     """Rows for one checkpoint: its torch twin vs its Flax model (no mask, padding), and
     transformers vs Flax when ``path`` is an HF folder and transformers is installed."""
+    return checkpoint_report(path, load=load)[0]
+
+
+def checkpoint_report(path, *, load=None) -> tuple[list[Row], list[tuple[str, object]]]:
+    """(``checkpoint_rows``' rows, [(what, ``lm_agreement.LMAgreement``)]): for a language model
+    (``input_spec().generates``) each comparison also measures the next-token distributions,
+    KL(torch || JAX) and top-1/top-5 agreement over the real tokens (the padding mask's ones);
+    the list is empty for any other model."""
     from pathlib import Path
 
-    from flax_transformer.verification import certificate, pairs
+    from flax_transformer.verification import certificate, lm_agreement, pairs
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else
                                pairs.load_pair(path, load=load))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = pairs.example_inputs(flax_model)
-    masks = 2 if flax_model.input_spec().encoder_decoder else 1  # the trailing mask arguments
+    spec = flax_model.input_spec()
+    lm = spec.generates
+    masks = 2 if spec.encoder_decoder else 1  # the trailing mask arguments
     no_mask = tuple(None if i >= len(args) - masks else a for i, a in enumerate(args))
-    rows = []
+    rows, agreements = [], []
     for case, inputs in (("none", no_mask), ("padding", args)):
-        report = compare(torch_model, flax_model, inputs)
+        mask = pairs.lm_mask(flax_model, inputs) if lm else None
+        report = compare(torch_model, flax_model, inputs, lm=lm, lm_mask=mask)
         rows.append(dataclasses.replace(report.rows[0], case=case, direction="torch twin vs flax"))
+        if report.lm is not None:
+            agreements.append((f"torch twin vs flax, {case}", report.lm))
     if Path(path).is_dir() and (Path(path) / "config.json").exists():
         try:
             import torch
             import transformers
         except ImportError:
-            return rows
+            return rows, agreements
         # by the folder's model_type: AutoModel (BertModel, DistilBertModel, RobertaModel) or AutoModelForCausalLM
         reference = (transformers.AutoModel if name == "TransformerEncoder" else transformers.AutoModelForCausalLM)
         reference = reference.from_pretrained(path, dtype=torch.float32).eval()  # a bf16 folder widens exactly
@@ -396,9 +411,13 @@ def checkpoint_rows(path, *, load=None) -> list[Row]:
             with torch.no_grad():
                 out = reference(torch.from_numpy(np.array(ids)), **kwargs)
             want = out.last_hidden_state if name == "TransformerEncoder" else out.logits
-            err, finite = max_abs_err(want, flax_module_call(flax_model, ids, mask))
+            got = flax_module_call(flax_model, ids, mask)
+            err, finite = max_abs_err(want, got)
             rows.append(Row(family, name, case, "transformers vs flax", err, finite))
-    return rows
+            if lm:
+                agreements.append((f"transformers vs flax, {case}", lm_agreement.measure(
+                    to_numpy(want), to_numpy(got), pairs.lm_mask(flax_model, (ids, mask)))))
+    return rows, agreements
 
 
 def flax_module_call(model, *args):

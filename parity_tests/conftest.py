@@ -15,10 +15,13 @@ import tempfile
 # compiled again. It lives in a temporary folder that the process that made it removes at exit:
 # each run starts cold, as CI does. max_size turns on jax's file lock, so concurrent writers and
 # readers of one entry never see it half written. Set JAX_COMPILATION_CACHE_DIR to choose another.
+# Only programs that took 0.5 s or more to compile are written: writing every eager op's tiny
+# program cost more than compiling it again (test_gpt + test_inputs: 80 -> 67 s; the CLI and
+# training tests, which share big programs across processes, the same at 0, 0.1 and 0.5).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="ft-test-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ |= {"JAX_COMPILATION_CACHE_DIR": _cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    os.environ |= {"JAX_COMPILATION_CACHE_DIR": _cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
 
 # torch on one thread in the tests (and the processes they start): the two xdist workers share two
@@ -76,23 +79,130 @@ SLOW = {
     "test_encoder.py::test_random_configurations": "test_encoder's parametrised parity tests",
     "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[llama-LlamaForCausalLM(tied, Gemma)]":
         "the same bound on the untied GQA llama",
+    # added at stop 28, when CI took 3015 s (the default run, 1064 tests): each the heaviest case of
+    # its kind, with the lighter one that stays named
+    "test_docs.py::test_python_blocks_run[docs/porting.md]": "test_porting, test_hf, test_cli's port tests run the same calls",
+    "test_docs.py::test_python_blocks_run[docs/verification.md]": "test_verdicts, test_bisect, test_certificate",
+    "test_docs.py::test_python_blocks_run[docs/generation.md]": "test_generate, test_generate_hf",
+    "test_docs.py::test_python_blocks_run[docs/training.md]": "test_runs, test_torch_state",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[former-CTransformer(mean)]":
+        "the same bound on the encoder and gpt models",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[llama-LlamaForCausalLM(untied, GQA, llama3 RoPE)]":
+        "test_llama_hf's bf16 folders, the same bound on gpt",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[encoder-TransformerEncoder]":
+        "the same bound on TransformerForSequenceClassification",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[classic-TransformerEncoder]":
+        "the same bound on the encoder family's TransformerEncoder(BERT)",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[encoder-TransformerForSequenceClassification(BERT)]":
+        "the same bound on TransformerForSequenceClassification",
+    "test_mixed_precision.py::test_bf16_compute_stays_within_the_bound[encoder-TransformerForSequenceClassification(BERT, mean)]":
+        "the same bound on TransformerForSequenceClassification",
+    "test_runs.py::test_classify_tiny_end_to_end_then_predict_and_export":
+        "test_lm_tiny_end_to_end and test_seq2seq_tiny_end_to_end (the same CLI and loop), test_guards_training's "
+        "classify steps, test_certificate's exports",
+    "test_cli.py::test_attention_map_png_and_html": "test_text_length's attention-map run",
+    "test_runs.py::test_sharded_run_on_8_host_devices_equals_one_device": "test_sharded",
+    "test_runs.py::test_two_processes_equal_one_process": "test_sharded",
+    "test_encoder.py::test_notebook_001_classifier_checkpoint":
+        "test_encoder's parity tests; notebooks 000 and 002's checkpoint tests",
+    "test_llama_training.py::test_the_torch_export_gives_the_same_logits": "test_torch_state's exports",
+    "test_llama_training.py::test_resume_equals_the_uninterrupted_run": "test_runs' resume test",
+    "test_llama_bisect.py::test_rope_half_split_applied_to_meta_interleaved_q_k_weights":
+        "test_llama_meta's permutation tests",
+    "test_hf_more.py::test_classify_fine_tunes_a_roberta_folder_and_exports_it":
+        "test_hf_more::test_sequence_classifier_heads[roberta], test_finetune's cases",
+    "test_hf_more.py::test_encoder_folder_both_ways[roberta-False]": "test_sequence_classifier_heads[roberta]",
+    "test_hf_more.py::test_sequence_classifier_heads[distilbert]": "test_encoder_folder_both_ways[distilbert-True]",
+    "test_cli.py::test_verify_grads_covers_every_full_model":
+        "test_*::test_parameter_gradients, test_llama::test_forward_and_gradients",
+    "test_encoder.py::test_jit_matches_eager": "test_former::test_jit_matches_eager, test_gpt's eager model rows",
+    "test_torch_state.py::test_entry_point_continues_an_exported_run_exactly_as_resume":
+        "test_trajectory_continues_across_frameworks",
+    "test_porting.py::test_torch_to_flax_dtypes": "test_bf16_weights_load_into_fp32_and_bf16_models",
+    "test_finetune.py::test_bf16_fine_tune_runs_with_fp32_parameters": "test_runs::test_bf16_and_fused_attention_runs",
+    "test_hf.py::test_fresh_flax_gpt2_loads_in_transformers": "test_gpt2_from_transformers_and_back[False]",
+    "test_survivors.py::test_masked_lm_folders_load[bert-BertForPreTraining]": "the other masked-LM folders",
+    "test_llama.py::test_rope_against_transformers_at_long_positions[dynamic]": "the llama3, linear, default RoPE",
+    "test_llama.py::test_forward_and_gradients[linear-mha-biases-gelu]": "test_attention_impl's llama blocks",
+    "test_llama.py::test_forward_and_gradients[mistral-window-dynamic-mqa]": "test_attention_impl's llama blocks",
+    "test_llama.py::test_forward_and_gradients[qwen3-qk-norm]": "test_attention_impl's llama blocks",
+    "test_writers.py::test_port_on_a_full_disk_keeps_the_old_output[torch]": "the safetensors and orbax cases",
+    "test_guards.py::test_generation_with_eos_on_ragged_prompts_matches_torch[top_k=1]":
+        "test_generate::test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus",
+    "test_hf_more.py::test_tf_era_layer_norm_names_load": "test_porting's rename tests, test_survivors' masked-LM folders",
+    "test_encoder.py::test_returned_attentions_match": "test_text_length's attention map, test_llama_cli's attention maps",
+    "test_hf_more.py::test_verify_checkpoint_and_port_on_each": "test_hf::test_verify_checkpoint_command_compares_with_transformers",
+    "test_former.py::test_notebook_000_ctransformer_checkpoint[True]": "test_notebook_000_ctransformer_checkpoint[False]",
+    "test_llama_bisect.py::test_q_norm_after_rope_instead_of_before":
+        "test_sliding_window_off_by_one, test_gemma_norm_without_plus_one",
+}
+
+# Parametrised sweeps: the default run keeps the cases named here (the hardest masks: padding,
+# causal+padding, fully masked rows; one model of each family), -m slow runs the others. A case
+# named here that no longer exists fails the run, as does a stale SLOW name.
+KEEP = {
+    "test_classic.py::test_blocks_and_model": {"fully-masked-row"},
+    "test_classic.py::test_multi_head_attention": {"3-2-7-padding", "8-3-5-causal+padding", "1-1-1-fully-masked-row"},
+    "test_encoder.py::test_models": {"False-padding", "True-fully-masked-row"},
+    "test_encoder.py::test_multi_head_attention": {"3-2-7-padding", "12-3-5-causal+padding", "1-1-1-fully-masked-row"},
+    "test_encoder.py::test_bert_classifier_heads": {"cls-padding", "mean-padding"},
+    "test_encoder.py::test_encoder_layer": {"True-padding", "False-causal+padding", "True-fully-masked-row"},
+    "test_former.py::test_attention": {"narrow-1-1-1-none", "narrow-3-2-7-causal+padding",
+                                       "narrow-3-2-7-fully-masked-row", "wide-1-2-5-padding",
+                                       "wide-6-1-3-fully-masked-row"},
+    "test_former.py::test_gtransformer": {"padding", "fully-masked-row"},
+    "test_former.py::test_input_gradients_with_fully_masked_row": {"wide"},
+    "test_former.py::test_ctransformer": {"False-none", "False-padding", "True-fully-masked-row"},
+    "test_former.py::test_block": {"narrow-padding", "narrow-causal+padding", "wide-fully-masked-row"},
+    "test_attention_impl.py::test_fused_attention_matches_torch": {
+        "former-CTransformer(max)", "former-TransformerBlock(wide)", "encoder-TransformerForSequenceClassification(BERT)",
+        "encoder-TransformerEncoderLayer(post-LN)", "gpt-GPT2LMHeadModel", "gpt-GPTMHTransformerLayer",
+        "classic-DecoderBlock", "llama-LlamaForCausalLM(tied, Gemma)",
+        "llama-LlamaDecoderLayer(q/k/v biases, MLP biases, window 3, dynamic RoPE)",
+        "llama-LlamaDecoderLayer(MHA, q/k norm, linear RoPE)"},
+    "test_attention_impl.py::test_attend_custom_backward_equals_autodiff": {"padding+empty-row", "causal",
+                                                                           "broadcast-kv", "dropout"},
+    "test_torch_state.py::test_trajectory_continues_across_frameworks": {"gpt", "llama"},
+    "test_training.py::test_training_trajectories_match_torch_for_every_family": {"gpt", "former"},
+    "test_generate.py::test_cache_gives_the_same_logits_at_every_step": {"gpt", "gpt2"},
+    "test_llama_generate.py::test_ragged_batch_with_eos_equals_transformers": {"Qwen3"},
+    "test_llama_generate.py::test_one_prompt_equals_transformers_in_one_compiled_loop": {"Llama"},
+    "test_bisect.py::test_a_correct_port_of_every_family_flags_nothing": {"GPTTransformer",
+                                                                         "TransformerForSequenceClassification(BERT)"},
+    "test_gpt.py::test_layer_and_model": {"padding", "left-padding (fully masked rows)", "empty row"},
+    "test_gpt.py::test_multi_head_attention": {"2-3-7-padding", "8-1-9-empty row", "1-1-1-left-padding (fully masked rows)"},
+    "test_porting.py::test_round_trips_are_bit_exact": {"CTransformer", "TransformerBlock",
+                                                         "TransformerForSequenceClassification", "MultiHeadAttention",
+                                                         "AttentionHead"},
 }
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a heavy test left out of the default run (conftest.SLOW says which "
-                                       "lighter test covers it); -m slow runs them")
+                                       "lighter test covers it, conftest.KEEP which cases of a sweep stay); "
+                                       "-m slow runs them")
 
 
 def pytest_collection_modifyitems(config, items):
     names = {item.nodeid.rpartition("parity_tests/")[2]: item for item in items}
     modules = {name.partition("::")[0]: item.module for name, item in names.items() if hasattr(item, "module")}
-    stale = [name for name in SLOW if name.partition("::")[0] in modules  # a file collected, even in part
-             and not hasattr(modules[name.partition("::")[0]], name.partition("::")[2].partition("[")[0])]
+
+    def exists(name):  # a test function of a collected file (a file left out of the run is not checked)
+        file, _, test = name.partition("::")
+        return file not in modules or hasattr(modules[file], test.partition("[")[0])
+
+    stale = [name for name in [*SLOW, *KEEP] if not exists(name)]
+    cases = {}  # a sweep's collected case ids
+    for name in names:
+        function, _, case = name.partition("[")
+        cases.setdefault(function, set()).add(case.removesuffix("]"))
+    stale += [f"{function}[{case}]" for function, kept in KEEP.items() if function in cases
+              for case in kept - cases[function]]
     if stale:
-        raise pytest.UsageError(f"conftest.SLOW names tests that do not exist: {stale}")
+        raise pytest.UsageError(f"conftest.SLOW or KEEP names tests that do not exist: {stale}")
     for name, item in names.items():
-        if name in SLOW:
+        function, _, case = name.partition("[")
+        if name in SLOW or (function in KEEP and case.removesuffix("]") not in KEEP[function]):
             item.add_marker(pytest.mark.slow)
 
 

@@ -143,14 +143,14 @@ SLOW = {
 KEEP = {
     "test_classic.py::test_blocks_and_model": {"fully-masked-row"},
     "test_classic.py::test_multi_head_attention": {"3-2-7-padding", "8-3-5-causal+padding", "1-1-1-fully-masked-row"},
-    "test_encoder.py::test_models": {"False-padding", "True-fully-masked-row"},
+    "test_encoder.py::test_models": {"False-padding", "False-fully-masked-row"},
     "test_encoder.py::test_multi_head_attention": {"3-2-7-padding", "12-3-5-causal+padding", "1-1-1-fully-masked-row"},
     "test_encoder.py::test_bert_classifier_heads": {"cls-padding", "mean-padding"},
     "test_encoder.py::test_encoder_layer": {"True-padding", "False-causal+padding", "True-fully-masked-row"},
     "test_former.py::test_attention": {"narrow-1-1-1-none", "narrow-3-2-7-causal+padding",
                                        "narrow-3-2-7-fully-masked-row", "wide-1-2-5-padding",
                                        "wide-6-1-3-fully-masked-row"},
-    "test_former.py::test_gtransformer": {"padding", "fully-masked-row"},
+    "test_former.py::test_gtransformer": {"fully-masked-row"},
     "test_former.py::test_input_gradients_with_fully_masked_row": {"wide"},
     "test_former.py::test_ctransformer": {"False-none", "False-padding", "True-fully-masked-row"},
     "test_former.py::test_block": {"narrow-padding", "narrow-causal+padding", "wide-fully-masked-row"},
@@ -169,7 +169,7 @@ KEEP = {
     "test_llama_generate.py::test_one_prompt_equals_transformers_in_one_compiled_loop": {"Llama"},
     "test_bisect.py::test_a_correct_port_of_every_family_flags_nothing": {"GPTTransformer",
                                                                          "TransformerForSequenceClassification(BERT)"},
-    "test_gpt.py::test_layer_and_model": {"padding", "left-padding (fully masked rows)", "empty row"},
+    "test_gpt.py::test_layer_and_model": {"left-padding (fully masked rows)", "empty row"},
     "test_gpt.py::test_multi_head_attention": {"2-3-7-padding", "8-1-9-empty row", "1-1-1-left-padding (fully masked rows)"},
     "test_porting.py::test_round_trips_are_bit_exact": {"CTransformer", "TransformerBlock",
                                                          "TransformerForSequenceClassification", "MultiHeadAttention",
@@ -183,27 +183,46 @@ def pytest_configure(config):
                                        "-m slow runs them")
 
 
-def pytest_collection_modifyitems(config, items):
-    names = {item.nodeid.rpartition("parity_tests/")[2]: item for item in items}
-    modules = {name.partition("::")[0]: item.module for name, item in names.items() if hasattr(item, "module")}
+def slow_tests(collected: set[str], functions: dict[str, set[str]], slow=None, keep=None) -> set[str]:
+    """The collected test ids ("file::test[case]") that SLOW and KEEP mark slow.
 
-    def exists(name):  # a test function of a collected file (a file left out of the run is not checked)
-        file, _, test = name.partition("::")
-        return file not in modules or hasattr(modules[file], test.partition("[")[0])
-
-    stale = [name for name in [*SLOW, *KEEP] if not exists(name)]
-    cases = {}  # a sweep's collected case ids
-    for name in names:
+    ``functions`` maps each collected file to its test functions. Raises pytest.UsageError naming
+    every entry of SLOW or KEEP that matches nothing in a collected file (a renamed test or case),
+    so that nothing drops out of, or stays in, the default run silently.
+    """
+    slow, keep = SLOW if slow is None else slow, KEEP if keep is None else keep
+    cases = {}  # each collected function's case ids ("" when it has none)
+    for name in collected:
         function, _, case = name.partition("[")
         cases.setdefault(function, set()).add(case.removesuffix("]"))
-    stale += [f"{function}[{case}]" for function, kept in KEEP.items() if function in cases
-              for case in kept - cases[function]]
-    if stale:
-        raise pytest.UsageError(f"conftest.SLOW or KEEP names tests that do not exist: {stale}")
-    for name, item in names.items():
+
+    def stale(name):  # of a collected file (a file left out of the run is not checked)
+        file, _, test = name.partition("::")
+        function, _, case = test.partition("[")
+        return file in functions and (function not in functions[file]
+                                      or bool(case) and f"{file}::{test}" not in collected)
+
+    missing = [name for name in [*slow, *keep] if stale(name)]
+    missing += [f"{function}[{case}]" for function, kept in keep.items() if function in cases
+                for case in sorted(kept - cases[function])]
+    if missing:
+        raise pytest.UsageError(f"conftest.SLOW or KEEP names tests that do not exist: {missing}")
+    marked = set()
+    for name in collected:
         function, _, case = name.partition("[")
-        if name in SLOW or (function in KEEP and case.removesuffix("]") not in KEEP[function]):
-            item.add_marker(pytest.mark.slow)
+        if name in slow or function in slow or (function in keep and case.removesuffix("]") not in keep[function]):
+            marked.add(name)
+    return marked
+
+
+def pytest_collection_modifyitems(config, items):
+    names = {item.nodeid.rpartition("parity_tests/")[2]: item for item in items}
+    functions = {}
+    for name, item in names.items():
+        if hasattr(item, "module"):
+            functions.setdefault(name.partition("::")[0], {n for n in dir(item.module) if n.startswith("test")})
+    for name in slow_tests(set(names), functions):
+        names[name].add_marker(pytest.mark.slow)
 
 
 def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, eager_too=False):

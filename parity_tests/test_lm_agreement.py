@@ -256,3 +256,16 @@ def test_the_schema_checks_the_lm_fields_and_a_failed_lm_check_refuses_the_expor
     failed = lm_agreement.measure(np.zeros((2, 3)), np.eye(2, 3) * 5).to_dict()
     with pytest.raises(CertificateError, match="the export check failed: LM KL"):
         certificate._refuse_failed(record | {"lm": failed}, "m", "reloaded in torch")
+
+
+def test_one_token_over_the_max_gate_fails_though_the_mean_is_within_its_own():
+    """100 tokens, one of them off (KL about 5e-7) and the rest exact: the mean (about 5e-9) is within
+    FP32's 1e-8, the max is not within 1e-7, and the max alone must fail the verdict."""
+    p = np.tile(np.arange(10, dtype=np.float64) * 0.3, (100, 1))  # well-separated logits: no near tie
+    q = p.copy()
+    q[0, 0] += 7e-3  # the least likely word of token 0
+    r = lm_agreement.measure(p, q)
+    assert r.kl_mean <= lm_agreement.FP32.kl_mean < lm_agreement.FP32.kl_max < r.kl_max  # the case is what it says
+    assert r.top1 == 1.0 and r.top5 == 1.0
+    assert not r.passed
+    assert any("KL max" in problem for problem in r.problems()), r.problems()

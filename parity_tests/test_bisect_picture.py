@@ -8,6 +8,7 @@ second block, gradients too, eager) is drawn several ways; the page's structure 
 """
 
 import dataclasses
+import re
 from collections import Counter
 from html.parser import HTMLParser
 
@@ -184,3 +185,18 @@ def mistral_window():
     flax_model.model.layers[1].self_attn.sliding_window = llama.WINDOW + 1
     return torch_model, flax_model, (llama.IDS,)
 
+
+
+def test_inherited_rows_are_drawn_failing_and_hollow_introduced_filled(report):
+    """An inherited error is still an error (red), hollow to say it came in; an introduced one red and filled."""
+    page = report.to_html()
+    rows = re.findall(r'<g[^>]*data-module="([^"]*)"[^>]*data-status="([^"]*)".*?</g>', page, re.S)
+    circles = {m.group(1): m.group(0) for m in re.finditer(r'<g[^>]*data-module="([^"]*)"[^>]*>.*?</g>', page, re.S)}
+    statuses = dict(rows)
+    inherited = [p for p, s in statuses.items() if s == "inherited"]
+    introduced = [p for p, s in statuses.items() if s == "introduced"]
+    assert inherited and introduced, statuses
+    for path in inherited:
+        assert re.search(r'<circle[^>]*fill="white" stroke="#c0262d"', circles[path]), circles[path]
+    for path in introduced:
+        assert re.search(r'<circle[^>]*fill="#c0262d" stroke="#c0262d"', circles[path]), circles[path]

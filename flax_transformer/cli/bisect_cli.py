@@ -102,9 +102,14 @@ def run(args) -> int:
         torch_model, flax_model, call_args, call_kwargs = call_factory(args.pair)
     else:
         bare = Path(args.checkpoint).suffix in (".pt", ".bin", ".pth")  # its certificate says its model, as in verify
+        dtype = getattr(args, "dtype", "fp32")
+        if dtype != "fp32" and (bare or (Path(args.checkpoint) / "run.json").is_file()):
+            raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; "
+                             f"{args.checkpoint} is a {'training run' if not bare else 'bare state_dict'} "
+                             "(port it first: flax-transformer port SRC DST)")
         flax_model, torch_model = (certificate.load_pair(args.checkpoint)
                                    if bare and certificate.find(args.checkpoint) else
-                                   pairs.load_pair(args.checkpoint, load=load_model))
+                                   pairs.load_pair(args.checkpoint, load=load_model, dtype=dtype))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
                      else pairs.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}

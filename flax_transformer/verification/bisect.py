@@ -63,6 +63,7 @@ from flax import nnx
 
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.verification import capture, frameworks, positions
+from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect.X: the public names)
     BOTH_NONFINITE,
     COVERED_FREE,
@@ -181,16 +182,19 @@ def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: b
     return treedef.unflatten(leaves)
 
 
-def _rerun_alone(torch_module, ref_call, jax_call, want):
-    """(torch fp32 error, JAX error) of the module rerun alone on the fp64 input; None if it cannot be."""
+def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None):
+    """(torch error, JAX error) of the module rerun alone on the fp64 input (torch's cast to its
+    precision, ``dtype``: float32 unless given; JAX's to float32, the module casts to its own);
+    None if it cannot be."""
     import torch
 
     channels_last = frameworks.channels_last(jax_call.module)
     inputs = _jax_inputs(jax_call, ref_call, channels_last)
     if inputs is None or jax_call.module is None:
         return None, None
+    dtype = dtype or torch.float32
     with torch.no_grad():
-        torch_out = torch_module(*_cast(ref_call.args, torch.float32), **_cast(ref_call.kwargs, torch.float32))
+        torch_out = torch_module(*_cast(ref_call.args, dtype), **_cast(ref_call.kwargs, dtype))
     jax_out = jax_call.module(*inputs[0], **inputs[1])
     got_t = _floats(torch_out)
     got_j = [frameworks.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
@@ -230,13 +234,13 @@ def _produced(call) -> bool:
     return call is not None and not _all_finite(call.output) and _all_finite((call.args, call.kwargs))
 
 
-def _status(jax_err, torch_err, scale, local) -> str:
-    if jax_err <= budget(torch_err, scale):
+def _status(jax_err, torch_err, scale, local, precision=_precision.FP32) -> str:
+    if jax_err <= budget(torch_err, scale, precision):
         return "ok"
     local_torch, local_jax = local
     if local_jax is None:
         return "diverged"
-    return "introduced" if local_jax > budget(local_torch, scale) else "inherited"
+    return "introduced" if local_jax > budget(local_torch, scale, precision) else "inherited"
 
 
 def _not_called_status(module, name: str, flax_names: tuple[set[str], set[str]] | None, pairs=(),
@@ -308,8 +312,9 @@ def _tied(torch_model) -> dict[str, tuple[str, ...]]:
 def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
                  flax_names: tuple[set[str], set[str]] | None = None, pairs=(),
                  tied: dict[str, tuple[str, ...]] | None = None, measured: dict | None = None,
-                 length: int | None = None) -> list[ModuleRow]:
-    """One row per torch call; ``measured`` gets {row: (torch, JAX) error per position} (``positions``)."""
+                 length: int | None = None, precision=_precision.FP32) -> list[ModuleRow]:
+    """One row per torch call (``t32_calls``: the torch run at ``precision``); ``measured`` gets
+    {row: (torch, JAX) error per position} (``positions``)."""
     rows = []
     for name, ref in ref_calls.items():
         kind = type(ref.module).__name__
@@ -340,9 +345,9 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
         elif both and not torch_only:  # the same NaN/inf in both: judge the finite rest by the budget
             torch_err, jax_err = _finite_part_errs(got_t, got_j, want)
         local = (None, None)
-        if rerun and jax_err > budget(torch_err, scale):  # only a diverged call needs the rerun
-            local = _rerun_alone(modules32[ref.path], ref, jx, want)
-        status = _status(jax_err, torch_err, scale, local)
+        if rerun and jax_err > budget(torch_err, scale, precision):  # only a diverged call needs the rerun
+            local = _rerun_alone(modules32[ref.path], ref, jx, want, precision.torch_dtype())
+        status = _status(jax_err, torch_err, scale, local, precision)
         if torch_only and not jax_only:
             status = TORCH_NONFINITE
         elif jax_only and status == "ok":  # torch's own error is infinite too: no budget to be within
@@ -352,13 +357,14 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
         produced = ", ".join(side for side, call in (("JAX", jx), ("torch", t32)) if _produced(call))
         rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, status, jax_only, torch_only, both,
                               produced, flax_path=renamed,
-                              note="channels last in Flax, compared in torch's layout" if moved else ""))
+                              note="channels last in Flax, compared in torch's layout" if moved else "",
+                              precision=precision.name))
     return rows
 
 
 def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
            use_jit: bool = True, seed: int = 0, allow_nonfinite: bool = False,
-           allow_skipped: bool = False, rename=None, loss_fn=None) -> BisectReport:
+           allow_skipped: bool = False, rename=None, loss_fn=None, precision=None) -> BisectReport:
     """Find the first submodule where the Flax model's output leaves the float64 torch reference.
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
@@ -378,6 +384,12 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     layout in Flax (``frameworks.CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
     Flax) is compared through that transposition, its rerun too.
 
+    ``precision`` is the budget's (``precision.py``): None reads the Flax model's compute dtype
+    (its modules' ``dtype``). For a bfloat16 model the torch runs (the whole model, each rerun
+    alone, the gradients) are of a copy of the torch model in ``torch.bfloat16``, and the budget
+    is bf16's rule: a correct bf16 port passes, and a bug is still named. ``"float32"`` judges a
+    bf16 model by float32's rule (it then diverges everywhere: what bf16 costs).
+
     ``rename`` is porting's ``[(regex, replacement), ...]``: a torch module path is looked up in
     Flax at the path its parameters' keys take after the pairs (``flax_path``), and a torch key's
     gradient is compared with the Flax parameter of the renamed key. ``grads=True``
@@ -394,27 +406,29 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     kwargs = kwargs or {}
     pairs = check_rename(rename)  # a bad rename fails before any work
     frameworks.split_loss_fn(loss_fn)
+    rule = _precision.resolve(precision, flax_model)
     torch_model.eval()
     flax_model.eval()
     reference = copy.deepcopy(torch_model).double()
+    low = torch_model if rule is _precision.FP32 else copy.deepcopy(torch_model).to(rule.torch_dtype())
     args, kwargs = fp32_inputs(tuple(args)), fp32_inputs(kwargs)  # the fp64 reference casts them back up
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     with torch.no_grad():
-        t_out, t32 = capture.torch_calls(torch_model, t_args, t_kwargs)
+        t_out, t32 = capture.torch_calls(low, _cast(t_args, rule.torch_dtype()), _cast(t_kwargs, rule.torch_dtype()))
         _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
     j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
-    modules32, measured = dict(torch_model.named_modules()), {}
+    modules32, measured = dict(low.named_modules()), {}
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
                         _flax_names(flax_model), pairs, _tied(torch_model), measured,
-                        positions.sequence_length((t_args, t_kwargs)))
+                        positions.sequence_length((t_args, t_kwargs)), rule)
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared,
-                          positions=positions.attach(rows, measured))
+                          positions=positions.attach(rows, measured), precision=rule.name)
     if grads:
-        report.grad_rows = _grad_rows(torch_model, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn)
+        report.grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule)
         report.first_divergent_grad = first_divergent_grad(report, [call.path for call in t32])
     return report.settle()
 
@@ -428,13 +442,16 @@ def _torch_grads(model, args, kwargs, weights, loss_fn, dtype) -> dict[str, np.n
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
         frameworks.torch_scalar(model(*_cast(args, dtype), **_cast(kwargs, dtype)), weights, loss_fn).backward()
-    grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
+    grads = {k: frameworks.to_numpy(p.grad if p.grad is not None else torch.zeros_like(p))
              for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads
 
 
-def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None) -> list[GradRow]:
+def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None,
+               rule=_precision.FP32) -> list[GradRow]:
+    """One row per parameter: ``torch_model`` (at ``rule``'s precision) and the Flax model's gradients
+    against the float64 ``reference``'s."""
     import torch
     from flax import nnx
 
@@ -442,11 +459,11 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
 
     torch_fn, flax_fn = frameworks.split_loss_fn(loss_fn)
     with torch.no_grad():
-        out = torch_model(*args, **kwargs)
+        out = torch_model(*_cast(args, rule.torch_dtype()), **_cast(kwargs, rule.torch_dtype()))
     weights = {} if torch_fn is not None else frameworks.default_weights(out, seed)  # verify.compare's W
     if torch_fn is None and not weights:
         raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; give loss_fn=")
-    g32 = _torch_grads(torch_model, args, kwargs, weights, torch_fn, torch.float32)
+    g32 = _torch_grads(torch_model, args, kwargs, weights, torch_fn, rule.torch_dtype())
     g64 = _torch_grads(reference, args, kwargs, weights, torch_fn, torch.float64)
     j_args = tuple(map(frameworks.to_jax, args))
     j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
@@ -460,7 +477,7 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
     # one gradient per tensor: a tied one summed over its uses (torch's autograd sums already)
     g32 = {k.name: frameworks.sum_grads(g32, k.torch) for k in keys}
     g64 = {k.name: frameworks.sum_grads(g64, k.torch) for k in keys}
-    budgets = grad_budgets(g32, g64)
+    budgets = grad_budgets(g32, g64, rule)
     rows = []
     for key in keys:
         want = g64[key.name]

@@ -236,7 +236,7 @@ def _position_paths(report) -> list[str]:
 
 def to_html(report) -> str:
     """The report as one self-contained HTML page (no script, no network): see the module docstring."""
-    first = _highlighted(report)
+    first, rule = _highlighted(report), report.rule
     parts = [f"<!doctype html><html><head><meta charset=\"utf-8\"><title>bisect: "
              f"{html.escape(report.summary().splitlines()[-1])}</title><style>{_CSS}</style></head><body>",
              f"<h1 style=\"font-size:1.2em\">bisect: {'PASSED' if report.passed else 'FAILED'}</h1>",
@@ -244,7 +244,8 @@ def to_html(report) -> str:
              '<p class="legend">Error against float64, log scale: <span style="color:#777">◇ torch fp32</span>, '
              f'<span style="color:{OK}">● JAX within budget</span>, <span style="color:{BAD}">● JAX over budget, '
              'introduced here</span>, <span style="color:#c0262d">○ inherited (correct on the right input)</span>, '
-             '| budget = max(10 × torch fp32, 16 float32 steps of the output). Exact zeros sit in the band '
+             f'| budget = max({rule.slack:g} × torch fp32, {rule.floor_ulps:g} {rule.name} step(s) of the output). '
+             'Exact zeros sit in the band '
              'labelled 0, NaN or inf in the band labelled NaN/inf. The highlighted row is the first divergent '
              'module; hover a row for its numbers.</p>',
              f"<h2>module outputs, in call order ({len(report.rows)} calls)</h2>",
@@ -256,7 +257,9 @@ def to_html(report) -> str:
     if shown:
         parts += ["<h2>error per position (JAX red, torch fp32 grey dotted, budget dashed)</h2><div>",
                   *(_positions_svg(p, report.positions[p]) for p in shown), "</div>"]
-    return "\n".join(parts + ["</body></html>\n"])
+    page = "\n".join(parts + ["</body></html>\n"])
+    # a bf16 model's report: torch ran in bf16 (``precision.py``), and every label says so
+    return page if rule.short == "fp32" else page.replace("torch fp32", f"torch {rule.short}")
 
 
 def to_png(report, *, dpi: int = 100) -> bytes:
@@ -273,9 +276,10 @@ def to_png(report, *, dpi: int = 100) -> bytes:
     fig = Figure(figsize=(11, sum(heights) + head))
     grid = fig.add_gridspec(len(heights), max(len(shown), 1), height_ratios=heights)
     for k, (title, items, first) in enumerate(panels):
-        _draw_rows(fig.add_subplot(grid[k, :]), title, items, first)
+        _draw_rows(fig.add_subplot(grid[k, :]), title, items, first, f"torch {report.rule.short}")
     for k, path in enumerate(shown):
-        _draw_positions(fig.add_subplot(grid[len(panels), k]), path, report.positions[path])
+        _draw_positions(fig.add_subplot(grid[len(panels), k]), path, report.positions[path],
+                        f"torch {report.rule.short}")
     fig.suptitle(summary, fontsize=8, x=0.01, y=0.995, ha="left", va="top", family="monospace")
     fig.tight_layout(rect=(0, 0, 1, 1 - head / (sum(heights) + head)))
     buf = io.BytesIO()
@@ -288,7 +292,7 @@ def to_png(report, *, dpi: int = 100) -> bytes:
     return small.getvalue()
 
 
-def _draw_rows(ax, title: str, items, first) -> None:
+def _draw_rows(ax, title: str, items, first, torch_name: str = "torch fp32") -> None:
     axis = _LogAxis([v for it in items for v in it[5:8]], 0.0)
     lo, hi = 10.0 ** axis.lo, 10.0 ** axis.hi
     zero, nonfinite = lo / 10 ** 0.8, hi * 10 ** 0.8  # the bands, as in the page
@@ -323,14 +327,14 @@ def _draw_rows(ax, title: str, items, first) -> None:
     ax.minorticks_off()
     ax.grid(axis="x", color="#ddd")
     hollow = " (○ inherited)" if title.startswith("module") else ""
-    ax.set_title(f"{title}: ◇ torch fp32  ● JAX{hollow}  | budget  (error against float64)", fontsize=8, loc="left")
+    ax.set_title(f"{title}: ◇ {torch_name}  ● JAX{hollow}  | budget  (error against float64)", fontsize=8, loc="left")
 
 
-def _draw_positions(ax, path: str, found) -> None:
+def _draw_positions(ax, path: str, found, torch_name: str = "torch fp32") -> None:
     floor = min([float(v) for v in np.concatenate([found.jax, found.torch]) if np.isfinite(v) and v > 0]
                 + [found.budget]) / 10  # exact zeros drawn here, and said so in the legend
     x = np.arange(len(found.jax))
-    for series, color, style, name in ((found.torch, TORCH, "x:", "torch fp32"), (found.jax, BAD, "o-", "JAX")):
+    for series, color, style, name in ((found.torch, TORCH, "x:", torch_name), (found.jax, BAD, "o-", "JAX")):
         y = np.where(np.asarray(series) > 0, series, floor)
         ax.plot(x, np.nan_to_num(y, nan=np.inf, posinf=np.inf), style, color=color, ms=3, label=name)
         bad = ~np.isfinite(series)

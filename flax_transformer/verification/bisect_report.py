@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from flax_transformer.verification import positions as _positions
+from flax_transformer.verification.precision import FP32, PRECISIONS, Precision
 
-SLACK = 10.0  # JAX may be this many times less accurate than torch fp32 ...
-FLOOR_ULPS = 16.0  # ... or this many float32 steps of the output's largest magnitude
-EPS32 = float(np.finfo(np.float32).eps)
+SLACK = FP32.slack  # JAX may be this many times less accurate than torch fp32 ...
+FLOOR_ULPS = FP32.floor_ulps  # ... or this many float32 steps of the output's largest magnitude
+EPS32 = FP32.eps
 
 
 MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
@@ -31,12 +32,14 @@ TORCH_NONFINITE = "not finite in torch only"  # a status: always fails
 DIVERGED = ("introduced", "inherited", "diverged")
 
 
-def budget(torch_err: float, scale: float) -> float:
-    """The largest JAX error (vs fp64) that is still float32 rounding, by the rule above."""
-    return max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)
+def budget(torch_err: float, scale: float, precision: Precision = FP32) -> float:
+    """The largest JAX error (vs fp64) that is still rounding at ``precision`` (``precision.py``;
+    float32: ``max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)``)."""
+    return precision.budget(torch_err, scale)
 
 
-def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
+def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray],
+                 precision: Precision = FP32) -> dict[str, tuple[float, float]]:
     """{parameter: (scale, budget)} of its gradient: one budget for all of a model's gradients,
     ``grad_budget`` of each one's torch fp32 error (finite values) and largest |fp64| value."""
     own = {}
@@ -47,11 +50,11 @@ def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray]) -> dict
             keep = np.isfinite(t64) & np.isfinite(w64)
             err = float(np.abs(t64 - w64)[keep].max(initial=0.0))
         own[name] = (err, _finite_max(want))
-    shared = grad_budget(own)
+    shared = grad_budget(own, precision)
     return {name: shared for name in own}
 
 
-def grad_budget(own: dict[str, tuple[float, float]]) -> tuple[float, float]:
+def grad_budget(own: dict[str, tuple[float, float]], precision: Precision = FP32) -> tuple[float, float]:
     """(scale, budget) for every gradient of one model, from each parameter's own (torch fp32
     error, largest |fp64 gradient|): ``budget(torch_err, scale)`` with both the largest over the
     model. JAX's gradients must be as accurate as torch's, within ``SLACK``, taken over the model.
@@ -66,7 +69,7 @@ def grad_budget(own: dict[str, tuple[float, float]]) -> tuple[float, float]:
     0.35 of it; a wrong backward (a doubled gradient) is orders of magnitude beyond."""
     torch_err = max((err for err, _ in own.values()), default=0.0)
     scale = max((s for _, s in own.values()), default=0.0)
-    return scale, budget(torch_err, scale)
+    return scale, budget(torch_err, scale, precision)
 
 
 def _finite_max(a) -> float:
@@ -75,9 +78,9 @@ def _finite_max(a) -> float:
     return float(a[np.isfinite(a)].max(initial=0.0))
 
 
-def budget_rule() -> dict:
+def budget_rule(precision: Precision = FP32) -> dict:
     """The rule's constants, as the reports' ``to_dict()`` record them."""
-    return {"slack": SLACK, "floor_ulps": FLOOR_ULPS, "eps32": EPS32}
+    return precision.rule()
 
 
 def _path(name: str) -> str:
@@ -95,7 +98,7 @@ class ModuleRow:
 
     path: str  # torch naming, "" = the model; "#k" marks the k-th repeated call
     kind: str  # the torch class
-    torch_err: float | None = None  # torch fp32 vs fp64
+    torch_err: float | None = None  # torch (at the Flax model's precision, fp32 mostly) vs fp64
     jax_err: float | None = None  # JAX vs fp64
     scale: float = 0.0  # max |fp64 output|
     local_torch_err: float | None = None  # rerun alone on the fp64 input
@@ -109,6 +112,7 @@ class ModuleRow:
     produced: str = ""  # "JAX", "torch" or "JAX, torch": its inputs finite there, its output not
     flax_path: str = ""  # the Flax call's path where rename= gives another one
     note: str = ""  # how it was compared, where that is not as it is (a layout moved)
+    precision: str = "float32"  # the Flax model's compute dtype: torch ran at it, the budget is its rule
 
     @property
     def ratio(self) -> float | None:
@@ -118,7 +122,7 @@ class ModuleRow:
 
     @property
     def budget(self) -> float | None:
-        return None if self.torch_err is None else budget(self.torch_err, self.scale)
+        return None if self.torch_err is None else budget(self.torch_err, self.scale, PRECISIONS[self.precision])
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ class BisectReport:
     outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
     # {row path: positions.PositionErrors}: the error per position of every sequence output
     positions: dict = field(default_factory=dict)
+    precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
 
     def onset(self, path: str) -> int | None:
         """The first position where the call at ``path`` (``MODEL``: the model's output) leaves its
@@ -288,10 +293,21 @@ class BisectReport:
                 line = f"gradients: first wrong at {self.first_divergent_grad}" + (
                     f" ({'; '.join(notes)})" if notes else "")
             lines.append(line)
+        if self.precision != "float32":
+            rule = PRECISIONS[self.precision]
+            lines.append(f"precision: {self.precision} (the Flax model's); torch ran in {self.precision} too, budget "
+                         f"max({rule.slack:g} x torch's error, {rule.floor_ulps:g} {self.precision} step(s) of the "
+                         "output) against float64")
         return "\n".join(lines)
 
+    @property
+    def rule(self) -> Precision:
+        """The budget rule this report's rows were judged by (``precision.py``)."""
+        return PRECISIONS[self.precision]
+
     def __str__(self) -> str:
-        header = ("module", "class", "torch err", "jax err", "ratio", "rerun alone: torch", "jax", "status")
+        header = ("module", "class", "torch err" if self.precision == "float32" else f"torch {self.rule.short} err",
+                  "jax err", "ratio", "rerun alone: torch", "jax", "status")
         body = [(r.path or "(model)", r.kind, _fmt(r.torch_err), _fmt(r.jax_err),
                  "-" if r.ratio is None else f"{r.ratio:.1f}", _fmt(r.local_torch_err), _fmt(r.local_jax_err),
                  _status_text(r)) for r in self.rows]
@@ -322,7 +338,7 @@ class BisectReport:
                 "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
                 "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
                 "allow_skipped": self.allow_skipped,
-                "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(), "modules": rows,
+                "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(self.rule), "modules": rows,
                 "gradients": grads, "positions": _positions.report_dict(
                     self.positions, None if self.first_divergent is None else _path(self.first_divergent))}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +21,15 @@ from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
 from flax_transformer.verification import lm_agreement
-from flax_transformer.verification.bisect import _cast, budget_rule, grad_budget
+from flax_transformer.verification import precision as _precision
+from flax_transformer.verification.bisect import _cast, grad_budget
+from flax_transformer.verification.compare_report import (  # noqa: F401  (compare.X: the public names)
+    TOLERANCE,
+    CompareReport,
+    Row,
+    format_table,
+    grads_row,
+)
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
     apply_flat,
@@ -32,6 +39,7 @@ from flax_transformer.verification.frameworks import (
     split_loss_fn,
     sum_grads,
     to_jax,
+    to_numpy,
     to_torch,
     torch_scalar,
 )
@@ -42,201 +50,12 @@ from flax_transformer.verification.leaf_checks import leaf as _leaf
 from flax_transformer.verification.leaf_checks import logits_path as _logits_path
 from flax_transformer.verification.leaf_checks import outputs as _outputs
 
-TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
-
-@dataclass(frozen=True)
-class Row:
-    """One line of a comparison: the outputs (or one parameter's gradient) of a torch model and
-    its Flax twin, and, where measured, both against a float64 torch copy of the model.
-
-    It passes when: every value is finite in both frameworks (values NaN or inf in both, as the
-    same value, pass only with ``allow_nonfinite``; NaN or inf on one side never), ``max_abs_err
-    <= tol``, ``jax_err <= budget`` (the float64 rule, ``bisect.budget``: JAX may be ``SLACK``
-    times less accurate than torch fp32, or within ``FLOOR_ULPS`` float32 steps of the scale),
-    and everything was compared (``skipped`` empty, or ``allow_skipped``).
-    """
-
-    family: str
-    module: str
-    case: str
-    direction: str
-    max_abs_err: float
-    finite: bool
-    tol: float = TOLERANCE
-    jax_err: float | None = None  # max |JAX - float64 torch| (None: not measured)
-    torch_err: float | None = None  # max |torch fp32 - float64 torch|
-    budget: float | None = None  # the most jax_err may be: bisect.budget(torch_err, max |float64|)
-    nonfinite_jax: int = 0  # values NaN/inf in JAX where torch has another value
-    nonfinite_torch: int = 0  # values NaN/inf in torch where JAX has another value
-    nonfinite_both: int = 0  # values NaN/inf in both frameworks, the same value ("not finite in either framework")
-    skipped: str = ""  # what could not be compared ("" = everything was)
-    allow_nonfinite: bool = False
-    allow_skipped: bool = False
-    mismatched: str = ""  # what differs outright: a non-array output leaf, a leaf on one side only
-    note: str = ""  # e.g. "tied: lm_head.weight = tok_emb.weight" (a gradient summed over its uses)
-
-    @property
-    def within_budget(self) -> bool | None:
-        """``jax_err <= budget``; None where the float64 reference was not measured."""
-        return None if self.budget is None or self.jax_err is None else bool(self.jax_err <= self.budget)
-
-    @property
-    def passed(self) -> bool:
-        if self.nonfinite_jax or self.nonfinite_torch:
-            return False
-        if not self.finite and not (self.allow_nonfinite and self.nonfinite_both):
-            return False
-        if self.skipped and not self.allow_skipped or self.mismatched:
-            return False
-        return bool(self.max_abs_err <= self.tol) and self.within_budget is not False
-
-    def problems(self) -> list[str]:
-        """Why the row fails (or what it was allowed), one phrase each; empty when all is well."""
-        out = []
-        if self.nonfinite_jax:
-            out.append(f"NaN/inf in JAX only ({self.nonfinite_jax} values)")
-        if self.nonfinite_torch:
-            out.append(f"NaN/inf in torch only ({self.nonfinite_torch} values)")
-        if self.nonfinite_both:
-            out.append(f"not finite in either framework ({self.nonfinite_both} values"
-                       + (", allowed)" if self.allow_nonfinite else ")"))
-        elif not self.finite and not (self.nonfinite_jax or self.nonfinite_torch):
-            out.append("NaN/inf")
-        if not self.max_abs_err <= self.tol:
-            out.append(f"max abs err > {self.tol:g}")
-        if self.within_budget is False:
-            over = self.jax_err / self.budget if self.budget > 0 else float("inf")
-            out.append(f"JAX {over:.1f}x its float64 budget")
-        if self.skipped:
-            out.append(f"not compared: {self.skipped}" + (" (allowed)" if self.allow_skipped else ""))
-        if self.mismatched:
-            out.append(f"differs: {self.mismatched}")
-        return out
-
-
-def _e(x) -> str:
-    return "-" if x is None else f"{x:.2e}"
-
-
-def format_table(rows: list[Row]) -> str:
-    """The rows as a table: the abs error, JAX's error against float64 torch and its budget, the verdict."""
-    header = ("family", "module", "case", "direction", "max abs err", "jax vs fp64", "budget", "result")
-    body = []
-    for r in rows:
-        problems = r.problems()
-        result = ("pass" if r.passed else "FAIL") + (f": {'; '.join(problems)}" if problems else "")
-        result += f" ({r.note})" if r.note else ""
-        body.append((r.family, r.module, r.case, r.direction,
-                     f"{r.max_abs_err:.2e}" + ("" if r.finite else " (NaN/inf)"), _e(r.jax_err), _e(r.budget), result))
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
-
-
-@dataclass(frozen=True)
-class CompareReport:
-    """What ``compare`` found: the output row, and with ``grads=True`` one row per parameter.
-
-    ``str(report)`` is the table ``flax-transformer verify`` prints; ``report.to_dict()`` the same
-    as plain data. It also unpacks as ``err, finite = report`` (the outputs' max abs error and
-    whether all outputs are finite), the form ``compare`` returned before it grew a report.
-    """
-
-    rows: tuple[Row, ...]
-    max_abs_err: float
-    finite: bool
-    tol: float = TOLERANCE
-    grad_err: float | None = None  # worst parameter-gradient error, relative to max(1, max |g|)
-    grad_finite: bool | None = None
-    worst_grad_key: str | None = None
-    scale: float = 0.0  # max |torch output| (finite values): max_rel_err is max_abs_err / max(1, scale)
-    outputs: tuple[dict, ...] = ()  # one per array output leaf (by path): its errors, against float64 too
-    others: tuple[dict, ...] = ()  # one per output leaf that is not an array (None, a string): both values, equal
-    skipped: tuple[str, ...] = ()  # what could not be compared (an output leaf, the float64 reference)
-    allow_nonfinite: bool = False
-    allow_skipped: bool = False
-    lm: lm_agreement.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
-
-    @property
-    def passed(self) -> bool:
-        return (all(r.passed for r in self.rows) and (not self.skipped or self.allow_skipped)
-                and (self.lm is None or self.lm.passed))
-
-    @property
-    def max_rel_err(self) -> float:
-        """The outputs' max abs error relative to their scale, ``max(1, max |torch output|)``."""
-        return self.max_abs_err / max(1.0, self.scale)
-
-    @property
-    def jax_err(self) -> float | None:
-        """The outputs' JAX error against float64 torch (the output nearest its budget); None: not measured."""
-        return self.rows[0].jax_err
-
-    @property
-    def torch_err(self) -> float | None:
-        return self.rows[0].torch_err
-
-    @property
-    def budget(self) -> float | None:
-        return self.rows[0].budget
-
-    @property
-    def incomplete(self) -> bool:
-        return bool(self.skipped)
-
-    def __iter__(self):
-        return iter((self.max_abs_err, self.finite))
-
-    def __str__(self) -> str:
-        return format_table(list(self.rows)) + "\n\n" + self.summary()
-
-    def summary(self) -> str:
-        """The verdict in a few lines; the first says so when something was not compared."""
-        lines = []
-        if self.skipped:
-            lines.append(f"{'ALLOWED INCOMPLETE (allow_skipped)' if self.allow_skipped else 'INCOMPLETE'}: "
-                         f"{len(self.skipped)} not compared: {'; '.join(self.skipped)}")
-        out = self.rows[0]
-        line = (f"outputs: max abs err {self.max_abs_err:.2e}, relative {self.max_rel_err:.2e} (tolerance "
-                f"{self.tol:g})")
-        if out.jax_err is not None:
-            line += f"; against float64 torch: JAX {out.jax_err:.2e}, torch {out.torch_err:.2e}, budget {out.budget:.2e}"
-        lines.append(line)
-        if self.others:
-            lines.append("outputs that are not arrays (must be equal): " + "; ".join(
-                f"{o['output']}: {o['torch']}" + ("" if o["equal"] else f" vs flax {o['flax']} DIFFERENT")
-                for o in self.others))
-        grads = self.rows[1:]
-        if grads:
-            failed = [r.module for r in grads if not r.passed]
-            lines.append(f"gradients: {len(grads) - len(failed)} of {len(grads)} parameters pass (worst relative "
-                         f"err {self.grad_err:.2e}, {self.worst_grad_key})"
-                         + (f"; failing: {', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}" if failed else ""))
-        if self.lm is not None:
-            lines.extend(self.lm.lines())
-        problems = [f"{r.module}: {'; '.join(p)}" for r in self.rows if not r.passed and (p := r.problems())]
-        if self.lm is not None and not self.lm.passed:
-            problems.append("LM agreement: " + "; ".join(self.lm.problems()))
-        lines.append("pass" if self.passed else "FAIL" + (f" ({problems[0]})" if problems else ""))
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"passed": self.passed, "tol": self.tol, "max_abs_err": self.max_abs_err, "finite": self.finite,
-                "max_rel_err": self.max_rel_err, "scale": self.scale, "jax_err": self.jax_err,
-                "torch_err": self.torch_err, "budget": self.budget, "budget_rule": budget_rule(),
-                "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
-                "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
-                "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs), "others": list(self.others),
-                "lm": None if self.lm is None else self.lm.to_dict(),
-                "rows": [dataclasses.asdict(r) | {"passed": r.passed, "problems": r.problems()} for r in self.rows]}
-
-
-def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float = TOLERANCE,
+def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float | None = None,
             grads: bool = False, use_jit: bool = True, seed: int = 0, fp64: bool = True,
             allow_nonfinite: bool = False, allow_skipped: bool = False, rename=None,
-            loss_fn=None, lm: bool = False, lm_mask=None, lm_gates: lm_agreement.Gates = lm_agreement.FP32
-            ) -> CompareReport:
+            loss_fn=None, lm: bool = False, lm_mask=None, lm_gates: lm_agreement.Gates | None = None,
+            precision=None) -> CompareReport:
     """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
 
     Works for any pair whose calls take the same arguments. Inputs may be numpy arrays or torch
@@ -266,7 +85,9 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
 
     Args:
         args, kwargs: the call's arguments, e.g. ``(ids, mask)``.
-        tol: the max abs error a row may have and pass (fp32, matmul precision "highest": 1e-5).
+        tol: the max abs error a row may have and pass; None: ``TOLERANCE`` (fp32, matmul precision
+            "highest": 1e-5) for a float32 model, none (infinite) for a bfloat16 one, which is
+            judged by its float64 budget alone (``precision``).
         grads: also compare every parameter's gradient of one scalar: ``loss_fn(outputs)`` when
             given, else ``sum_i <output_i, W_i>`` over the floating output leaves with fixed random
             ``W_i`` (``frameworks.default_weights``, seeded by ``seed``, placed on Flax's leaves by
@@ -301,7 +122,11 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             not floating-point ``[..., vocab]`` logits. The figures are in ``report.lm``, its
             summary and ``to_dict()["lm"]``, and the report passes only if they meet ``lm_gates``.
         lm_mask: ``logits.shape[:-1]``, nonzero at real tokens (padding is left out); None: all.
-        lm_gates: ``lm_agreement.FP32`` (default) or ``BF16`` (a bf16-compute Flax model).
+        lm_gates: ``lm_agreement.FP32`` or ``BF16``; None: the one of the model's ``precision``.
+        precision: the float64 budget's rule (``precision.py``); None reads the Flax model's compute
+            dtype. For a bfloat16 model torch also runs as a ``torch.bfloat16`` copy (forward, and
+            backward with ``grads``), whose error against float64 sets the budget, by bf16's rule:
+            a correct bf16 port passes, a bug does not. Needs ``fp64`` (nothing else judges it).
 
     Returns:
         A ``CompareReport``: one row for the outputs, then one per parameter gradient.
@@ -312,6 +137,12 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
 
     kwargs = kwargs or {}
     check_rename(rename)  # a bad rename fails before any work
+    rule = _precision.resolve(precision, flax_model)
+    if rule is not _precision.FP32 and not fp64:
+        raise ValueError(f"a {rule.name} model is judged against float64 alone (no abs tolerance holds at "
+                         f"{rule.name}): fp64=False leaves nothing to judge it by")
+    tol = (TOLERANCE if rule is _precision.FP32 else float("inf")) if tol is None else tol
+    lm_gates = lm_gates or (lm_agreement.FP32 if rule is _precision.FP32 else lm_agreement.BF16)
     torch_fn, flax_fn = split_loss_fn(loss_fn)
     torch_model.eval()
     flax_model.eval()
@@ -334,8 +165,11 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         torch_scalar(torch_out, weights, torch_fn).backward()
         torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
                        for k, p in torch_model.named_parameters()}
-    ref_out, ref_grads, why_not = (_float64_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
+    ref_out, ref_grads, why_not = (_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
                                    else (None, None, ""))
+    low_out = low_grads = None
+    if rule is not _precision.FP32 and not why_not:  # torch at the model's precision: what it costs there
+        low_out, low_grads, why_not = _reference(torch_model, t_args, t_kwargs, weights, torch_fn, rule)
     if grads:
         t_paths = tuple(p for p, v in flatten(torch_out) if v is not None)
         flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs,
@@ -345,7 +179,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     agreement = (lm_agreement.measure(torch_logits, _leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
                  if lm else None)
     measured = fp64 and not why_not
-    checks, others, skipped, mismatched = _outputs(torch_out, flax_out, ref_out, measured)
+    checks, others, skipped, mismatched = _outputs(torch_out, flax_out, ref_out, measured, low_out, rule)
     skipped = ([why_not] if why_not else []) + skipped
     out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped),
                    mismatched="; ".join(mismatched), **allow)
@@ -354,7 +188,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     outputs = tuple(checks)
     if not grads:
         return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=outputs, others=tuple(others),
-                             skipped=tuple(skipped), lm=agreement, **allow)
+                             skipped=tuple(skipped), lm=agreement, precision=rule.name, **allow)
     rows = [out_row]
     holder = nnx.clone(flax_model)
     nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
@@ -367,12 +201,13 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         notes[key.name] = key.note
         checks[key.name] = (_blank(t.shape, "no Flax parameter of this name" + hint) if j is None else
                             _check(t, j, None if ref_grads is None else sum_grads(ref_grads, key.torch),
-                                   measured=measured))
+                                   measured=measured, precision=rule,
+                                   low=None if low_grads is None else sum_grads(low_grads, key.torch)))
     for key in flax_only:
         checks[key] = _blank(np.shape(flax_grads[key]), "a Flax parameter that no torch key reaches" + hint)
     # one budget for all gradients: torch's largest error and the largest gradient (bisect.grad_budget)
     measured = {k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None}
-    grad_scale, limit = grad_budget(measured)
+    grad_scale, limit = grad_budget(measured, rule)
     for key in measured:
         checks[key].update(scale=grad_scale, budget=limit)
     worst, worst_key, all_finite = 0.0, "", True
@@ -387,7 +222,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         if g_err >= worst:
             worst, worst_key = g_err, key
     return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
-                         outputs=outputs, others=tuple(others), skipped=tuple(skipped), lm=agreement, **allow)
+                         outputs=outputs, others=tuple(others), skipped=tuple(skipped), lm=agreement,
+                         precision=rule.name, **allow)
 
 
 def _run(flax_model, j_args, j_kwargs, use_jit: bool):
@@ -402,28 +238,31 @@ def _run(flax_model, j_args, j_kwargs, use_jit: bool):
         return apply_flat(flax_model, j_args, j_kwargs)  # a string or a plain dataclass in the outputs
 
 
-def _float64_reference(torch_model, t_args, t_kwargs, weights, loss_fn):
-    """(outputs, {torch key: gradient} or None, why it did not run or "") of a float64 copy of the
-    torch model: one forward, and with ``weights`` (not None) the backward of the same scalar as
-    torch fp32's (``frameworks.torch_scalar``)."""
+def _reference(torch_model, t_args, t_kwargs, weights, loss_fn, rule=None):
+    """(outputs, {torch key: gradient} or None, why it did not run or "") of a copy of the torch
+    model in float64 (the reference), or at ``rule``'s precision (torch at the Flax model's: its
+    error sets the budget): one forward, and with ``weights`` (not None) the backward of the same
+    scalar as torch fp32's (``frameworks.torch_scalar``)."""
     import torch
 
+    dtype = torch.float64 if rule is None else rule.torch_dtype()
+    what = "the float64 reference" if rule is None else f"torch in {rule.name}"
     try:
-        reference = copy.deepcopy(torch_model).double().eval()
-        args64, kwargs64 = _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64)
+        reference = copy.deepcopy(torch_model).to(dtype).eval()
+        args, kwargs = _cast(t_args, dtype), _cast(t_kwargs, dtype)
         if weights is None:
             with torch.no_grad():
-                return reference(*args64, **kwargs64), None, ""
+                return reference(*args, **kwargs), None, ""
         reference.zero_grad(set_to_none=True)
         with torch.enable_grad():
-            out = reference(*args64, **kwargs64)
+            out = reference(*args, **kwargs)
             torch_scalar(out, weights, loss_fn).backward()
-        grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
+        grads = {k: to_numpy(p.grad if p.grad is not None else torch.zeros_like(p))
                  for k, p in reference.named_parameters()}
         return out, grads, ""
-    except Exception as error:  # the user's model in float64: whatever it raises, the check is incomplete
+    except Exception as error:  # the user's model in float64 or bf16: whatever it raises, the check is incomplete
         message = (str(error).strip().splitlines() or [""])[0]
-        return None, None, f"the float64 reference did not run ({type(error).__name__}: {message})"
+        return None, None, f"{what} did not run ({type(error).__name__}: {message})"
 
 
 def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, *, mismatched: str = "",
@@ -442,23 +281,6 @@ def _row(family, module, case, direction, checks: list[dict], tol, skipped: str,
                nonfinite_torch=sum(c["nonfinite_torch"] for c in checks),
                nonfinite_both=sum(c["nonfinite_both"] for c in checks), skipped=skipped, mismatched=mismatched,
                note=note, **allow)
-
-
-def grads_row(report: CompareReport, family: str, module: str, case: str, direction: str) -> Row:
-    """One Row for all of a report's parameter gradients: the worst relative error, the float64
-    figures of the gradient nearest (or furthest beyond) its budget, the non-finite counts summed;
-    it passes exactly when every gradient row does."""
-    grads = report.rows[1:]
-    measured = [r for r in grads if r.budget is not None]
-    worst = max(measured, key=lambda r: r.jax_err / r.budget if r.budget > 0 else
-                (0.0 if r.jax_err == 0 else float("inf")), default=None)
-    skipped = "; ".join(f"{r.module}: {r.skipped}" for r in grads if r.skipped)
-    return Row(family, module, case, direction, report.grad_err, report.grad_finite, report.tol,
-               jax_err=None if worst is None else worst.jax_err, torch_err=None if worst is None else worst.torch_err,
-               budget=None if worst is None else worst.budget,
-               nonfinite_jax=sum(r.nonfinite_jax for r in grads), nonfinite_torch=sum(r.nonfinite_torch for r in grads),
-               nonfinite_both=sum(r.nonfinite_both for r in grads), skipped=skipped,
-               allow_nonfinite=report.allow_nonfinite, allow_skipped=report.allow_skipped)
 
 
 def gradient_errors(torch_module, flax_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0):

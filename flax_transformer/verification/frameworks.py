@@ -39,7 +39,8 @@ def _is_torch(a) -> bool:
 def to_numpy(a):
     """A torch tensor, JAX or numpy array as numpy; anything else (None, a Python scalar) unchanged."""
     if _is_torch(a):
-        return a.detach().cpu().numpy()
+        a = a.detach().cpu()
+        return (a.float() if str(a.dtype) == "torch.bfloat16" else a).numpy()  # numpy has no bf16: widened exactly
     return np.asarray(a) if isinstance(a, (np.ndarray, jax.Array)) else a
 
 
@@ -239,9 +240,11 @@ def output_problems(torch_out, flax_out) -> tuple[list[str], list[str]]:
     leaves that are not numbers, which cannot be compared by value). ``bisect`` fails on the first,
     and counts the second as not compared."""
     arrays, _, differ = match_outputs(torch_out, flax_out)
-    numeric = "biuf"
-    not_compared = [name for name, _, a, b in arrays
-                    if not all(np.asarray(to_numpy(x)).dtype.kind in numeric for x in (a, b))]
+    def numeric(x) -> bool:  # bfloat16 is a number too (numpy's kind "V")
+        dtype = np.asarray(to_numpy(x)).dtype
+        return dtype.kind in "biuf" or dtype.name == "bfloat16"
+
+    not_compared = [name for name, _, a, b in arrays if not (numeric(a) and numeric(b))]
     return differ, not_compared
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from flax_transformer.verification.bisect import _scale, budget
 from flax_transformer.verification.frameworks import finite_abs_err, flatten, match_outputs, nonfinite, to_numpy
+from flax_transformer.verification.precision import FP32, Precision
 
 
 def logits_path(torch_out) -> str | None:
@@ -28,14 +29,17 @@ def leaf(out, path: str | None, torch_out=None):
     return next((to_numpy(j) for _, p, _, j in match_outputs(torch_out, out)[0] if p == path), None)
 
 
-def outputs(torch_out, flax_out, ref_out, measured: bool):
+def outputs(torch_out, flax_out, ref_out, measured: bool, low_out=None, precision: Precision = FP32):
     """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
-    leaves matched by ``frameworks.match_outputs``."""
+    leaves matched by ``frameworks.match_outputs``; ``low_out``: torch's outputs at ``precision``
+    (None: ``torch_out`` is at it)."""
     arrays, others, mismatched = match_outputs(torch_out, flax_out)
     ref = dict(flatten(ref_out)) if ref_out is not None else {}
+    low = dict(flatten(low_out)) if low_out is not None else {}
     checks, skipped = [], []
     for name, path, t, j in arrays:
-        leaf = check(t, j, ref.get(path), measured=measured)
+        leaf = check(t, j, ref.get(path), measured=measured, low=low.get(path) if low_out is not None else None,
+                     precision=precision)
         leaf["output"] = name
         checks.append(leaf)
         if leaf["skipped"]:
@@ -56,9 +60,10 @@ def is_numeric(a) -> bool:
     return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
 
 
-def check(t, j, r, *, measured: bool) -> dict:
+def check(t, j, r, *, measured: bool, low=None, precision: Precision = FP32) -> dict:
     """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
-    torch ``r`` where ``measured`` (the budget from this leaf's own figures)."""
+    torch ``r`` where ``measured`` (the budget from this leaf's own figures, by ``precision``'s rule;
+    torch's error is ``low``'s, torch run at that precision, where given, else ``t``'s)."""
     t, j = to_numpy(t), to_numpy(j)
     kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
     t, j = np.asarray(t), np.asarray(j)
@@ -84,7 +89,12 @@ def check(t, j, r, *, measured: bool) -> dict:
         result["skipped"] = "no float64 reference for it"
         return result
     r64 = np.atleast_1d(np.asarray(to_numpy(r), np.float64))
-    finite_r = np.isfinite(r64)
+    if low is not None:  # torch at the Flax model's precision: its error sets the budget
+        t64 = np.atleast_1d(np.asarray(to_numpy(low), np.float64))
+        if t64.shape != r64.shape:
+            result["skipped"] = f"torch in {precision.name} gave another shape ({t64.shape} vs {r64.shape})"
+            return result
+    finite_r = np.isfinite(r64) & np.isfinite(t64)
     lost = 0 if finite and finite_r.all() else int((keep & ~finite_r).sum())
     if not (finite and finite_r.all()):
         keep &= finite_r
@@ -92,7 +102,8 @@ def check(t, j, r, *, measured: bool) -> dict:
     torch_err = float(np.abs(t64 - r64).max(initial=0.0))
     jax_err = float(np.abs(j64 - r64).max(initial=0.0))
     scale = float(np.abs(r64).max(initial=0.0))
-    result.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale))
+    result.update(torch_err=torch_err, jax_err=jax_err, scale=scale, budget=budget(torch_err, scale, precision))
     if lost:
-        result["skipped"] = f"{lost} values NaN/inf in the float64 reference, finite in both frameworks"
+        where = "the float64 reference" if low is None else f"the float64 reference or torch in {precision.name}"
+        result["skipped"] = f"{lost} values NaN/inf in {where}, finite in both frameworks"
     return result

@@ -21,7 +21,7 @@ from flax_transformer.models._shared import input_spec
 
 
 def load_pair(src, family: str | None = None, cls: str | None = None, config: str | dict | None = None, *,
-              load=None):
+              load=None, dtype: str = "fp32"):
     """(flax model, torch model) of a checkpoint, each built from SRC itself where possible.
 
     SRC is an HF folder (or Meta's llama layout), a ``save_safetensors`` file or an orbax folder (they describe their
@@ -29,8 +29,13 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
     needs ``family``, ``cls`` and ``config`` (constructor arguments, a dict or JSON text).
     ``load``: how a self-describing SRC becomes a Flax model (default ``checkpoints.load``); a
     layer above passes its own, e.g. the CLI's, which also reads training run directories.
+    ``dtype``: the Flax model's compute dtype, "fp32" or "bf16" (parameters stay float32).
     """
+    import jax.numpy as jnp
+
     from flax_transformer.interop import checkpoints, hf, porting
+
+    compute = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
 
     path = Path(src)
     if not path.exists():
@@ -50,14 +55,14 @@ def load_pair(src, family: str | None = None, cls: str | None = None, config: st
         weights = checkpoints.read_safetensors(path)[0] if path.suffix == ".safetensors" else hf.read_weights(path)
         torch_model.load_state_dict(hf.torch_state(weights))  # checked, not cast: see hf.torch_state
         torch_model.eval()
-        return porting.torch_to_flax(torch_model), torch_model
+        return porting.torch_to_flax(torch_model, dtype=compute), torch_model
     if hf.is_model_folder(path):  # an HF folder, or Meta's llama layout
-        return hf.from_pretrained(path), hf.torch_from_pretrained(path)
+        return hf.from_pretrained(path, dtype=compute), hf.torch_from_pretrained(path)
     if path.suffix in (".pt", ".bin", ".pth") or (path.suffix == ".safetensors" and
                                                    checkpoints.read_safetensors(path)[1] is None):
         raise ValueError(f"{path} is a bare state_dict: say what it holds (port takes --family, --class and "
                          "--config; an HF checkpoint goes in a folder with its config.json)")
-    flax_model = (load or checkpoints.load)(path)
+    flax_model = (load or checkpoints.load)(path, **({} if dtype == "fp32" else {"dtype": compute}))
     return flax_model, porting.flax_to_torch(flax_model)
 
 

@@ -200,3 +200,19 @@ def test_inherited_rows_are_drawn_failing_and_hollow_introduced_filled(report):
         assert re.search(r'<circle[^>]*fill="white" stroke="#c0262d"', circles[path]), circles[path]
     for path in introduced:
         assert re.search(r'<circle[^>]*fill="#c0262d" stroke="#c0262d"', circles[path]), circles[path]
+
+
+def test_the_models_own_row_is_highlighted_and_a_skipped_gradient_has_no_dot():
+    """Two cases no real report above has (survivors of a blind mutation probe): the error in the
+    whole model's own row (``first_divergent`` is ``<model>``, its row path ""), and a gradient
+    that was not compared (its JAX error NaN: no dot, not a NaN)."""
+    rows = [bisect_report.ModuleRow("linear", "Linear", 1e-8, 1e-8, 1.0, status="ok"),
+            bisect_report.ModuleRow("", "Model", 1e-8, 0.5, 1.0, 1e-8, 0.5, status="introduced")]
+    grads = [bisect_report.GradRow("linear.weight", 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name")]
+    made = bisect_report.BisectReport(rows, None, grads).settle()
+    assert made.first_divergent == bisect.MODEL
+    page = _Elements(made.to_html())
+    marked = page.with_attr("data-first-divergent")
+    assert [a["data-module"] for a in marked] == [""], marked
+    drawn = {a["data-param"]: a for a in page.with_attr("data-param")}
+    assert drawn["linear.weight"]["data-jax"] == "none"

@@ -130,7 +130,6 @@ def test_writes_refuse_an_existing_file_and_leave_it_whole(report, tmp_path, mon
     report.to_html(page, overwrite=True)
     assert "data-first-divergent" in page.read_text(encoding="utf-8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.html"]  # no temporary left beside it
-    assert bisect_picture.MODEL == bisect_report.MODEL  # its copy of the constant (it cannot import it: a circle)
 
 
 def _one_line_error(capsys, argv, *needles):

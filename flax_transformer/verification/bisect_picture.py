@@ -29,7 +29,6 @@ import textwrap
 
 import numpy as np
 
-MODEL = "<model>"  # bisect_report.MODEL: first_divergent when the model's own row (path "") is first
 ROW_H = 18  # px per row: fixed, so a 60-module model is a 60-row list, not a squeezed plot
 CHAR_W = 7.3  # px per character of 12px monospace: the name columns are sized from the text
 AXIS_W, BAND_W = 420, 46  # the log axis and each of the "0" and "NaN/inf" bands beside it
@@ -91,9 +90,8 @@ def _depths(paths: list[str]) -> list[int]:
 
 
 def _highlighted(report) -> str | None:
-    """The row path of the first divergent module (``MODEL`` is the model's own row, path "")."""
-    first = report.first_divergent
-    return "" if first == MODEL else first
+    """The row path of the first divergent module (the model's own row is path "")."""
+    return report.first_divergent_path
 
 
 def _rows_svg(items, attr: str, first: str | None, title: str) -> str:

@@ -178,6 +178,15 @@ class BisectReport:
     positions: dict = field(default_factory=dict)
     precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
 
+    @property
+    def first_divergent_path(self) -> str | None:
+        """The row path of ``first_divergent`` ("" for ``MODEL``, the model's own row); None when it
+        is None or names no row (``GRADIENTS``, ``INCOMPLETE``)."""
+        if self.first_divergent is None:
+            return None
+        path = _path(self.first_divergent)
+        return path if self._row(path) is not None else None
+
     def onset(self, path: str) -> int | None:
         """The first position where the call at ``path`` (``MODEL``: the model's output) leaves its
         budget; None when it never does or its output is not a sequence (``positions``)."""

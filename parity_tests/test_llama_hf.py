@@ -155,13 +155,16 @@ def test_legacy_folders(case, tmp_path):
 
 def test_port_to_a_sharded_bf16_folder(tmp_path, capsys):
     """``flax-transformer port`` of a Qwen2 folder to bf16 shards, checked against transformers; transformers
-    loads the result, and read back it gives transformers' logits (the same bf16 weights in both, 1e-5)."""
+    loads the result, and read back it gives transformers' logits (the same bf16 weights in both, 1e-5).
+    The begin and end ids (two end ids, as Llama 3 has) and generation_config.json come across."""
     from flax_transformer.cli.commands import main
 
     family, switches = VARIANTS["qwen2"]
     torch.manual_seed(1)  # transformers' own initialisation: bf16 rounding stays within hf.BF16_TOLERANCE
     getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(
-        **{**BASE, **switches})).save_pretrained(tmp_path / "src")
+        **{**BASE, **switches, "bos_token_id": 3, "eos_token_id": [4, 5]})).save_pretrained(tmp_path / "src")
+    generation = json.loads((tmp_path / "src" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [4, 5]
     out = tmp_path / "out"
     assert main(["port", str(tmp_path / "src"), str(out), "--dtype", "bf16", "--max-shard-size", "8KB",
                  "--no-certify", "--verify"]) == 0
@@ -169,7 +172,10 @@ def test_port_to_a_sharded_bf16_folder(tmp_path, capsys):
     shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
     assert len(shards) > 1 and not (out / "model.safetensors").exists()
     assert {str(v.dtype) for v in open_weights(out).values()} == {"bfloat16"}
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == "bfloat16" and written["bos_token_id"] == 3 and written["eos_token_id"] == [4, 5]
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    assert hf.from_pretrained(out).config.eos_token_id == (4, 5)
     again, report = _transformers_load(out)
     assert report == {} and _err(_logits(hf.from_pretrained(out), *_batch()), _logits(again, *_batch())) <= TOL
 

@@ -72,11 +72,13 @@ _convert = convert  # the name the tests and older callers use
 # ~1e-2 (docs/porting.md). The same bf16 weights in two frameworks still agree at 1e-5.
 BF16_TOLERANCE = 5e-2
 
-# the files of a folder's tokenizer (transformers' and the tokenizers library's): what
-# ``save_pretrained(..., tokenizer_from=FOLDER)`` copies, and ``flax-transformer port`` carries across
+# the files of a folder's tokenizer (transformers' and the tokenizers library's), and its
+# generation settings (generation_config.json: the end ids and defaults transformers' ``generate``
+# reads, which belong to the same ids): what ``save_pretrained(..., tokenizer_from=FOLDER)``
+# copies, and ``flax-transformer port`` carries across
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model", "chat_template.jinja")
+                   "tokenizer.model", "chat_template.jinja", "generation_config.json")
 
 
 def read_weights(path) -> dict[str, np.ndarray]:

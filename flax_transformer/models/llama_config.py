@@ -122,6 +122,10 @@ class LlamaConfig:
         embed_scale: the embeddings are multiplied by it, rounded to the compute dtype (Gemma:
             sqrt(hidden_size)).
         pad_token_id: the embedding row that gets no gradient (``nn.Embedding(padding_idx=)``).
+        bos_token_id, eos_token_id: the tokenizer's begin and end ids as the checkpoint's
+            ``config.json`` gives them (an end id may be a list: Llama 3 has three), carried to
+            exported folders so that transformers' ``generate`` stops where the original does;
+            the model's computation does not read them.
         model_type: the transformers family this config came from or exports to.
     """
 
@@ -148,6 +152,8 @@ class LlamaConfig:
     embed_scale: float = 1.0
     attention_dropout: float = 0.0
     pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     model_type: str = "llama"
 
     def __post_init__(self):
@@ -189,6 +195,13 @@ class LlamaConfig:
         if self.pad_token_id is not None:
             _set(self, "pad_token_id", check_size("LlamaConfig.pad_token_id", self.pad_token_id, least=0,
                                                   most=self.vocab_size - 1))
+        if self.bos_token_id is not None:  # ids only: transformers checks them against no vocabulary either
+            _set(self, "bos_token_id", check_size("LlamaConfig.bos_token_id", self.bos_token_id, least=0))
+        if isinstance(self.eos_token_id, (list, tuple)):
+            _set(self, "eos_token_id", tuple(check_size("LlamaConfig.eos_token_id", i, least=0)
+                                             for i in self.eos_token_id))
+        elif self.eos_token_id is not None:
+            _set(self, "eos_token_id", check_size("LlamaConfig.eos_token_id", self.eos_token_id, least=0))
         if not isinstance(self.hidden_act, str) or self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"LlamaConfig.hidden_act {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         if self.model_type not in MODEL_TYPES:
@@ -252,7 +265,7 @@ class LlamaConfig:
             norm_plus_one=get("norm_plus_one", kind == "gemma"),
             embed_scale=get("embed_scale", math.sqrt(hidden) if kind == "gemma" else 1.0),
             attention_dropout=get("attention_dropout", 0.0) or 0.0, pad_token_id=get("pad_token_id", None),
-            model_type=kind)
+            bos_token_id=get("bos_token_id", None), eos_token_id=get("eos_token_id", None), model_type=kind)
         if kind == "qwen2":  # q/k/v always biased, o never (transformers' Qwen2Attention)
             values.update(attention_bias=True, o_proj_bias=False)
         if kind in ("mistral", "qwen2", "qwen3"):
@@ -295,7 +308,8 @@ class LlamaConfig:
                    rope_scaling=None if self.rope_scaling is None else self.rope_scaling.to_dict(),
                    tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
                    attention_dropout=self.attention_dropout, initializer_range=0.02,
-                   pad_token_id=self.pad_token_id)
+                   pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id,
+                   eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id)
         if kind == "llama":
             out["mlp_bias"] = self.mlp_bias
         if kind in ("mistral", "qwen2", "qwen3"):

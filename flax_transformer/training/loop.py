@@ -197,12 +197,13 @@ class _State:
         return model
 
 
-def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh, init_from_torch=None) -> _State:
+def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh, init_from_torch=None,
+           wrt=nnx.Param) -> _State:
     """Split model and optimizer, place them on the mesh, restore the latest checkpoint if resuming
     (or, starting a run, the torch training checkpoint ``init_from_torch``), and check that ``keep``
     checkpoints fit on the disk."""
     model.train()
-    optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=wrt)
     start = 0
     if init_from_torch is not None and not resume:
         from flax_transformer.training.torch_state import import_torch_state
@@ -287,7 +288,8 @@ class _TrainLog:
 def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run_config: dict,
         evaluate: Callable | None = None, eval_every: int | None = None, checkpoint_every: int | None = None,
         keep: int = 3, resume: bool = False, log_every: int = 10, progress: bool = True,
-        tensorboard: bool = True, description: str = "train", mesh=None, init_from_torch=None) -> FitResult:
+        tensorboard: bool = True, description: str = "train", mesh=None, init_from_torch=None,
+        wrt=nnx.Param) -> FitResult:
     """Train ``model`` for ``steps`` optimizer updates, saving, logging and evaluating as it goes.
 
     Args:
@@ -311,6 +313,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
         init_from_torch: a torch training checkpoint (``torch_state``: weights, Adam/AdamW state,
             LambdaLR, step N) a new run starts from; it trains steps N+1 .. ``steps``, its batches
             those of steps N.. (a pure function of (seed, step)).
+        wrt: the variables that train (an nnx filter): every ``nnx.Param`` by default; a LoRA run
+            gives its adapters (and a head), so the rest of the model gets no gradient and no
+            optimizer state.
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
     and ``RunError`` for anything that stops a run before it starts. The run directory is
@@ -321,12 +326,15 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
     if mesh is None and jax.process_count() > 1:
         raise RunError(f"a run over {jax.process_count()} processes needs a mesh over all {jax.device_count()} "
                        f"devices (--mesh data={jax.device_count()})")
+    if init_from_torch is not None and wrt is not nnx.Param:
+        raise RunError("a torch training checkpoint continues a run that trains every parameter; it cannot start "
+                       "one that trains a part (LoRA adapters, a head)")
     run_dir = Path(run_dir)
     checkpoint_every = checkpoint_every or max(1, steps // 5)
     checkpoints = Checkpoints(run_dir, keep=keep)
     try:
         state = _start(model, optim, checkpoints, run_dir, keep=keep, resume=resume, mesh=mesh,
-                       init_from_torch=init_from_torch)
+                       init_from_torch=init_from_torch, wrt=wrt)
         if state.start >= steps and init_from_torch is not None and not resume:
             raise RunError(f"{init_from_torch} is at step {state.start}; the run ends at step {steps}: nothing to train")
     except BaseException:

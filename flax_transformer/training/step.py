@@ -67,7 +67,10 @@ def _train_step(loss_fn, train_def, opt_def, shardings):
     def train_step(model_state, opt_state, batch):
         model = nnx.merge(train_def, model_state)
         optimizer = nnx.merge(opt_def, opt_state)
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        # only what the optimizer trains (its ``wrt``: every nnx.Param, or a LoRA run's adapters) is
+        # differentiated: a frozen base gets no gradient and no optimizer state
+        wrt = nnx.DiffState(0, optimizer.wrt)
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, argnums=wrt, has_aux=True)(model, batch)
         optimizer.update(model, grads)
         return nnx.state(model), nnx.state(optimizer), dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
 

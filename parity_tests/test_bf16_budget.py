@@ -128,6 +128,20 @@ def test_verify_bisect_dtype_bf16(llama_folder, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["passed"] and data["budget_rule"]["precision"] == "bfloat16"
     assert np.isfinite(data["modules"][-1]["jax_err"]) and data["modules"][-1]["jax_err"] > 1e-4  # bf16 ran
-    for wrong in (["--dtype", "bf16"], ["--dtype", "bf16", "--grads"]):  # without --bisect: refused, one line
+    for wrong in (["--dtype", "bf16", "--grads"], ["--dtype", "bf16", "--train-steps", "2"]):  # refused, one line
         assert main(["verify", "--checkpoint", str(llama_folder), *wrong]) == 2
-        assert "--dtype goes with --checkpoint PATH --bisect" in capsys.readouterr().err
+        assert "--dtype goes with --checkpoint PATH [--bisect]" in capsys.readouterr().err
+    assert main(["verify", "--dtype", "bf16"]) == 2 and "--dtype goes with" in capsys.readouterr().err
+
+
+def test_verify_checkpoint_dtype_bf16_judges_every_row_by_its_budget(llama_folder, capsys):
+    """The torch twin's rows and transformers' (against its own model in float64 and bf16), with the
+    bf16 LM gates: all pass for a correct folder, where float32's tolerance would fail them all."""
+    assert main(["verify", "--checkpoint", str(llama_folder), "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("llama ")]
+    assert len(rows) == 4 and all(line.endswith("pass") for line in rows), out
+    assert sum("transformers vs flax" in line for line in rows) == 2
+    errors = [float(line.split()[-4]) for line in rows]  # max abs err: bf16's, far beyond 1e-5
+    assert min(errors) > 1e-4, rows
+    assert out.count("(gate 0.15, bf16") == 4 and "bf16: each row by bf16's float64 budget" in out

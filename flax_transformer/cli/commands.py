@@ -51,7 +51,7 @@ def _verify(args) -> int:
     if check == verify_flags.TRAIN_STEPS:
         return _verify_training(args, start)
     if check == verify_flags.CHECKPOINT:
-        return _verify_checkpoint(args.checkpoint, start)
+        return _verify_checkpoint(args.checkpoint, start, dtype=args.dtype)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -74,9 +74,11 @@ def _verify(args) -> int:
     return 1 if failed else 0
 
 
-def _verify_checkpoint(path, start, pair: str | None = None) -> int:
+def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32") -> int:
     """``verify --checkpoint PATH``: the torch twin table, and the re-check of PATH's certificate if it has one.
-    With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone."""
+    With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone. ``dtype``
+    (``--dtype bf16``): the table of the model computing in bf16, by bf16's budget (the certificate
+    is of the weights, re-checked in float32 as it was made)."""
     from flax_transformer.verification import certificate, certificate_check, verify
 
     if pair is not None:
@@ -85,7 +87,7 @@ def _verify_checkpoint(path, start, pair: str | None = None) -> int:
         return 0 if report.passed else 1
     report = certificate_check.recheck(path) if certificate.find(path) else None
     try:
-        rows, agreements = verify.checkpoint_report(path, load=load_model)
+        rows, agreements = verify.checkpoint_report(path, load=load_model, dtype=dtype)
     except (OSError, ValueError) as error:
         if report is None or report.passed:
             raise
@@ -98,7 +100,8 @@ def _verify_checkpoint(path, start, pair: str | None = None) -> int:
     failed = [r for r in rows if not r.passed] + [a for _, a in agreements if not a.passed]
     print(f"\n{len(rows) + len(agreements) - len(failed)} passed, {len(failed)} failed" if rows else
           "\nnothing compared: the table has no rows (a failure)", end="")
-    print(f" (tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
+    judged = f"tolerance {verify.TOLERANCE:g}" if dtype == "fp32" else "bf16: each row by bf16's float64 budget"
+    print(f" ({judged}, {time.perf_counter() - start:.1f} s)")
     if report is not None:
         print("\n" + report.format())
     return 1 if failed or not rows or (report is not None and not report.passed) else 0

@@ -35,9 +35,10 @@ def mode(args) -> str:
     if pictures and not args.bisect:  # a picture of bisect's report: compare's has no modules to draw
         raise ValueError(f"{' and '.join(pictures)} go{'es' if len(pictures) == 1 else ''} with --bisect "
                          "(a picture of its report)")
-    if getattr(args, "dtype", "fp32") != "fp32" and not (args.bisect and args.checkpoint and not args.pair):
-        raise ValueError("--dtype goes with --checkpoint PATH --bisect (a --pair factory builds its Flax model at "
-                         "its own dtype, and bisect reads it from the model)")
+    if getattr(args, "dtype", "fp32") != "fp32" and (not args.checkpoint or args.pair or args.train_steps
+                                                     or args.grads and not args.bisect):
+        raise ValueError("--dtype goes with --checkpoint PATH [--bisect] (a --pair factory builds its Flax model at "
+                         "its own dtype, and bisect reads it from the model; --grads with --bisect)")
     if args.checkpoint and args.pair and not args.bisect:
         if args.train_steps or args.family or args.text or args.json or args.rename or args.allow_skipped \
                 or args.allow_nonfinite:
@@ -89,7 +90,7 @@ def add_parser(sub, func) -> None:
                    help="with --bisect-generate: how many steps to decode (default 16)")
     p.add_argument("--dtype", type=lambda name: {"float32": "fp32", "bfloat16": "bf16"}.get(name, name),
                    choices=("fp32", "bf16"), default="fp32",
-                   help="with --checkpoint --bisect: the Flax model's compute dtype (default fp32); bf16 is judged "
+                   help="with --checkpoint [--bisect]: the Flax model's compute dtype (default fp32); bf16 is judged "
                         "by bf16's budget, against torch run in bf16 (docs/verification.md, 'bf16 budgets')")
     p.add_argument("--pair", metavar="MODULE:FACTORY",
                    help="verify your own pair: FACTORY() in MODULE (a dotted module or a .py file) returns "

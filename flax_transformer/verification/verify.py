@@ -372,18 +372,23 @@ def checkpoint_rows(path, *, load=None) -> list[Row]:
     return checkpoint_report(path, load=load)[0]
 
 
-def checkpoint_report(path, *, load=None) -> tuple[list[Row], list[tuple[str, object]]]:
+def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row], list[tuple[str, object]]]:
     """(``checkpoint_rows``' rows, [(what, ``lm_agreement.LMAgreement``)]): for a language model
     (``input_spec().generates``) each comparison also measures the next-token distributions,
     KL(torch || JAX) and top-1/top-5 agreement over the real tokens (the padding mask's ones);
-    the list is empty for any other model."""
+    the list is empty for any other model. ``dtype="bf16"``: the Flax model computes in bf16
+    (fp32 parameters) and every row is judged by bf16's float64 budget (``precision.py``),
+    transformers' too, with the bf16 LM gates."""
     from pathlib import Path
 
     from flax_transformer.verification import certificate, lm_agreement, pairs
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
+    if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):
+        raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; {path} is a "
+                         f"{'bare state_dict' if bare else 'training run'} (port it first: flax-transformer port SRC DST)")
     flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else
-                               pairs.load_pair(path, load=load))
+                               pairs.load_pair(path, load=load, dtype=dtype))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = pairs.example_inputs(flax_model)
     spec = flax_model.input_spec()
@@ -407,6 +412,13 @@ def checkpoint_report(path, *, load=None) -> tuple[list[Row], list[tuple[str, ob
         reference = (transformers.AutoModel if name == "TransformerEncoder" else transformers.AutoModelForCausalLM)
         reference = reference.from_pretrained(path, dtype=torch.float32).eval()  # a bf16 folder widens exactly
         for case, (ids, mask) in (("none", no_mask), ("padding", args)):
+            if dtype != "fp32":  # bf16: judged against transformers' model in float64, by bf16's budget
+                report = compare(_Transformers(reference, name == "TransformerEncoder"), flax_model, (ids, mask),
+                                 lm=lm, lm_mask=pairs.lm_mask(flax_model, (ids, mask)) if lm else None)
+                rows.append(dataclasses.replace(report.rows[0], case=case, direction="transformers vs flax"))
+                if report.lm is not None:
+                    agreements.append((f"transformers vs flax, {case}", report.lm))
+                continue
             kwargs = {} if mask is None else {"attention_mask": torch.from_numpy(np.array(mask))}
             with torch.no_grad():
                 out = reference(torch.from_numpy(np.array(ids)), **kwargs)
@@ -418,6 +430,25 @@ def checkpoint_report(path, *, load=None) -> tuple[list[Row], list[tuple[str, ob
                 agreements.append((f"transformers vs flax, {case}", lm_agreement.measure(
                     to_numpy(want), to_numpy(got), pairs.lm_mask(flax_model, (ids, mask)))))
     return rows, agreements
+
+
+class _Transformers:
+    """transformers' model as ``(ids, mask) -> last_hidden_state or logits``, the call the Flax twin
+    takes, for ``compare`` (a torch module, made when first needed: torch is imported lazily)."""
+
+    def __new__(cls, model, encoder: bool):
+        import torch
+
+        class Call(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, ids, mask=None):
+                out = self.model(ids, attention_mask=mask, **({} if encoder else {"use_cache": False}))
+                return out.last_hidden_state if encoder else out.logits
+
+        return Call()
 
 
 def flax_module_call(model, *args):

@@ -21,9 +21,10 @@ __version__ = "0.1.0"
 # short name -> the module it stands for
 _MODULES = {
     **{name: f"flax_transformer.models.{name}" for name in (
-        "attention", "classic", "configs", "encoder", "former", "generate", "gpt", "layers", "llama", "llama_config")},
+        "attention", "classic", "configs", "encoder", "former", "generate", "gpt", "layers", "llama", "llama_config",
+        "lora")},
     **{name: f"flax_transformer.interop.{name}" for name in (
-        "checkpoints", "files", "hf", "layer_kinds", "porting", "safetensors_io")},
+        "checkpoints", "files", "hf", "layer_kinds", "peft", "porting", "safetensors_io")},
     **{name: f"flax_transformer.verification.{name}" for name in (
         "bisect", "certificate", "certificate_check", "export", "inspection", "pairs", "verify")},
 }

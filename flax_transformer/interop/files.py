@@ -301,6 +301,23 @@ def write_file(path, write: Callable[[Path], object], *, overwrite: bool = False
     return path
 
 
+def read_json_object(folder, name: str) -> dict:
+    """``folder/name``, a JSON object (a config file): one line naming the file when it is missing
+    (``FileNotFoundError``), not JSON or not an object (``ValueError``)."""
+    import json
+
+    file = Path(folder) / name
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} has no {name}")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, not a {type(config).__name__}")
+    return config
+
+
 def write_text(path, text: str, *, overwrite: bool = False) -> Path:
     return write_file(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), overwrite=overwrite)
 

@@ -93,16 +93,7 @@ def read_weights(path) -> dict[str, np.ndarray]:
 
 
 def read_config(folder) -> dict:
-    file = Path(folder) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} must hold a JSON object, not a {type(config).__name__}")
-    return config
+    return files.read_json_object(folder, "config.json")
 
 
 def _open(path, *, classifier: bool = False) -> tuple[dict, str, object, dict]:

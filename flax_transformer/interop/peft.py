@@ -1,0 +1,309 @@
+"""PEFT LoRA adapter folders <-> the library's LoRA models (``models.lora``), both ways.
+
+    peft.save_peft(model, "adapter/")      # adapter_config.json + adapter_model.safetensors
+    peft.load_peft(model, "adapter/")      # a PEFT LoRA adapter onto a (ported) base model
+
+A folder is what ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained(base, folder)``
+reads: ``adapter_config.json`` (``peft_type`` "LORA", ``r``, ``lora_alpha``, ``target_modules``, ...)
+and ``adapter_model.safetensors`` with one pair of tensors per adapted module of transformers' model:
+
+    base_model.model.<module path>.lora_A.weight    (r, in)     torch nn.Linear layout of A
+    base_model.model.<module path>.lora_B.weight    (out, r)
+
+The library stores A (in, r) and B (r, out), so both are transposed. GPT-2's ``c_attn``/``c_proj``/
+``c_fc`` are transformers' Conv1D (weight (in, out)): PEFT adapts them with ``fan_in_fan_out=True``
+and the same A/B shapes (the flag only transposes the merged update). Module paths are transformers'
+own: the library's porting names, translated by ``hf``'s key tables for the models ``hf.save_pretrained``
+writes (BERT's ``layers.0.feed_forward.linear_1`` is ``encoder.layer.0.intermediate.dense``), and the
+porting names themselves for any other model.
+
+Loading is strict and all or nothing: the adapter is checked whole (config, prefix, every missing,
+unexpected or mis-shaped tensor) before LoRA is added to the model. Safetensors only: a pickled
+``adapter_model.bin`` is refused. torch and peft are not needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_transformer.interop import files, hf, porting, safetensors_io
+from flax_transformer.interop.hf_tables import ENCODERS, table_of
+from flax_transformer.models import gpt, lora
+from flax_transformer.models._shared import StateDictError
+
+__all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "hf_module_paths", "load_peft", "read_config", "save_peft"]
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
+
+# adapter_config.json fields that change what a LoRA computes and that this library does not
+# implement: refused when set, never dropped (value that means "not used" -> why it is refused)
+_UNSUPPORTED = {
+    "use_dora": (False, "DoRA (use_dora) adds a magnitude vector"),
+    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
+    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
+    "layers_to_transform": (None, "layers_to_transform"),
+    "exclude_modules": (None, "exclude_modules"),
+    "target_parameters": (None, "target_parameters (LoRA on parameters, not modules)"),
+    "lora_bias": (False, "a trained LoRA bias (lora_bias)"),
+    "modules_to_save": (None, "modules_to_save (fully trained modules beside the adapter)"),
+    "trainable_token_indices": (None, "trainable_token_indices"),
+}
+
+
+# ------------------------------------------------------------------ names
+
+
+def _our_weight_key(layer) -> str:
+    """The torch (porting) leaf of a linear layer's weight: nn.Linear's ``weight``, the notebook's ``matrix``."""
+    return "matrix" if isinstance(layer, gpt.Linear) else "weight"
+
+
+def _hf_key(model, key: str) -> str | None:
+    """Our torch (porting) name of a parameter -> the name transformers' model gives it.
+
+    The models ``hf.save_pretrained`` writes go through its key tables (the classifier's body under
+    ``encoder.`` gets the family's prefix); any other model's torch names are its porting names.
+    None for a slice of a transformers tensor (one head of BERT's q/k/v, which ``lora.apply`` refuses)."""
+    if not hf.can_save(model):
+        return key
+    kind, _, classifier = hf._kind_of(model)
+    if classifier:
+        spec = ENCODERS[kind]
+        if key.startswith("encoder."):
+            return spec.prefix + _rename(spec.keys, key[len("encoder."):])
+        return _rename(spec.classifier_keys, key)
+    return _rename(table_of(kind), key)
+
+
+def _rename(table, key: str) -> str | None:
+    for hf_name, our_name, rule in table:
+        match = hf._pattern(our_name).fullmatch(key)
+        if match:
+            if rule != "as_is":  # one head's slice of BERT's q/k/v: no module of transformers' model
+                return None
+            return hf_name.format(**match.groupdict())
+    raise ValueError(f"{key}: no transformers name for it in the key table")
+
+
+def _module_of(key: str) -> str:
+    return key.rpartition(".")[0]
+
+
+def hf_module_paths(model) -> dict[str, str]:
+    """Our dotted path -> transformers' module path, for every linear layer that is a module of
+    transformers' model (BERT's per-head q/k/v slices are not)."""
+    out = {}
+    for path, node in lora._nodes(model).items():
+        if path and isinstance(node, lora._ADAPTABLE):
+            dotted = lora._dotted(path)
+            name = _hf_key(model, f"{dotted}.{_our_weight_key(node)}")
+            if name is not None:
+                out[dotted] = _module_of(name)
+    return out
+
+
+def _torch_keys(model) -> list[str]:
+    """The torch (porting) names of the model's base parameters, adapters left out; from porting's plan,
+    which names them without copying a single array (``porting.state_dict`` would copy them all)."""
+    plan = porting._plan(model)
+    return [slots[0].torch_key for path, slots in plan.slots.items()
+            if not isinstance(plan.params[path], lora.LoRAParam)]
+
+
+def _peft_matches(targets, module: str) -> bool:
+    """PEFT's ``target_modules`` rule (``check_target_module_exists``): a string is a regex on the whole
+    module path; a list names modules by their full path or a dotted suffix of it."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return module in targets or any(module.endswith(f".{t}") for t in targets)
+
+
+def _target_modules(model, adapted: set[str]) -> list[str]:
+    """The shortest ``target_modules`` that selects exactly the adapted modules of transformers' model:
+    their last names when no other module of it has one of those names, else their full paths."""
+    names = sorted({m.rpartition(".")[2] for m in adapted})
+    everything = set()  # every module path of transformers' model (each parameter's ancestors)
+    for key in _torch_keys(model):
+        parts = (_hf_key(model, key) or key).split(".")[:-1]
+        everything.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    clash = [m for m in everything if m not in adapted and _peft_matches(names, m)]
+    return sorted(adapted) if clash else names
+
+
+# ------------------------------------------------------------------ saving
+
+
+def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task_type: str | None = None,
+              modules_to_save=None, overwrite: bool = False) -> Path:
+    """Write a LoRA model's adapter as a PEFT folder that ``PeftModel.from_pretrained`` loads.
+
+    Args:
+        model: a model that ``lora.apply`` adapted (merged or not: the adapters are written).
+        folder: the adapter folder, written whole under a temporary name and swapped in
+            (``files.write_dir``); a non-empty one is replaced only with ``overwrite=True``.
+        base_model_name_or_path, task_type: copied into ``adapter_config.json`` (``task_type`` as
+            PEFT's ``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...; None loads with a plain ``PeftModel``).
+        modules_to_save: transformers module names to train fully beside the adapter; their
+            weights (``base_model.model.<module>.<leaf>``) are written with the adapter.
+
+    Returns the folder's path.
+    """
+    config = lora.config_of(model)
+    if config is None:
+        raise ValueError(f"the {type(model).__name__} has no LoRA layers: lora.apply adds them")
+    folder = files.check_target(folder, kind="dir", overwrite=overwrite)
+    paths = hf_module_paths(model)
+    layers = lora.layers(model)
+    tensors = {}
+    for path, layer in layers.items():
+        module = paths[path]
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(layer.lora_A[...]).T)  # (r, in)
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(layer.lora_B[...]).T)  # (out, r)
+    saved = None
+    if modules_to_save:
+        saved = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
+        found = {m: 0 for m in saved}
+        state = None
+        for key in _torch_keys(model):
+            name = _hf_key(model, key)
+            owner = [m for m in saved if name is not None and _peft_matches([m], _module_of(name))]
+            for m in owner:
+                found[m] += 1
+            if owner:
+                state = porting.state_dict(model) if state is None else state  # only when some module is saved
+                tensors[PREFIX + name] = state[key]
+        absent = [m for m, n in found.items() if n == 0]
+        if absent:
+            raise ValueError(f"modules_to_save {absent} name no module of the model")
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": _target_modules(model, {paths[p] for p in layers}),
+        "fan_in_fan_out": any(isinstance(layer, lora.LoRAConv1D) for layer in layers.values()),
+        "use_rslora": config.use_rslora,
+        "bias": "none",
+        "modules_to_save": saved,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "inference_mode": True,  # PeftModel.save_pretrained writes it so
+    }
+
+    def write(tmp: Path):
+        safetensors_io.write_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
+
+    return files.write_dir(folder, write, overwrite=overwrite)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def read_config(folder) -> dict:
+    """``adapter_config.json`` of a PEFT LoRA folder, checked: anything this library would compute
+    differently from PEFT is refused in one line naming it."""
+    file = Path(folder) / CONFIG_FILE
+    config = files.read_json_object(folder, CONFIG_FILE)
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{file}: peft_type {config.get('peft_type')!r} is not 'LORA'; load_peft reads LoRA "
+                         "adapters only")
+    for field, (unused, what) in _UNSUPPORTED.items():
+        if config.get(field, unused) not in (unused, None, {}, [], False):
+            raise ValueError(f"{file}: {what} is not supported ({field}={config[field]!r})")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{file}: bias={config['bias']!r} trains base biases, which the adapter does not "
+                         "hold here; only bias 'none' is supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{file}: r must be an integer >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{file}: lora_alpha must be a finite number, got {alpha!r}")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) or (isinstance(targets, list) and targets
+                                         and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"{file}: target_modules must be a regex or a list of module names, got {targets!r}")
+    return config
+
+
+def _our_targets(model, targets, chosen: list[str]) -> list[str]:
+    """``apply``'s targets for the chosen layers: PEFT's names where they select exactly those in our model
+    (the llama family's and GPT-2's names are transformers'), else each layer's escaped path."""
+    if isinstance(targets, list) and all(lora._PLAIN_NAME.fullmatch(t) for t in targets):
+        try:
+            if sorted(lora.find(model, targets)) == sorted(chosen):
+                return list(targets)
+        except ValueError:  # a name that is not ours (BERT's "dense") or names a module that is not linear
+            pass
+    return [re.escape(path) for path in chosen]
+
+
+def load_peft(model, folder, *, rngs=None):
+    """Add a PEFT LoRA adapter to ``model`` (in place) and return it.
+
+    ``model`` is the base the adapter was trained on, as the library loads it (``hf.from_pretrained``,
+    ``porting.torch_to_flax``): LoRA goes on the linear layers whose transformers module path the
+    adapter's ``target_modules`` names (PEFT's rule), with its ``r``, ``lora_alpha``,
+    ``lora_dropout`` and ``use_rslora``, and A/B are loaded from ``adapter_model.safetensors``.
+
+    Raises:
+        ValueError: on the first problem of the config (peft_type not LORA, DoRA, per-module ranks, ...),
+            keys without the ``base_model.model.`` prefix, targets absent from the model, or a model
+            that already has LoRA; ``StateDictError`` (a ValueError) lists every missing, unexpected
+            and mis-shaped tensor. Nothing is changed in the model when it raises.
+    """
+    folder = Path(folder)
+    config = read_config(folder)
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        pickled = " (adapter_model.bin is a pickle, which is not read: save it as safetensors)" \
+            if (folder / "adapter_model.bin").is_file() else ""
+        raise FileNotFoundError(f"{folder} has no {WEIGHTS_FILE}{pickled}")
+    if lora.layers(model):
+        raise ValueError("the model already has LoRA layers; merge or remove them first (lora.remove)")
+    weights = safetensors_io.open_safetensors(file)
+    bare = [k for k in weights if not k.startswith(PREFIX)]
+    if bare:
+        raise ValueError(f"{file}: {len(bare)} keys lack PEFT's {PREFIX!r} prefix (first: {bare[0]!r}); "
+                         "is this a PEFT adapter?")
+    paths = hf_module_paths(model)
+    targets = config["target_modules"]
+    chosen = {ours: theirs for ours, theirs in paths.items() if _peft_matches(targets, theirs)}
+    if not chosen:
+        raise ValueError(f"{folder / CONFIG_FILE}: target_modules {targets!r} name no linear layer of the "
+                         f"{type(model).__name__} (its modules are named like {sorted(paths.values())[:4]})")
+    nodes = {lora._dotted(p): n for p, n in lora._nodes(model).items() if p}
+    rank, expected = config["r"], {}
+    for ours, theirs in chosen.items():
+        base = nodes[ours]
+        d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
+        expected[f"{PREFIX}{theirs}.lora_A.weight"] = (ours, "lora_A", (rank, d_in))
+        expected[f"{PREFIX}{theirs}.lora_B.weight"] = (ours, "lora_B", (d_out, rank))
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    mismatched = [(k, tuple(weights[k].shape), shape) for k, (_, _, shape) in expected.items()
+                  if k in weights and tuple(weights[k].shape) != shape]
+    if missing or unexpected or mismatched:
+        raise StateDictError(missing, unexpected, mismatched)
+    arrays = {k: safetensors_io.read(weights[k]) for k in expected}
+    bad = [k for k, a in arrays.items() if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16"]
+    if bad:
+        raise ValueError(f"{file}: {bad[0]} is {arrays[bad[0]].dtype}, not a floating-point tensor")
+    lora.apply(model, rank=rank, alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+               targets=_our_targets(model, targets, list(chosen)), use_rslora=bool(config.get("use_rslora", False)),
+               rngs=rngs if rngs is not None else nnx.Rngs(0))
+    layers = lora.layers(model)
+    for key, (ours, leaf, _) in expected.items():
+        param = getattr(layers[ours], leaf)
+        param.set_value(jnp.array(np.asarray(arrays[key], np.float32).T, dtype=param.dtype))  # torch (r, in) -> ours (in, r)
+    return model

@@ -135,6 +135,8 @@ SLOW = {
     "test_former.py::test_notebook_000_ctransformer_checkpoint[True]": "test_notebook_000_ctransformer_checkpoint[False]",
     "test_llama_bisect.py::test_q_norm_after_rope_instead_of_before":
         "test_sliding_window_off_by_one, test_gemma_norm_without_plus_one",
+    "test_lm_pretrained.py::test_resume_equals_the_uninterrupted_run":
+        "test_runs' resume test, test_fit_wrt's (the same fit and checkpoints)",
     "test_bf16_budget.py::test_a_bug_in_a_bf16_model_is_named[window+1]":
         "test_a_bug_in_a_bf16_model_is_named[q-norm-after-rope] (nearer its budget)",
 }

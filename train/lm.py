@@ -1,24 +1,38 @@
-"""Language modelling in JAX: ``python -m train.lm [--preset tiny|small|base] [--model former|llama] [--level word]``
+"""Language modelling in JAX: ``python -m train.lm [--preset tiny|small|base] [--model former|llama|hf] [--level word]``
 
     python -m train.lm --preset small --out runs/shakespeare     # char-level GPT on Tiny Shakespeare
     python -m train.lm --model llama --out runs/llama            # a Llama-style decoder of about its size
     python -m train.lm --text my.txt --level word --out runs/words
+
+    # fine-tune a pretrained HuggingFace causal LM folder with its own tokenizer, export it back
+    python -m train.lm --model hf --init path/to/llama --out runs/ft --export-hf runs/ft-hf
 
 Prints the validation loss and a sample at the end. Flag parsing only; the run is
 ``flax_transformer.training.lm.train_and_evaluate``.
 """
 
 import sys
+from pathlib import Path
 
-from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main
-from flax_transformer.training import lm
+from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main, usage_error
+from flax_transformer.training import lm, lm_pretrained
 
 
 def main(argv=None) -> int:
     parser = common_parser(__doc__.splitlines()[0], lm.PRESETS, prog="python -m train.lm")
     parser.add_argument("--model", choices=list(lm.MODELS), default=None,
-                        help="gpt.GPTTransformer (default), former.GTransformer or llama.LlamaForCausalLM (its "
-                             "presets sized to the gpt preset's parameter count)")
+                        help="gpt.GPTTransformer (default), former.GTransformer, llama.LlamaForCausalLM (its "
+                             "presets sized to the gpt preset's parameter count), or hf: the pretrained causal LM "
+                             "folder --init, fine-tuned with its own tokenizer")
+    parser.add_argument("--init", default=None, metavar="FOLDER",
+                        help="--model hf: the HuggingFace causal LM folder to fine-tune (Llama, Mistral, Qwen2/3, "
+                             "Gemma, GPT-2; config.json, weights, tokenizer.json)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens per training window (default: the preset's; --model hf: at most the model's "
+                             "positions)")
+    parser.add_argument("--export-hf", type=Path, default=None, metavar="DIR",
+                        help="--model hf: also write the fine-tuned model as a HuggingFace folder (with the init "
+                             "folder's tokenizer), checked in transformers' AutoModelForCausalLM")
     parser.add_argument("--kv-heads", type=int, default=None,
                         help="--model llama: key/value heads, dividing the heads (default: the preset's, heads / 2)")
     parser.add_argument("--level", choices=["char", "word"], default=None,
@@ -26,14 +40,25 @@ def main(argv=None) -> int:
     parser.add_argument("--text", default=None, help="a text file (default: tinyshakespeare/input.txt)")
     parser.add_argument("--prompt", default=None, help="the start of the sample printed at the end")
     args = parser.parse_args(argv)
+    if args.init is not None:  # recorded in run.json: a resume or load_run from elsewhere finds the same folder
+        args.init = str(Path(args.init).absolute())
     config = make_config(args, lm.LMConfig, lm.presets(args.model), "lm")
+    if config.model == "hf":
+        for name in ("level", "kv_heads"):
+            if getattr(args, name) is not None:
+                raise usage_error(f"--{name.replace('_', '-')} does not apply to --model hf: the tokenizer and the "
+                                  "model's sizes are its --init folder's")
+    from_run_json = args.resume and args.preset is None
 
     def run():
+        nonlocal config
+        if config.model == "hf" and args.context is None and not from_run_json:
+            config = lm_pretrained.default_context(config)  # reads the folder's config.json: errors are one line
         metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                         progress=not args.no_progress, export_torch=args.export_torch,
                                         overwrite=args.overwrite,
                                         mesh=mesh_of(args), init_from_torch=args.init_from_torch,
-                                        export_torch_state=args.export_torch_state)
+                                        export_torch_state=args.export_torch_state, export_hf=args.export_hf)
         if metrics["interrupted"]:
             return True
         print(f"validation loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bits_per_token']:.3f} bits), "

@@ -5,8 +5,10 @@ the word level with notebook 002's preprocessing and vocabulary, into one token 
 The first ``1 - val_fraction`` of it is trained on with random windows of ``context``
 tokens, the rest is the validation stream. The model is ``gpt.GPTTransformer``
 (notebook 002, default), ``former.GTransformer`` (notebook 004) or ``llama.LlamaForCausalLM``
-(a Llama-style decoder: RMSNorm, RoPE, grouped-query attention, a gated MLP). At the end the
-run prints its validation loss and a sample continued from ``prompt``.
+(a Llama-style decoder: RMSNorm, RoPE, grouped-query attention, a gated MLP), or ``hf``: a
+pretrained HuggingFace causal LM folder (``init``; Llama, Mistral, Qwen2/3, Gemma, GPT-2), fine-tuned
+on the text through the folder's own tokenizer (``lm_pretrained``). At the end the run prints its
+validation loss and a sample continued from ``prompt``.
 
 A llama preset (``LMConfig.tiny(model="llama")``, ``--model llama --preset tiny``) keeps the gpt
 preset's layers, width, heads and context, and takes ``kv_heads = heads / 2`` and a narrower
@@ -27,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files
-from flax_transformer.training import data, tokenizers, torch_write
+from flax_transformer.training import data, lm_pretrained, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
 from flax_transformer.training.limits import check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -52,8 +54,9 @@ from flax_transformer.verification import export
 class LMConfig:
     """One language-modelling run."""
 
-    model: str = "gpt"  # "gpt" (gpt.GPTTransformer), "former" (former.GTransformer) or "llama" (LlamaForCausalLM)
-    level: str = "char"  # "char" or "word" (notebook 002's tokenizer)
+    model: str = "gpt"  # "gpt" (gpt.GPTTransformer), "former" (former.GTransformer), "llama" (LlamaForCausalLM), "hf"
+    init: str | None = None  # hf: the pretrained causal LM folder to fine-tune (its sizes, dropout and tokenizer)
+    level: str = "char"  # "char" or "word" (notebook 002's tokenizer); hf: the folder's tokenizer
     text: str | None = None  # a text file; default tinyshakespeare/input.txt in the data folder
     vocab_size: int = 10_000  # word level only
     n_layers: int = 4
@@ -88,29 +91,38 @@ class LMConfig:
             raise ValueError(f"--kv-heads {self.kv_heads} must divide the heads ({self.heads})")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
+        if self.init is not None and self.model != "hf":
+            raise ValueError(f"--init names a pretrained folder for --model hf, not --model {self.model}")
+        if self.model == "hf":  # the folder decides these: a value other than the default would be silently ignored
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in HF_DECIDES:
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"--{name.replace('_', '-')} does not apply to --model hf: the model's sizes, "
+                                     "dropout and tokenizer are its --init folder's")
 
     @classmethod
     def tiny(cls, **changes):
         """Seconds on 2 CPU cores, for tests."""
-        return replace(cls(), **(dict(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
-                                       batch_size=16, steps=80, lr=3e-3, warmup_steps=10, eval_batches=4,
-                                       eval_every=40, checkpoint_every=40, sample_tokens=60)
-                                 | _llama_sizes("tiny", changes) | changes))
+        return replace(cls(), **(_preset("tiny", dict(n_layers=1, d_embed=64, d_ff=256, heads=2, context=64, dropout=0.0,
+                                                      batch_size=16, steps=80, lr=3e-3, warmup_steps=10, eval_batches=4,
+                                                      eval_every=40, checkpoint_every=40, sample_tokens=60), changes)
+                                 | changes))
 
     @classmethod
     def small(cls, **changes):
         """The 2-core CPU benchmark: character-level Tiny Shakespeare, 4 layers of width 128."""
-        return replace(cls(), **(_llama_sizes("small", changes) | changes))
+        return replace(cls(), **(_preset("small", {}, changes) | changes))
 
     @classmethod
     def base(cls, **changes):
         """nanoGPT's Shakespeare-char size (6 layers of 384, context 256), for a GPU."""
-        return replace(cls(), **(dict(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256, dropout=0.2,
-                                       batch_size=64, steps=5000, lr=1e-3, warmup_steps=200, eval_batches=50,
-                                       sample_tokens=500) | _llama_sizes("base", changes) | changes))
+        return replace(cls(), **(_preset("base", dict(n_layers=6, d_embed=384, d_ff=1536, heads=6, context=256,
+                                                      dropout=0.2, batch_size=64, steps=5000, lr=1e-3,
+                                                      warmup_steps=200, eval_batches=50, sample_tokens=500), changes)
+                                 | changes))
 
 
-MODELS = ("gpt", "former", "llama")
+MODELS = ("gpt", "former", "llama", "hf")
 PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}
 # What a llama preset changes in the gpt preset of the same name. With kv_heads = heads / 2, q, k, v
 # and o hold as many weights as gpt's q, k and v (notebook 002's attention has no output projection);
@@ -121,8 +133,26 @@ LLAMA_SIZES = {"tiny": dict(d_ff=192, kv_heads=1), "small": dict(d_ff=352, kv_he
                "base": dict(d_ff=1040, kv_heads=3)}
 
 
-def _llama_sizes(preset: str, changes: dict) -> dict:
-    return LLAMA_SIZES[preset] if changes.get("model") == "llama" else {}
+# A fine-tune (model "hf") keeps the folder's sizes and takes a small learning rate. Its context is the
+# preset's, cut to the model's positions when --context is not given (train.lm, lm_pretrained.default_context).
+# tiny: seconds on 2 CPU cores, for tests; small: the 2-core CPU fine-tune; base: a GPU run.
+HF_PRESETS = {
+    "tiny": dict(context=64, batch_size=8, steps=20, lr=1e-4, warmup_steps=2, decay="linear", weight_decay=0.01,
+                 eval_batches=2, eval_every=10, checkpoint_every=10, sample_tokens=30),
+    "small": dict(context=256, batch_size=8, steps=500, lr=5e-5, warmup_steps=50, decay="linear", weight_decay=0.01,
+                  eval_batches=10, eval_every=100, sample_tokens=100),
+    "base": dict(context=1024, batch_size=16, steps=2000, lr=2e-5, warmup_steps=100, decay="linear",
+                 weight_decay=0.01, eval_batches=20, eval_every=500, sample_tokens=200),
+}
+# the fields a model "hf" run takes from its folder (left at their defaults in its config)
+HF_DECIDES = ("level", "vocab_size", "n_layers", "d_embed", "d_ff", "heads", "kv_heads", "dropout")
+
+
+def _preset(preset: str, sizes: dict, changes: dict) -> dict:
+    """What a preset changes in the defaults: its sizes and run (a llama's sized to the gpt's), or a fine-tune's."""
+    if changes.get("model") == "hf":
+        return HF_PRESETS[preset]
+    return sizes | (LLAMA_SIZES[preset] if changes.get("model") == "llama" else {})
 
 
 def presets(model: str | None = None) -> dict:
@@ -150,12 +180,16 @@ def build_tokenizer(config: LMConfig, text: str):
 
 
 def encode(config: LMConfig, tokenizer, text: str) -> np.ndarray:
+    if config.model == "hf":
+        return lm_pretrained.encode(tokenizer, text)
     if config.level == "char":
         return np.asarray(tokenizer.encode(text).ids, dtype=np.int32)
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
 
 def decode(config: LMConfig, tokenizer, ids) -> str:
+    if config.model == "hf":
+        return lm_pretrained.decode(tokenizer, ids)
     if config.level == "char":
         return tokenizer.decode([int(i) for i in ids])
     return " ".join(tokenizer.id_to_token(int(i)) for i in ids)
@@ -200,7 +234,8 @@ def loss_fn(model, batch):
 def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
     """The prompt's token ids; ``RunError`` unless it has 1 to ``context - 1`` of them."""
     try:
-        prompt = encode(config, tokenizer, config.prompt)
+        prompt = (lm_pretrained.prompt_ids(tokenizer, config.prompt) if config.model == "hf"
+                  else encode(config, tokenizer, config.prompt))
     except Exception:  # the Rust tokenizer refuses a character it has no id for (no unknown token at char level)
         unknown = sorted(set(config.prompt) - set(tokenizer.get_vocab()))
         raise RunError(f"--prompt {config.prompt!r} has characters the text does not have ({''.join(unknown)!r}), "
@@ -247,16 +282,22 @@ def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Wi
 
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
                        export_torch=None, overwrite: bool = False, mesh=None, init_from_torch=None,
-                       export_torch_state=None) -> dict:
+                       export_torch_state=None, export_hf=None) -> dict:
     """Train, then report validation loss (nats per token) and a sample; returns the metrics.
 
     Everything that can be checked is checked before the run directory is made: the
-    configuration, the text (long enough for a window in both parts), the prompt,
-    ``export_torch`` (an existing file is replaced only with ``overwrite``), the batch against
-    the mesh, and whether a step fits in memory."""
+    configuration, the init folder and its tokenizer (model "hf"), the text (long enough for a
+    window in both parts), the prompt, ``export_torch`` and ``export_hf`` (an existing output is
+    replaced only with ``overwrite``), the batch against the mesh, and whether a step fits in memory.
+    A fine-tune (model "hf") also reports ``init_val_loss``, the init model's validation loss."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
+    if config.init is None:  # run.json as before the field: a run begun then still resumes (its fields compared)
+        del run_config["init"]
     prepare_run_dir(run_dir, run_config, resume=resume)
+    folder = lm_pretrained.init_folder(config, run_dir=run_dir if resume else None) if config.model == "hf" else None
+    hf_tokenizer = lm_pretrained.pretrained_tokenizer(config, folder) if folder is not None else None
+    lm_pretrained.check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
     torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
@@ -265,28 +306,38 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     tok_path = run_dir / "tokenizer.json"
     saved_tokenizer = resume and tok_path.is_file()
     # every process builds the same tokenizer; process 0 writes it
-    tokenizer = read_tokenizer(tok_path) if saved_tokenizer else build_tokenizer(config, text)
+    tokenizer = (read_tokenizer(tok_path) if saved_tokenizer
+                 else hf_tokenizer if hf_tokenizer is not None else build_tokenizer(config, text))
     stream = encode(config, tokenizer, text)
     cut = int(len(stream) * (1 - config.val_fraction))
     train, val = _windows(config, stream, cut, config.text or "the text")
     prompt_ids(config, tokenizer)
     vocab = tokenizer.get_vocab_size()
-    check_memory(step_bytes(batch=config.run.batch_size, length=config.context, width=max(config.d_embed, config.d_ff // 4),
-                            heads=config.heads, layers=config.n_layers, vocab=vocab, attention=config.run.attention,
-                            devices=mesh.size if mesh is not None else 1), "--context or --batch-size")
-    model = build_model(config, vocab)
+    sizes = (lm_pretrained.step_sizes(folder) if folder is not None else dict(
+        width=max(config.d_embed, config.d_ff // 4), heads=config.heads, layers=config.n_layers, vocab=vocab))
+    check_memory(step_bytes(batch=config.run.batch_size, length=config.context, attention=config.run.attention,
+                            devices=mesh.size if mesh is not None else 1, **sizes), "--context or --batch-size")
+    model = lm_pretrained.build_pretrained(config, folder, mesh) if folder is not None else build_model(config, vocab)
+    what = lm_pretrained.describe(folder) if folder is not None else f"{config.model} at {config.level} level"
     with open_run(run_dir, run_config, resume=resume):
         if not saved_tokenizer and is_main_process():
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
-        print(f"lm: {config.model} at {config.level} level: {len(stream):,} tokens ({cut:,} train), vocabulary "
+            if folder is not None:
+                lm_pretrained.record_init(run_dir, folder)
+        print(f"lm: {what}: {len(stream):,} tokens ({cut:,} train), vocabulary "
               f"{vocab}, {config.run.steps} steps of {config.run.batch_size} x {config.context} tokens "
               f"({config.run.steps * config.run.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
         evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
+        before = {}
+        if folder is not None and not resume:  # where the fine-tune starts from, on the same validation windows
+            before = {"init_val_loss": evaluate(model)["loss"]}
+            print(f"the init model's validation loss: {before['init_val_loss']:.4f} nats/token", file=sys.stderr)
         result = fit(model, from_task(config, config.run.steps), loss_fn, train, run_dir=run_dir, steps=config.run.steps,
                      run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
                      checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
-                     mesh=mesh, description=f"lm-{config.model}-{config.level}", init_from_torch=init_from_torch)
-        metrics = {"step": result.step, "interrupted": result.interrupted,
+                     mesh=mesh, description="lm-hf" if folder is not None else f"lm-{config.model}-{config.level}",
+                     init_from_torch=init_from_torch)
+        metrics = {"step": result.step, "interrupted": result.interrupted, **before,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
         if not result.interrupted:
             metrics["val_bits_per_token"] = metrics["val_loss"] / math.log(2)
@@ -302,6 +353,10 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
                                           from_task(config, config.run.steps), overwrite=overwrite)
             print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
                   " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
+        if export_hf is not None and not result.interrupted and is_main_process():
+            metrics["export_check"] = lm_pretrained.export_pretrained(
+                result.model, export_hf, folder=folder, text=text[-20 * config.context:], length=config.context,
+                overwrite=overwrite)
     return metrics
 
 
@@ -310,9 +365,11 @@ def load_run(run_dir, *, step: int | None = None):
     run_dir = Path(run_dir)
     config = config_of_run(run_dir, "lm", LMConfig)
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
+    model = (lm_pretrained.build_pretrained(config, lm_pretrained.init_folder(config, run_dir=run_dir))
+             if config.model == "hf" else build_model(config, tokenizer.get_vocab_size()))
     checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)
     try:
-        model, _ = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
+        model, _ = checkpoints.restore_model(model, step)
     finally:
         checkpoints.close()
     model.eval()

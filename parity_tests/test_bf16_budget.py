@@ -19,7 +19,7 @@ from flax import nnx
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, compare, lm_agreement, precision
+from flax_transformer.verification import bisect, compare, leaf_checks, lm_agreement, precision
 from parity_tests import test_llama_bisect as planted
 
 ATTN = planted.ATTN
@@ -45,9 +45,14 @@ def test_the_rule_and_how_a_model_gives_its_precision():
     assert precision.resolve("bf16", fp32) is precision.BF16
     with pytest.raises(ValueError, match="precision='fp16'"):
         precision.resolve("fp16", fp32)
-    half = nnx.Linear(2, 2, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    class Wrap(nnx.Module):  # the top module has no dtype: its submodule's decides
+        def __init__(self, dtype):
+            self.inner = nnx.Linear(2, 2, dtype=dtype, rngs=nnx.Rngs(0))
+
+    assert precision.of_model(Wrap(jnp.bfloat16)) is precision.BF16
+    assert precision.of_model(Wrap(jnp.float32)) is precision.FP32
     with pytest.raises(ValueError, match="computes in float16"):
-        precision.of_model(half)
+        precision.of_model(Wrap(jnp.float16))
     assert precision.BF16.rule() == {"precision": "bfloat16", "slack": 4.0, "floor_ulps": 1.0, "eps": 2.0 ** -7}
     assert precision.FP32.rule()["eps32"] == 2.0 ** -23  # the key fp32 reports always had
 
@@ -88,9 +93,20 @@ def test_a_bug_in_a_bf16_model_is_named(bug):
 # ------------------------------------------------------------------ compare
 
 
-def test_compare_judges_a_bf16_model_by_its_budget():
+def test_a_nonfinite_value_in_torchs_bf16_run_is_not_compared_never_an_infinite_budget():
+    out = leaf_checks.check(np.array([1.0, 2.0, 3.0], np.float32), np.array([1.0, 2.0, 50.0], np.float32),
+                            np.array([1.0, 2.0, 3.0]), measured=True, low=np.array([1.0, 2.0, np.inf], np.float32),
+                            precision=precision.BF16)
+    assert "torch in bfloat16" in out["skipped"] and np.isfinite(out["budget"]), out
+
+
+def test_compare_judges_a_bf16_model_by_its_budget(monkeypatch):
     _, torch_model, flax_model = _bf16_pair(**planted.QWEN3)
+    seen = []
+    real = compare.grad_budget
+    monkeypatch.setattr(compare, "grad_budget", lambda own, rule: seen.append(rule) or real(own, rule))
     report = compare.compare(torch_model, flax_model, (planted.IDS,), grads=True)
+    assert seen == [precision.BF16]  # the gradients' one budget is bf16's too
     assert report.passed and report.precision == "bfloat16" and report.tol == float("inf"), str(report)
     assert report.max_abs_err > 1e-3  # far beyond float32's tolerance: the budget is what judges
     assert report.to_dict()["budget_rule"]["precision"] == "bfloat16"
@@ -100,6 +116,8 @@ def test_compare_judges_a_bf16_model_by_its_budget():
         compare.compare(torch_model, flax_model, (planted.IDS,), fp64=False)
     lm = compare.compare(torch_model, flax_model, (planted.IDS,), lm=True)
     assert lm.passed and lm.lm.gates is lm_agreement.BF16  # a bf16 model's LM gates by default
+    assert lm.precision == "bfloat16" and lm.to_dict()["budget_rule"]["precision"] == "bfloat16"  # without grads too
+    assert "no abs tolerance" in lm.summary()
     case = planted.BUGS["q-norm-after-rope"]
     config, _, broken = _bf16_pair(**case.switches)
     bad = compare.compare(torch_model, case.plant(config, broken), (planted.IDS,))

@@ -183,9 +183,8 @@ def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: b
 
 
 def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None):
-    """(torch error, JAX error) of the module rerun alone on the fp64 input (torch's cast to its
-    precision, ``dtype``: float32 unless given; JAX's to float32, the module casts to its own);
-    None if it cannot be."""
+    """(torch error, JAX error) of the module rerun alone on the fp64 input, cast to ``dtype`` for
+    torch (default float32) and to float32 for JAX (its module casts); None if it cannot be."""
     import torch
 
     channels_last = frameworks.channels_last(jax_call.module)
@@ -384,11 +383,8 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     layout in Flax (``frameworks.CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
     Flax) is compared through that transposition, its rerun too.
 
-    ``precision`` is the budget's (``precision.py``): None reads the Flax model's compute dtype
-    (its modules' ``dtype``). For a bfloat16 model the torch runs (the whole model, each rerun
-    alone, the gradients) are of a copy of the torch model in ``torch.bfloat16``, and the budget
-    is bf16's rule: a correct bf16 port passes, and a bug is still named. ``"float32"`` judges a
-    bf16 model by float32's rule (it then diverges everywhere: what bf16 costs).
+    ``precision``: the budget's (``precision.py``; None: the Flax model's compute dtype). A bf16
+    model's torch runs (model, reruns, gradients) use a ``torch.bfloat16`` copy, judged by bf16's rule.
 
     ``rename`` is porting's ``[(regex, replacement), ...]``: a torch module path is looked up in
     Flax at the path its parameters' keys take after the pairs (``flax_path``), and a torch key's
@@ -450,8 +446,7 @@ def _torch_grads(model, args, kwargs, weights, loss_fn, dtype) -> dict[str, np.n
 
 def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None,
                rule=_precision.FP32) -> list[GradRow]:
-    """One row per parameter: ``torch_model`` (at ``rule``'s precision) and the Flax model's gradients
-    against the float64 ``reference``'s."""
+    """One row per parameter: torch's (at ``rule``'s precision) and Flax's gradients against ``reference``'s."""
     import torch
     from flax import nnx
 

@@ -38,8 +38,8 @@ CASES = {
         ["q_proj", "v_proj", "down_proj"]),
     "bert": (lambda: transformers.BertModel(transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
-        max_position_embeddings=16)), ("output_linear", "linear_1", "linear_2"),
-        r"encoder\.layer\.\d+\.(attention\.output|intermediate|output)\.dense"),
+        max_position_embeddings=16)), ("query", "value", "output_linear", "linear_1", "linear_2"),
+        r"encoder\.layer\.\d+\.(attention\.self\.(query|value)|(attention\.output|intermediate|output)\.dense)"),
 }
 
 
@@ -338,10 +338,23 @@ def test_apply_refuses(llama_adapter, kwargs, message):
 
 
 @pytest.mark.parametrize("folder", ["bert"], indirect=True)
-def test_apply_refuses_bert_per_head_projections(folder):
+def test_bert_takes_lora_over_all_heads_or_per_head_and_peft_only_the_first(folder, tmp_path):
+    """transformers' names (``query``) put one LoRA over all heads, as PEFT's on BERT's whole ``query``;
+    ours (``q``) one per head, which computes too but has no transformers module to be saved as."""
     kind, path = folder
-    with pytest.raises(ValueError, match=r"layers\.0\.attention\.heads\.0\.q, a per-head projection"):
-        lora.apply(hf.from_pretrained(path), targets=("q",), rngs=nnx.Rngs(0))
+    fused = lora.apply(hf.from_pretrained(path), rank=2, targets=("query",), rngs=nnx.Rngs(0))
+    assert sorted(lora.layers(fused)) == [f"layers.{i}.attention.q_lora" for i in (0, 1)]
+    per_head = lora.apply(hf.from_pretrained(path), rank=2, targets=("q",), rngs=nnx.Rngs(0))
+    assert len(lora.layers(per_head)) == 2 * 4 and all(k.endswith(".q") for k in lora.layers(per_head))
+    for model in (fused, per_head):
+        _random_b(model)
+        before = _ours(model)
+        lora.merge(model)  # merged weights compute what the adapters did: neither was skipped
+        assert _err(_ours(model), before) < TOL
+        assert _err(before, _torch_out(_base(kind, path))) > 100 * TOL  # and they change the output
+    with pytest.raises(ValueError, match=r"heads\.0\.q is a LoRA on one head's slice"):
+        peft.save_peft(lora.apply(hf.from_pretrained(path), targets=("q",), rngs=nnx.Rngs(0)), tmp_path / "a")
+    assert not (tmp_path / "a").exists()
 
 
 def test_targets_follow_peft_rules(llama_adapter):

@@ -66,28 +66,29 @@ def _our_weight_key(layer) -> str:
     return "matrix" if isinstance(layer, gpt.Linear) else "weight"
 
 
-def _hf_key(model, key: str) -> str | None:
+def _hf_key(model, key: str, *, whole: bool = False) -> str | None:
     """Our torch (porting) name of a parameter -> the name transformers' model gives it.
 
     The models ``hf.save_pretrained`` writes go through its key tables (the classifier's body under
     ``encoder.`` gets the family's prefix); any other model's torch names are its porting names.
-    None for a slice of a transformers tensor (one head of BERT's q/k/v, which ``lora.apply`` refuses)."""
+    For one head's slice of a transformers tensor (BERT's ``heads.<i>.q``): None, or with ``whole``
+    the name of the tensor it is a slice of."""
     if not hf.can_save(model):
         return key
     kind, _, classifier = hf._kind_of(model)
     if classifier:
         spec = ENCODERS[kind]
         if key.startswith("encoder."):
-            return spec.prefix + _rename(spec.keys, key[len("encoder."):])
-        return _rename(spec.classifier_keys, key)
-    return _rename(table_of(kind), key)
+            return spec.prefix + _rename(spec.keys, key[len("encoder."):], whole)
+        return _rename(spec.classifier_keys, key, whole)
+    return _rename(table_of(kind), key, whole)
 
 
-def _rename(table, key: str) -> str | None:
+def _rename(table, key: str, whole: bool = False) -> str | None:
     for hf_name, our_name, rule in table:
         match = hf._pattern(our_name).fullmatch(key)
         if match:
-            if rule != "as_is":  # one head's slice of BERT's q/k/v: no module of transformers' model
+            if rule != "as_is" and not whole:  # one head's slice of BERT's q/k/v: no module of transformers'
                 return None
             return hf_name.format(**match.groupdict())
     raise ValueError(f"{key}: no transformers name for it in the key table")
@@ -99,15 +100,30 @@ def _module_of(key: str) -> str:
 
 def hf_module_paths(model) -> dict[str, str]:
     """Our dotted path -> transformers' module path, for every linear layer that is a module of
-    transformers' model (BERT's per-head q/k/v slices are not)."""
+    transformers' model (BERT's per-head q/k/v slices are not), and for each projection over all
+    heads that a ``lora.FusedLoRA`` takes (``<attention>.q_lora`` -> ``<layer>.attention.self.query``)."""
     out = {}
-    for path, node in lora._nodes(model).items():
+    nodes = lora._nodes(model)
+    path_of = {id(node): path for path, node in nodes.items()}
+    for path, node in nodes.items():
         if path and isinstance(node, lora._ADAPTABLE):
             dotted = lora._dotted(path)
             name = _hf_key(model, f"{dotted}.{_our_weight_key(node)}")
             if name is not None:
                 out[dotted] = _module_of(name)
+        if path and hf.can_save(model):
+            for slot, projection, _ in lora._fused_slots(node, path):
+                first = lora._dotted(path_of[id(node.head_layers(projection)[0])])
+                out[lora._dotted(slot)] = _module_of(_hf_key(model, f"{first}.weight", whole=True))
     return out
+
+
+def _fused_shape(model, ours: str) -> tuple[int, int]:
+    """(in, out) of the projection over all heads whose FusedLoRA path is ``ours``."""
+    parent, _, slot = ours.rpartition(".")
+    attention = {lora._dotted(p): n for p, n in lora._nodes(model).items() if p}[parent]
+    heads = attention.head_layers(slot[:-len("_lora")])
+    return heads[0].kernel.shape[0], sum(h.kernel.shape[1] for h in heads)
 
 
 def _torch_keys(model) -> list[str]:
@@ -132,7 +148,7 @@ def _target_modules(model, adapted: set[str]) -> list[str]:
     names = sorted({m.rpartition(".")[2] for m in adapted})
     everything = set()  # every module path of transformers' model (each parameter's ancestors)
     for key in _torch_keys(model):
-        parts = (_hf_key(model, key) or key).split(".")[:-1]
+        parts = _hf_key(model, key, whole=True).split(".")[:-1]
         everything.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     clash = [m for m in everything if m not in adapted and _peft_matches(names, m)]
     return sorted(adapted) if clash else names
@@ -162,6 +178,11 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
     folder = files.check_target(folder, kind="dir", overwrite=overwrite)
     paths = hf_module_paths(model)
     layers = lora.layers(model)
+    homeless = [path for path in layers if path not in paths]
+    if homeless:
+        raise ValueError(f"{homeless[0]} is a LoRA on one head's slice of a transformers projection, which no "
+                         "module of transformers' model is, so PEFT cannot hold it; adapt the whole projection "
+                         "(targets such as 'query', 'value': one LoRA over all heads, as PEFT's)")
     tensors = {}
     for path, layer in layers.items():
         module = paths[path]
@@ -285,8 +306,11 @@ def load_peft(model, folder, *, rngs=None):
     nodes = {lora._dotted(p): n for p, n in lora._nodes(model).items() if p}
     rank, expected = config["r"], {}
     for ours, theirs in chosen.items():
-        base = nodes[ours]
-        d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
+        base = nodes.get(ours)
+        if base is None:  # a projection over all heads (lora.FusedLoRA)
+            d_in, d_out = _fused_shape(model, ours)
+        else:
+            d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
         expected[f"{PREFIX}{theirs}.lora_A.weight"] = (ours, "lora_A", (rank, d_in))
         expected[f"{PREFIX}{theirs}.lora_B.weight"] = (ours, "lora_B", (d_out, rank))
     missing = [k for k in expected if k not in weights]

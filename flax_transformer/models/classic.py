@@ -18,7 +18,7 @@ from flax import nnx
 from flax_transformer.models._shared import InputSpec, RecordsInit, TensorLoggingLevels, log_size
 from flax_transformer.models.attention import attend, cache_mask, empty_cache, update_cache
 from flax_transformer.models.checks import check_features, check_length, check_token_ids, is_concrete
-from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup
+from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, stacked_projection
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
@@ -102,18 +102,15 @@ class MultiHeadAttention(RecordsInit, nnx.Module):
         self.attn_heads = nnx.List([AttentionHead(d_model, d_feature, dropout, **kw) for _ in range(n_heads)])
         self.projection = Linear(d_feature * n_heads, d_model, **kw)
 
-    def stacked(self, name):
-        """The kernel (d_model, h*f) and bias (h*f,) of every head's ``name`` projection."""
-        layers = [getattr(head, name) for head in self.attn_heads]
-        kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1).astype(self.dtype)
-        bias = jnp.concatenate([layer.bias[...] for layer in layers]).astype(self.dtype)
-        return kernel, bias
+    def head_layers(self, name) -> list:
+        """Every head's ``name`` projection ("query_tfm", "key_tfm" or "value_tfm"), in head order."""
+        return [getattr(head, name) for head in self.attn_heads]
 
     def project(self, x, name):
-        """(b, l, d_model) -> (b, h, l, d_feature) through every head's ``name`` at once."""
-        kernel, bias = self.stacked(name)
+        """(b, l, d_model) -> (b, h, l, d_feature) through every head's ``name`` at once (and their LoRA)."""
         b, l, _ = x.shape
-        return (x.astype(self.dtype) @ kernel + bias).reshape(b, l, self.n_heads, self.d_feature).transpose(0, 2, 1, 3)
+        y = stacked_projection(x, self.head_layers(name), self.dtype)
+        return y.reshape(b, l, self.n_heads, self.d_feature).transpose(0, 2, 1, 3)
 
     def attend_projected(self, q, k, v, keep, b, q_len):
         """Attention on projected (b, h, *, f) q/k/v with a keep-mask, then ``projection``."""

@@ -18,7 +18,15 @@ from flax_transformer.models._shared import InputSpec, RecordsInit
 from flax_transformer.models.attention import attend, normalize_mask
 from flax_transformer.models.checks import check_features, check_length, check_token_ids
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.models.layers import ACTIVATIONS, Embed, LayerNorm, Linear, lookup, masked_mean
+from flax_transformer.models.layers import (
+    ACTIVATIONS,
+    Embed,
+    LayerNorm,
+    Linear,
+    lookup,
+    masked_mean,
+    stacked_projection,
+)
 
 
 class _ConfigModule(RecordsInit, nnx.Module):
@@ -103,13 +111,20 @@ class MultiHeadAttention(_ConfigModule):
         self.output_linear = Linear(config.hidden_size, config.hidden_size, **kw)
         self.attn_dropout = nnx.Dropout(config.attention_probs_dropout_prob, rngs=rngs)
 
+    # transformers' names of the one projection over all heads that ``heads.<i>.q`` etc. are
+    # slices of (BERT's and RoBERTa's ``query``, DistilBERT's ``q_lin``): ``lora.apply`` puts a LoRA
+    # over all heads (``lora.FusedLoRA``, at ``q_lora``) where a target names one of them
+    LORA_FUSED = {"q": ("query", "q_lin"), "k": ("key", "k_lin"), "v": ("value", "v_lin")}
+
+    def head_layers(self, name) -> list:
+        """Every head's ``name`` projection ("q", "k" or "v"), in head order."""
+        return [getattr(head, name) for head in self.heads]
+
     def _project(self, x, name):
-        """(b, t, e) -> (b, h, t, d) through every head's ``name`` projection at once."""
+        """(b, t, e) -> (b, h, t, d) through every head's ``name`` projection at once (and their LoRA)."""
         b, t, _ = x.shape
-        layers = [getattr(head, name) for head in self.heads]
-        kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1).astype(self.dtype)  # (e, h*d)
-        bias = jnp.concatenate([layer.bias[...] for layer in layers]).astype(self.dtype)  # (h*d,)
-        return (x @ kernel + bias).reshape(b, t, len(layers), kernel.shape[1] // len(layers)).transpose(0, 2, 1, 3)
+        y = stacked_projection(x, self.head_layers(name), self.dtype, getattr(self, f"{name}_lora", None))
+        return y.reshape(b, t, len(self.heads), y.shape[-1] // len(self.heads)).transpose(0, 2, 1, 3)
 
     def __call__(self, hidden_state, mask=None, *, return_weights: bool = False):
         """Args:

@@ -119,3 +119,29 @@ def masked_mean(hidden, attention_mask=None):
     weight = jnp.asarray(attention_mask).astype(jnp.bool_).astype(jnp.float32)[..., None]  # (b, t, 1)
     total = (hidden.astype(jnp.float32) * weight).sum(axis=1)
     return (total / jnp.maximum(weight.sum(axis=1), 1.0)).astype(hidden.dtype)
+
+
+def _active_lora(layer) -> bool:
+    """Whether ``layer`` carries an unmerged LoRA (``models.lora``; duck-typed: models do not import it)."""
+    return callable(getattr(layer, "delta", None)) and not getattr(layer, "merged", True)
+
+
+def stacked_projection(x, layers, dtype, fused=None):
+    """(..., e) -> (..., h*d) through every head's own linear layer (e -> d) in one matmul.
+
+    The families that keep one ``Linear`` per head (the notebooks' layout) call this instead of the
+    layers, so a LoRA on a head's layer (``lora.LoRALinear``) adds its ``delta`` here, in that
+    head's columns, and ``fused`` (a ``lora.FusedLoRA`` over all heads, as PEFT's on BERT's whole
+    ``query``) adds its delta to all of them; merged adapters are in the kernels already.
+    """
+    kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1).astype(dtype)  # (e, h*d)
+    bias = jnp.concatenate([layer.bias[...] for layer in layers]).astype(dtype)  # (h*d,)
+    x = x.astype(dtype)
+    y = x @ kernel + bias
+    if any(_active_lora(layer) for layer in layers):
+        y = y + jnp.concatenate([layer.delta(x).astype(dtype) if _active_lora(layer)
+                                 else jnp.zeros((*x.shape[:-1], layer.kernel.shape[1]), dtype)
+                                 for layer in layers], axis=-1)
+    if fused is not None and _active_lora(fused):
+        y = y + fused.delta(x).astype(dtype)
+    return y

@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_transformer.models import classic, encoder, gpt
+from flax_transformer.models import gpt
 from flax_transformer.models.fast_backward import linear_dot_general
 
-__all__ = ["LORA_FILTER", "LoRAConfig", "LoRAConv1D", "LoRALinear", "LoRAParam", "Sizes", "apply", "config_of", "find",
+__all__ = ["LORA_FILTER", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRALinear", "LoRAParam", "Sizes", "apply", "config_of", "find",
            "layers", "merge", "remove", "state_sizes", "trainable", "unmerge"]
 
 
@@ -52,10 +52,6 @@ LORA_FILTER = LoRAParam  # the nnx filter of the adapters: nnx.Optimizer(model, 
 
 # the layers a LoRA can adapt, and the LoRA class of each: their weights are (in, out) both
 _ADAPTABLE = (nnx.Linear, gpt.Linear)
-
-# modules whose parent reads their kernel itself (one fused projection over heads) instead of
-# calling them: a LoRA on them would be silently skipped, so ``apply`` refuses them
-_FUSED_PARENTS = (encoder.AttentionHead, classic.AttentionHead)
 
 _PLAIN_NAME = re.compile(r"\w+")
 
@@ -106,8 +102,35 @@ def _shifted(weight, a, b, scale):
     return (weight.astype(jnp.float32) + _update(a, b, scale)).astype(weight.dtype)
 
 
-class _LoRA:
-    """The adapter part of a LoRA layer; mixed in before the base layer class it adapts."""
+class _Adapter:
+    """A and B, the LoRA dropout and the branch ``scale * dropout(x) @ A @ B``: what a LoRA layer
+    (``_LoRA``) and a LoRA over all heads (``FusedLoRA``) share."""
+
+    def _add_adapter(self, d_in: int, d_out: int, config: LoRAConfig, *, rngs: nnx.Rngs, deterministic: bool,
+                     dtype, param_dtype) -> None:
+        self.lora_config = config
+        self.lora_dtype = dtype
+        self.lora_scale = config.scale
+        self.lora_A = LoRAParam(_init_a(rngs.params(), (d_in, config.rank), jnp.dtype(param_dtype)))
+        self.lora_B = LoRAParam(jnp.zeros((config.rank, d_out), param_dtype))
+        self.lora_dropout = nnx.Dropout(config.dropout, deterministic=deterministic, rngs=rngs)
+        self.merged = False
+
+    def delta(self, x):
+        """The LoRA branch alone: (..., in) -> (..., out), ``scale * dropout(x) @ A @ B`` in ``lora_dtype``."""
+        h = self.lora_dropout(x.astype(self.lora_dtype))
+        dims = (((h.ndim - 1,), (0,)), ((), ()))
+        h = linear_dot_general(h, self.lora_A[...].astype(self.lora_dtype), dims)  # (..., r)
+        h = linear_dot_general(h, self.lora_B[...].astype(self.lora_dtype), dims)  # (..., out)
+        return h * self.lora_scale  # scaled after B, as PEFT's lora_B(lora_A(x)) * scaling
+
+    def update_matrix(self) -> jax.Array:
+        """scale * A @ B: (in, out), what ``merge`` adds to the base weight, in float32."""
+        return _update(self.lora_A[...], self.lora_B[...], self.lora_scale)
+
+
+class _LoRA(_Adapter):
+    """A linear layer with a LoRA; mixed in before the base layer class it adapts."""
 
     _weight = "kernel"  # the base's weight leaf, (in, out)
 
@@ -127,22 +150,9 @@ class _LoRA:
                 setattr(self, name, nnx.data(value) if base._pytree__nodes.get(name) else value)
         weight = getattr(base, self._weight)
         d_in, d_out = weight.shape
-        param_dtype = param_dtype or weight.dtype
-        self.lora_config = config
-        self.lora_dtype = dtype or getattr(base, "dtype", None) or jnp.float32
-        self.lora_scale = config.scale
-        self.lora_A = LoRAParam(_init_a(rngs.params(), (d_in, config.rank), jnp.dtype(param_dtype)))
-        self.lora_B = LoRAParam(jnp.zeros((config.rank, d_out), param_dtype))
-        self.lora_dropout = nnx.Dropout(config.dropout, deterministic=deterministic, rngs=rngs)
-        self.merged = False
-
-    def delta(self, x):
-        """The LoRA branch alone: (..., in) -> (..., out), ``scale * dropout(x) @ A @ B`` in ``lora_dtype``."""
-        h = self.lora_dropout(x.astype(self.lora_dtype))
-        dims = (((h.ndim - 1,), (0,)), ((), ()))
-        h = linear_dot_general(h, self.lora_A[...].astype(self.lora_dtype), dims)  # (..., r)
-        h = linear_dot_general(h, self.lora_B[...].astype(self.lora_dtype), dims)  # (..., out)
-        return h * self.lora_scale  # scaled after B, as PEFT's lora_B(lora_A(x)) * scaling
+        self._add_adapter(d_in, d_out, config, rngs=rngs, deterministic=deterministic,
+                          dtype=dtype or getattr(base, "dtype", None) or jnp.float32,
+                          param_dtype=param_dtype or weight.dtype)
 
     def __call__(self, x, *args, **kwargs):
         """(..., in) -> (..., out): the base layer's output plus the LoRA branch (the base alone once merged)."""
@@ -151,11 +161,7 @@ class _LoRA:
             return y
         return y + self.delta(x).astype(y.dtype)
 
-    def update_matrix(self) -> jax.Array:
-        """scale * A @ B: (in, out), what ``merge`` adds to the base weight, in float32."""
-        return _update(self.lora_A[...], self.lora_B[...], self.lora_scale)
-
-    def _shift(self, sign: float) -> None:
+    def _shift(self, sign: float, parent=None) -> None:
         weight = getattr(self, self._weight)
         weight.set_value(_shifted(weight[...], self.lora_A[...], self.lora_B[...], sign * self.lora_scale))
 
@@ -174,13 +180,57 @@ class LoRAConv1D(_LoRA, gpt.Linear):
 _LORA_CLASS = {nnx.Linear: LoRALinear, gpt.Linear: LoRAConv1D}
 
 
+class FusedLoRA(_Adapter, nnx.Module):
+    """A LoRA over one projection of *all* heads of an attention that keeps one linear layer per head.
+
+    ``encoder.MultiHeadAttention`` stores BERT's ``query`` as ``heads.<i>.q`` (the notebook's layout),
+    one (e, d) kernel per head. PEFT's LoRA on ``query`` is one A (e, r) and one B (r, h*d) for the
+    whole projection, which no per-head LoRA equals (a rank-r update of h*d columns is not h
+    rank-r updates of d columns). This is that LoRA: it lives at ``<attention>.<name>_lora``, the
+    attention adds its ``delta`` to the stacked projection (``layers.stacked_projection``), and
+    ``merge`` adds head i's d columns of ``A @ B`` to head i's kernel.
+    """
+
+    def __init__(self, d_in: int, d_out: int, config: LoRAConfig, *, projection: str, rngs: nnx.Rngs,
+                 deterministic: bool = False, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.projection = projection  # the heads' layer name it spans ("q", "k", "v")
+        self._add_adapter(d_in, d_out, config, rngs=rngs, deterministic=deterministic, dtype=dtype,
+                          param_dtype=param_dtype)
+
+    def _shift(self, sign: float, parent=None) -> None:
+        update = sign * self.update_matrix()  # (e, h*d), head-major columns as the stacked kernel's
+        start = 0
+        for layer in parent.head_layers(self.projection):
+            width = layer.kernel.shape[1]
+            layer.kernel.set_value(_added(layer.kernel[...], update[:, start:start + width]))
+            start += width
+
+
+_ADAPTERS = (_LoRA, FusedLoRA)
+
+
+@jax.jit
+def _added(weight, update):
+    """weight + update, summed in float32, stored back in the weight's dtype."""
+    return (weight.astype(jnp.float32) + update).astype(weight.dtype)
+
+
+
+
 def _dotted(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def layers(model) -> dict[str, _LoRA]:
-    """Dotted path -> LoRA layer, for every LoRA layer of ``model``, in graph order."""
-    return {_dotted(path): node for path, node in nnx.iter_graph(model) if isinstance(node, _LoRA)}
+def layers(model) -> dict[str, _Adapter]:
+    """Dotted path -> LoRA layer (or ``FusedLoRA``), for every adapter of ``model``, in graph order."""
+    return {_dotted(path): node for path, node in nnx.iter_graph(model) if isinstance(node, _ADAPTERS)}
+
+
+def _fused_slots(node, path: tuple) -> list[tuple[tuple, str, tuple[str, ...]]]:
+    """(adapter path, projection, its transformers names) for each projection that ``node`` (an
+    attention keeping one layer per head, which declares ``LORA_FUSED``) can take a ``FusedLoRA`` on."""
+    return [((*path, f"{projection}_lora"), projection, names)
+            for projection, names in getattr(type(node), "LORA_FUSED", {}).items()]
 
 
 def _matches(target: str, name: str, dotted: str) -> bool:
@@ -215,6 +265,8 @@ def find(model, targets: str | Sequence[str]) -> list[str]:
 
 
 def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
+    """The paths of what the targets adapt: a linear layer's own path, or for a projection over all
+    heads (``FusedLoRA``), the path its adapter takes (``<attention>.q_lora``)."""
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"LoRA targets must be non-empty module names or regexes, got {targets!r}")
     for target in targets:
@@ -223,11 +275,19 @@ def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
                 re.compile(target)
             except re.error as error:
                 raise ValueError(f"LoRA target {target!r} is not a valid regex: {error}") from None
-    found, hits = [], dict.fromkeys(targets, 0)
+    found, hits, fused_names = [], dict.fromkeys(targets, 0), set()
     for path, node in nodes.items():
         if not path or not isinstance(node, nnx.Module):
             continue
         dotted = _dotted(path)
+        for slot, _, names in _fused_slots(node, path):
+            fused_names.update(names)
+            matched = [t for t in targets if (t in names if _PLAIN_NAME.fullmatch(t)
+                                              else re.fullmatch(t, _dotted(slot)) is not None)]
+            for t in matched:
+                hits[t] += 1
+            if matched:
+                found.append(slot)
         matched = [t for t in targets if _matches(t, str(path[-1]), dotted)]
         if not matched:
             continue
@@ -236,18 +296,13 @@ def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
         if not isinstance(node, _ADAPTABLE):
             raise ValueError(f"LoRA target {matched[0]!r} matches {dotted}, a {type(node).__name__}, "
                              "not a linear layer (nnx.Linear or gpt.Linear)")
-        parent = nodes[path[:-1]]
-        if isinstance(parent, _FUSED_PARENTS):
-            raise ValueError(f"LoRA target {matched[0]!r} matches {dotted}, a per-head projection that "
-                             f"{type(parent).__module__.rsplit('.', 1)[-1]}.MultiHeadAttention reads as one fused "
-                             "kernel, so a LoRA there would be skipped; target the attention's output and "
-                             "feed-forward layers instead")
         found.append(path)
     unmatched = [t for t, n in hits.items() if n == 0]
     if unmatched:
         names = sorted({str(p[-1]) for p, n in nodes.items() if p and isinstance(n, _ADAPTABLE)})
+        also = f", and its attention's projections over all heads {sorted(fused_names)}" if fused_names else ""
         raise ValueError(f"LoRA targets {unmatched} match no module of the {type(model).__name__}; "
-                         f"its linear layers are named {names}")
+                         f"its linear layers are named {names}{also}")
     return found
 
 
@@ -261,14 +316,17 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
         targets: module names or regexes, as PEFT's ``target_modules``: a plain name (``"q_proj"``,
             ``"c_attn"``) matches a module whose last path part it is; anything else is a regex that
             must match the whole dotted path (``r".*\\.layers\\.0\\..*_proj"``). One string is one target.
-            The default, ``q_proj`` and ``v_proj``, is PEFT's for the llama family.
+            The default, ``q_proj`` and ``v_proj``, is PEFT's for the llama family. The encoder
+            family keeps one layer per head (``heads.<i>.q``): ``"q"`` adapts each head's layer (as
+            PEFT on the notebook twin does), while transformers' names of the whole projection
+            (``"query"``, ``"value"``; DistilBERT's ``"q_lin"``) put one ``FusedLoRA`` over all heads
+            at ``<attention>.q_lora`` (as PEFT on transformers' BERT does).
         rngs: draws A (``params`` stream) and the LoRA dropout's stream.
         dtype, param_dtype: as ``LoRALinear``'s; default each base layer's.
 
     Raises:
         ValueError: rank < 1, a bad alpha or dropout, a target that matches nothing, a matched
-            module that is not a linear layer (named with its type), a per-head q/k/v projection
-            that its attention reads as one fused kernel, or a model that already has LoRA.
+            module that is not a linear layer (named with its type), or a model that already has LoRA.
     """
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     config = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, targets=targets, use_rslora=bool(use_rslora))
@@ -276,12 +334,22 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
     if layers(model):
         raise ValueError("the model already has LoRA layers; merge or remove them first (lora.remove)")
     nodes = _nodes(model)
-    found = [(path, nodes[path]) for path in _find(model, targets, nodes)]
+    found = [(path, nodes.get(path)) for path in _find(model, targets, nodes)]
     deterministic = _in_eval_mode(model)
     for path, node in found:
-        cls = next(c for base, c in _LORA_CLASS.items() if isinstance(node, base))
-        new = cls(node, config, rngs=rngs, deterministic=deterministic, dtype=dtype, param_dtype=param_dtype)
-        _set_child(nodes[path[:-1]], path[-1], new)
+        parent = nodes[path[:-1]]
+        if node is None:  # a projection over all heads: the adapter is a new child of the attention
+            projection = path[-1][:-len("_lora")]
+            heads = parent.head_layers(projection)
+            kernel = heads[0].kernel
+            new = FusedLoRA(kernel.shape[0], sum(h.kernel.shape[1] for h in heads), config, projection=projection,
+                            rngs=rngs, deterministic=deterministic,
+                            dtype=dtype or getattr(parent, "dtype", None) or jnp.float32,
+                            param_dtype=param_dtype or kernel.dtype)
+        else:
+            cls = next(c for base, c in _LORA_CLASS.items() if isinstance(node, base))
+            new = cls(node, config, rngs=rngs, deterministic=deterministic, dtype=dtype, param_dtype=param_dtype)
+        _set_child(parent, path[-1], new)
     return model
 
 
@@ -293,8 +361,10 @@ def config_of(model) -> LoRAConfig | None:
     return next(iter(configs), None)
 
 
-def _adapted(model) -> dict[str, _LoRA]:
-    found = layers(model)
+def _adapted(model) -> dict[tuple, tuple[_Adapter, object]]:
+    """Path -> (adapter, its parent module) for every adapter of ``model``; ValueError without any."""
+    nodes = _nodes(model)
+    found = {path: (node, nodes[path[:-1]]) for path, node in nodes.items() if isinstance(node, _ADAPTERS)}
     if not found:
         raise ValueError(f"the {type(model).__name__} has no LoRA layers (lora.apply adds them)")
     return found
@@ -307,11 +377,11 @@ def merge(model):
     alone. Raises ValueError on a model that has no LoRA or is already merged. Returns ``model``.
     """
     found = _adapted(model)
-    merged = [path for path, layer in found.items() if layer.merged]
+    merged = [_dotted(path) for path, (layer, _) in found.items() if layer.merged]
     if merged:
         raise ValueError(f"the LoRA layers are already merged ({merged[0]}, ...); unmerge first")
-    for layer in found.values():
-        layer._shift(+1.0)
+    for layer, parent in found.values():
+        layer._shift(+1.0, parent)
         layer.merged = True
     return model
 
@@ -319,31 +389,32 @@ def merge(model):
 def unmerge(model):
     """Take ``scale * A @ B`` out of each base weight again (the inverse of ``merge``, up to rounding)."""
     found = _adapted(model)
-    if not all(layer.merged for layer in found.values()):
+    if not all(layer.merged for layer, _ in found.values()):
         raise ValueError("the LoRA layers are not merged")
-    for layer in found.values():
-        layer._shift(-1.0)
+    for layer, parent in found.values():
+        layer._shift(-1.0, parent)
         layer.merged = False
     return model
 
 
 def remove(model, *, merge_weights: bool = True):
-    """Put plain layers back in place of the LoRA layers, in place; returns ``model``.
+    """Put plain layers back in place of the LoRA layers (and drop ``FusedLoRA``s), in place; returns ``model``.
 
     With ``merge_weights`` (the default) the adapters are folded in first: the model computes
     what the adapted one did, as a plain model that ``hf.save_pretrained`` and porting write.
     With ``merge_weights=False`` the base weights come back as they were (an unmerged adapter is dropped).
     """
     found = _adapted(model)
-    for layer in found.values():
+    for layer, parent in found.values():
         if merge_weights and not layer.merged:
-            layer._shift(+1.0)
+            layer._shift(+1.0, parent)
         elif not merge_weights and layer.merged:
-            layer._shift(-1.0)
-    nodes = _nodes(model)
-    for path, node in list(nodes.items()):
-        if isinstance(node, _LoRA):
-            _set_child(nodes[path[:-1]], path[-1], _plain(node))
+            layer._shift(-1.0, parent)
+    for path, (layer, parent) in found.items():
+        if isinstance(layer, FusedLoRA):
+            delattr(parent, path[-1])
+        else:
+            _set_child(parent, path[-1], _plain(layer))
     return model
 
 

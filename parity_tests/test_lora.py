@@ -299,7 +299,7 @@ def _edited(tmp_path, adapter, config=None, weights=None):
     ({"peft_type": "PREFIX_TUNING"}, None, "peft_type 'PREFIX_TUNING' is not 'LORA'"),
     ({"use_dora": True}, None, "DoRA"),
     ({"rank_pattern": {"q_proj": 8}}, None, "per-module ranks"),
-    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    ({"modules_to_save": ["lm_head"]}, None, r"missing keys \(1\)"),  # named to be saved, but not in the file
     ({"r": 8}, None, r"shape mismatches \(8\)"),  # the config's rank does not fit the tensors
     ({"target_modules": ["query"]}, None, "name no linear layer"),
     ({"target_modules": ["q_proj", "v_proj", "k_proj"]}, None, r"missing keys \(4\)"),
@@ -375,6 +375,37 @@ def test_save_peft_writes_modules_to_save_that_peft_loads(llama_adapter, tmp_pat
     peft.save_peft(model, tmp_path / "adapter", modules_to_save=["lm_head"])
     theirs = peft_lib.PeftModel.from_pretrained(_base("llama", path), tmp_path / "adapter").eval()
     assert _err(_ours(model), _torch_out(theirs)) < TOL
+    back = peft.load_peft(nnx.clone(base), tmp_path / "adapter")  # the saved head comes back with the adapter
+    assert _err(_ours(back), _torch_out(theirs)) < TOL
+    assert _err(_ours(back), _ours(lora.apply(nnx.clone(base), targets=("q_proj",), rngs=nnx.Rngs(0)))) > 100 * TOL
     with pytest.raises(ValueError, match=r"modules_to_save \['head'\] name no module"):
         peft.save_peft(model, tmp_path / "other", modules_to_save=["head"])
     assert not (tmp_path / "other").exists()
+
+
+def test_a_peft_sequence_classifier_adapter_loads_with_its_head_and_goes_back(tmp_path):
+    """PEFT's SEQ_CLS adapter (``modules_to_save`` ["classifier", "score"]: BERT has the first) on
+    transformers' BERT classifier, after two torch steps: ours computes its logits, and writes it back."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=40, max_position_embeddings=16, num_labels=2)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "hf")
+
+    def base():
+        return transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    theirs = peft_lib.get_peft_model(base(), peft_lib.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                                   target_modules=["query", "value"]))
+    optimizer = torch.optim.SGD([p for p in theirs.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        theirs(torch.from_numpy(IDS), labels=torch.tensor([0, 1])).loss.backward()
+        optimizer.step()
+    theirs.eval().save_pretrained(tmp_path / "adapter")
+    want = _torch_out(theirs)
+    model = peft.load_peft(hf.classifier_from_pretrained(tmp_path / "hf"), tmp_path / "adapter")
+    assert sorted(lora.layers(model)) == [f"encoder.layers.{i}.attention.{p}_lora" for i in (0, 1) for p in "qv"]
+    assert _err(_ours(model), want) < TOL
+    assert _err(want, _torch_out(base())) > 100 * TOL
+    peft.save_peft(model, tmp_path / "again", task_type="SEQ_CLS", modules_to_save=["classifier"])
+    again = peft_lib.PeftModel.from_pretrained(base(), tmp_path / "again").eval()
+    assert _err(_torch_out(again), want) < TOL

@@ -35,6 +35,7 @@ from flax import nnx
 
 from flax_transformer.interop import files, hf, porting, safetensors_io
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
+from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
 from flax_transformer.models._shared import StateDictError
 
@@ -53,7 +54,6 @@ _UNSUPPORTED = {
     "exclude_modules": (None, "exclude_modules"),
     "target_parameters": (None, "target_parameters (LoRA on parameters, not modules)"),
     "lora_bias": (False, "a trained LoRA bias (lora_bias)"),
-    "modules_to_save": (None, "modules_to_save (fully trained modules beside the adapter)"),
     "trainable_token_indices": (None, "trainable_token_indices"),
 }
 
@@ -79,7 +79,8 @@ def _hf_key(model, key: str, *, whole: bool = False) -> str | None:
     if classifier:
         spec = ENCODERS[kind]
         if key.startswith("encoder."):
-            return spec.prefix + _rename(spec.keys, key[len("encoder."):], whole)
+            name = _rename(spec.keys, key[len("encoder."):], whole)
+            return None if name is None else spec.prefix + name
         return _rename(spec.classifier_keys, key, whole)
     return _rename(table_of(kind), key, whole)
 
@@ -142,6 +143,13 @@ def _peft_matches(targets, module: str) -> bool:
     return module in targets or any(module.endswith(f".{t}") for t in targets)
 
 
+def _under(modules: list[str], module: str) -> bool:
+    """Whether ``module`` is, or is inside, a module that ``modules_to_save`` names (PEFT wraps the
+    named module whole: RoBERTa's ``classifier`` saves ``classifier.dense`` and ``classifier.out_proj``)."""
+    parts = module.split(".")
+    return any(_peft_matches(modules, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def _target_modules(model, adapted: set[str]) -> list[str]:
     """The shortest ``target_modules`` that selects exactly the adapted modules of transformers' model:
     their last names when no other module of it has one of those names, else their full paths."""
@@ -195,7 +203,7 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         state = None
         for key in _torch_keys(model):
             name = _hf_key(model, key)
-            owner = [m for m in saved if name is not None and _peft_matches([m], _module_of(name))]
+            owner = [m for m in saved if name is not None and _under([m], _module_of(name))]
             for m in owner:
                 found[m] += 1
             if owner:
@@ -313,13 +321,14 @@ def load_peft(model, folder, *, rngs=None):
             d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
         expected[f"{PREFIX}{theirs}.lora_A.weight"] = (ours, "lora_A", (rank, d_in))
         expected[f"{PREFIX}{theirs}.lora_B.weight"] = (ours, "lora_B", (d_out, rank))
-    missing = [k for k in expected if k not in weights]
-    unexpected = [k for k in weights if k not in expected]
-    mismatched = [(k, tuple(weights[k].shape), shape) for k, (_, _, shape) in expected.items()
+    saved = _saved_modules(model, config.get("modules_to_save"))  # PEFT key -> (flax path, rule, torch shape)
+    missing = [k for k in [*expected, *saved] if k not in weights]
+    unexpected = [k for k in weights if k not in expected and k not in saved]
+    mismatched = [(k, tuple(weights[k].shape), shape) for k, (*_, shape) in [*expected.items(), *saved.items()]
                   if k in weights and tuple(weights[k].shape) != shape]
     if missing or unexpected or mismatched:
         raise StateDictError(missing, unexpected, mismatched)
-    arrays = {k: safetensors_io.read(weights[k]) for k in expected}
+    arrays = {k: safetensors_io.read(weights[k]) for k in [*expected, *saved]}
     bad = [k for k, a in arrays.items() if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16"]
     if bad:
         raise ValueError(f"{file}: {bad[0]} is {arrays[bad[0]].dtype}, not a floating-point tensor")
@@ -330,4 +339,28 @@ def load_peft(model, folder, *, rngs=None):
     for key, (ours, leaf, _) in expected.items():
         param = getattr(layers[ours], leaf)
         param.set_value(jnp.array(np.asarray(arrays[key], np.float32).T, dtype=param.dtype))  # torch (r, in) -> ours (in, r)
+    params = porting._plan(model).params
+    for key, (path, rule, _) in saved.items():  # the fully trained modules (a classifier head) replace the base's
+        param = params[path]
+        param.set_value(jnp.array(to_flax(rule, np.asarray(arrays[key], np.float32)), dtype=param.dtype))
     return model
+
+
+def _saved_modules(model, modules) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """PEFT key -> (our Flax path, its layout rule, torch shape) of every base tensor under a module of
+    ``modules_to_save``. PEFT lists modules that the model may lack (SEQ_CLS's ``["classifier",
+    "score"]``: one or the other exists); those name nothing and are skipped, as PEFT skips them."""
+    if not modules:
+        return {}
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    plan = porting._plan(model)
+    out = {}
+    for path, slots in plan.slots.items():
+        if isinstance(plan.params[path], lora.LoRAParam):
+            continue
+        name = _hf_key(model, slots[0].torch_key, whole=True)
+        if _under(modules, _module_of(name)):
+            if _hf_key(model, slots[0].torch_key) is None:
+                raise ValueError(f"modules_to_save {modules}: {name} is split over heads here; not supported")
+            out[PREFIX + name] = path, slots[0].rule, torch_shape(slots[0].rule, tuple(plan.params[path].shape))
+    return out

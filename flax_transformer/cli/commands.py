@@ -79,8 +79,15 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone. ``dtype``
     (``--dtype bf16``): the table of the model computing in bf16, by bf16's budget (the certificate
     is of the weights, re-checked in float32 as it was made)."""
-    from flax_transformer.verification import certificate, certificate_check, verify
+    from flax_transformer.verification import certificate, certificate_check, certificate_peft, verify
 
+    if certificate_peft.is_adapter(path):  # a PEFT adapter folder: its certificate, measured through peft again
+        if pair is not None or dtype != "fp32":
+            raise ValueError(f"{path} is a PEFT adapter: it is re-checked through peft in fp32 alone "
+                             "(no --pair, no --dtype)")
+        report = certificate_peft.recheck(path)
+        print(f"{report.summary()}\n({time.perf_counter() - start:.1f} s)")
+        return 0 if report.ok else 1
     if pair is not None:
         report = certificate_check.recheck(path, pair=pair)
         print(f"{report.format()}\n({time.perf_counter() - start:.1f} s)")

@@ -166,7 +166,7 @@ def _target_modules(model, adapted: set[str]) -> list[str]:
 
 
 def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task_type: str | None = None,
-              modules_to_save=None, overwrite: bool = False) -> Path:
+              modules_to_save=None, overwrite: bool = False, before_swap=None) -> Path:
     """Write a LoRA model's adapter as a PEFT folder that ``PeftModel.from_pretrained`` loads.
 
     Args:
@@ -177,6 +177,7 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
             PEFT's ``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...; None loads with a plain ``PeftModel``).
         modules_to_save: transformers module names to train fully beside the adapter; their
             weights (``base_model.model.<module>.<leaf>``) are written with the adapter.
+        before_swap: ``files.write_dir``'s hook (``verification.export.save_peft`` certifies with it).
 
     Returns the folder's path.
     """
@@ -233,7 +234,7 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         safetensors_io.write_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
 
-    return files.write_dir(folder, write, overwrite=overwrite)
+    return files.write_dir(folder, write, overwrite=overwrite, before_swap=before_swap)
 
 
 # ------------------------------------------------------------------ loading

@@ -264,3 +264,20 @@ def save_pretrained(model, path, *, overwrite: bool = False, certify: bool = Tru
                      for k, v in safetensors_io.model_tensors(model).items()}
         hook = certificate.sidecar("hf", model, state=state)
     return hf.save_pretrained(model, path, overwrite=overwrite, dtype=dtype, before_swap=hook, **kwargs)
+
+
+def save_peft(model, path, *, base, overwrite: bool = False, certify: bool = True, **kwargs) -> Path:
+    """``interop.peft.save_peft`` (same arguments; ``base_model_name_or_path`` defaults to ``base``) and,
+    with ``certify``, ``verification.json`` inside the folder: the adapter loaded by ``peft`` onto
+    transformers' model of the HF folder ``base`` computes the JAX model's output and adapter
+    gradients (``certificate_peft``), or nothing is written."""
+    from flax_transformer.interop import peft
+    from flax_transformer.verification import certificate_peft
+
+    hook = None
+    if certify:
+        files.check_target(path, kind="dir", overwrite=overwrite)
+        check_finite(model)
+        hook = certificate_peft.sidecar(model, base)
+    kwargs.setdefault("base_model_name_or_path", str(base))
+    return peft.save_peft(model, path, overwrite=overwrite, before_swap=hook, **kwargs)

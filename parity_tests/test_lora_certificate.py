@@ -1,0 +1,90 @@
+"""The certificate of a PEFT adapter export (``export.save_peft``, ``verification.certificate_peft``):
+written only when ``peft`` loads the folder and computes the JAX model's output and adapter (and
+head) gradients, and re-checked by ``verify --checkpoint ADAPTER_DIR``."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_transformer.interop import hf, peft
+from flax_transformer.models import lora
+from flax_transformer.verification import certificate_peft, export
+from flax_transformer.verification.certificate import CertificateError
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("peft", reason="peft is not installed (the test extra installs it)")
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """(a tiny BERT folder, a classifier on it with LoRA on query/value, non-zero B and a changed head)."""
+    import torch
+
+    torch.manual_seed(0)
+    base = tmp_path_factory.mktemp("bert") / "hf"
+    transformers.BertModel(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+        max_position_embeddings=16)).save_pretrained(base)
+    model = lora.apply(hf.classifier_from_pretrained(base, num_labels=2), rank=4, alpha=8,
+                       targets=["query", "value"], rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for layer in lora.layers(model).values():
+        layer.lora_B.set_value(jnp.asarray(0.2 * rng.standard_normal(layer.lora_B.shape), jnp.float32))
+    model.classifier.kernel.set_value(3 * model.classifier.kernel[...])
+    return base, model
+
+
+def _save(model, base, folder, **kwargs):
+    return export.save_peft(model, folder, base=base, task_type="SEQ_CLS", modules_to_save=["classifier"], **kwargs)
+
+
+def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path):
+    base, model = adapted
+    _save(model, base, tmp_path / "adapter")
+    record = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())
+    assert record["forward"]["max_abs_err"] <= 1e-5 and record["forward"]["values"] > 0
+    grads = record["adapter_grads"]
+    assert grads["tensors"] == grads["of"] == 2 * 4 + 2  # A and B of 4 adapters, and the head's weight and bias
+    assert grads["max_rel_err"] <= 1e-5
+    assert set(record["base"]["files"]) >= {"config.json", "model.safetensors"}
+    assert record["base"]["path"] == str(base)
+    assert certificate_peft.recheck(tmp_path / "adapter").ok
+
+    from safetensors.numpy import load_file, save_file  # a tensor changed after the export is named
+
+    tensors = load_file(tmp_path / "adapter" / peft.WEIGHTS_FILE)
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key] = 0 * tensors[key]
+    save_file(tensors, tmp_path / "adapter" / peft.WEIGHTS_FILE, metadata={"format": "pt"})
+    report = certificate_peft.recheck(tmp_path / "adapter")
+    assert not report.ok and any(key in f for f in report.failures)
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_an_adapter_peft_would_not_load_as_written_is_not_written(adapted, tmp_path, monkeypatch, head):
+    """Keys without ``base_model.model.`` load in PEFT with a warning and lora_B at zero (Relax #262), or
+    with a saved head, make peft raise: the export's check refuses both, and nothing is left behind."""
+    base, model = adapted
+    if not head:  # the bare encoder, as PEFT without a task type loads it: peft only warns
+        model = lora.apply(hf.from_pretrained(base), rank=4, targets=["query"], rngs=nnx.Rngs(0))
+    monkeypatch.setattr(peft, "PREFIX", "")
+    why = "peft raised KeyError" if head else "lora_A in peft's model is not the JAX model's"
+    with pytest.raises(CertificateError, match=f"peft does not load the adapter as written: .*{why}"):
+        if head:
+            _save(model, base, tmp_path / "adapter")
+        else:
+            export.save_peft(model, tmp_path / "adapter", base=base)
+    assert not (tmp_path / "adapter").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_changed_base_fails_the_recheck(adapted, tmp_path):
+    base, model = adapted
+    _save(model, base, tmp_path / "adapter")
+    record = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())
+    record["base"]["files"]["model.safetensors"] = "0" * 64
+    (tmp_path / "adapter" / certificate_peft.FILE).write_text(json.dumps(record))
+    report = certificate_peft.recheck(tmp_path / "adapter")
+    assert not report.ok and any("is not the certified one: model.safetensors" in f for f in report.failures)

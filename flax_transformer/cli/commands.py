@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from flax_transformer.cli import verify_flags
+from flax_transformer.cli import peft_cli, verify_flags
 from flax_transformer.cli.bisect_cli import load_model
 
 
@@ -181,13 +181,19 @@ def _port(args) -> int:
     dst = Path(args.dst)
     if args.to == "torch-state":
         return _port_torch_state(args, dst)
+    if args.to == "peft":
+        return peft_cli.port_peft(args, dst)
+    if args.merge and not (Path(args.src) / "run.json").is_file():
+        raise ValueError(f"--merge folds a LoRA training run's adapter into its weights; {args.src} is not a run "
+                         "directory")
     if args.to is None and dst.suffix not in ("", ".safetensors", ".pt", ".bin", ".pth"):
         raise ValueError(f"cannot tell the output format from {dst.name!r}: use .safetensors, .pt/.bin, "
                          "a folder name without a suffix, or --to")
     # the target is checked before anything is read: a wrong DST fails at once and creates nothing
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
-    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config, load=load_model)
+    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config,
+                                              load=peft_cli.lora_loader(args.merge))
     if not args.no_certify:  # NaN/inf in SRC is named as SRC's, before any export (named as in SRC where it can be)
         hint = "--no-certify writes them anyway"
         if not export.check_source_finite(args.src, hint=hint):
@@ -422,10 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", help="for a bare torch state_dict: former, encoder, gpt or classic")
     p.add_argument("--class", dest="cls", help="for a bare torch state_dict: the class name, e.g. CTransformer")
     p.add_argument("--config", help='for a bare torch state_dict: constructor arguments as JSON, e.g. \'{"emb": 128}\'')
-    p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf", "torch-state"],
+    p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf", "torch-state", "peft"],
                    help="output format (default: from DST's suffix; a folder is HF for BERT, DistilBERT, RoBERTa "
                         "and GPT-2, else orbax); "
-                        "torch-state: SRC is a training run directory, DST.pt its torch training checkpoint")
+                        "torch-state: SRC is a training run directory, DST.pt its torch training checkpoint; "
+                        "peft: SRC is a LoRA run directory, DST its PEFT adapter folder")
+    p.add_argument("--merge", action="store_true",
+                   help="SRC is a LoRA run: fold its adapter into the weights and write the plain model")
     p.add_argument("--verify", action="store_true", help="reload DST and compare it with SRC's torch model "
                                                          "(and, for an HF folder, with what transformers loads from it)")
     p.add_argument("--no-certify", action="store_true",

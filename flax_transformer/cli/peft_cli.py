@@ -1,0 +1,79 @@
+"""``flax-transformer port`` for LoRA runs: ``--to peft`` (the adapter as a PEFT folder, certified through
+``peft``) and ``--merge`` (the adapter folded into the weights, then any other ``--to``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flax_transformer.cli.bisect_cli import load_model
+
+
+def lora_loader(merge: bool):
+    """``port``'s model loader: a LoRA run's model is refused unless ``merge`` folds its adapter in
+    (``lora.remove``), since the other formats hold a plain model."""
+    def load(path, **kwargs):
+        from flax_transformer.models import lora
+
+        model = load_model(path) if not kwargs else load_model(path, **kwargs)
+        if lora.layers(model):
+            if not merge:
+                raise ValueError(f"{path} holds a LoRA adapter: --to peft writes the adapter as a PEFT folder, "
+                                 "--merge folds it into the weights first")
+            lora.remove(model, merge_weights=True)
+        elif merge:
+            raise ValueError(f"--merge folds a LoRA adapter into the weights; {path} has none")
+        return model
+    return load
+
+
+def _base_of(run_dir: Path) -> Path:
+    """The init folder a LoRA run's adapter was trained on (its ``lora.json`` records it)."""
+    import json
+
+    from flax_transformer.training import lora_runs
+
+    record = json.loads((run_dir / lora_runs.RECORD).read_text(encoding="utf-8"))
+    base = Path(record["init"])
+    if not base.is_dir():
+        raise ValueError(f"{run_dir} was trained on {base}, which is not there any more: the adapter is certified "
+                         "through peft on that base; put it back")
+    return base
+
+
+def port_peft(args, dst: Path) -> int:
+    """``port RUN_DIR DIR --to peft``: a LoRA training run's adapter (and a classifier's head, as
+    ``modules_to_save``) as ``adapter_config.json`` + ``adapter_model.safetensors``, with the
+    certificate of its check in ``peft`` (``export.save_peft``) unless ``--no-certify``."""
+    from flax_transformer.interop import files
+    from flax_transformer.models import lora
+    from flax_transformer.training import lora_runs, runs
+    from flax_transformer.verification import certificate_peft, export
+
+    extra = [flag for flag, given in (("--family/--class/--config", args.family or args.cls or args.config),
+                                      ("--dtype", args.dtype != "fp32"), ("--max-shard-size", args.max_shard_size),
+                                      ("--merge", args.merge)) if given]
+    if extra:
+        raise ValueError(f"--to peft writes a run's adapter as it trained, in fp32; {extra[0]} does not apply "
+                         "(--merge writes the folded model: --to hf --merge)")
+    src = Path(args.src)
+    if not (src / "run.json").is_file():
+        raise ValueError(f"--to peft reads a LoRA training run directory (python -m train.classify/train.lm "
+                         f"--lora-rank R); {src} is not one")
+    files.check_target(dst, kind="dir", overwrite=args.overwrite)
+    run = runs.load_run(src)
+    if lora.config_of(run.model) is None:
+        raise ValueError(f"{src} trained no LoRA adapter (train with --lora-rank R): nothing for --to peft")
+    base = _base_of(src)
+    options = {"task_type": "SEQ_CLS" if run.task == "classify" else "CAUSAL_LM",
+               "modules_to_save": list(lora_runs.MODULES_TO_SAVE) if run.task == "classify" else None}
+    export.save_peft(run.model, dst, base=base, overwrite=args.overwrite, certify=not args.no_certify, **options)
+    print(f"wrote {dst} (PEFT LoRA adapter for {base}, {options['task_type']}) " +
+          ("without a certificate (--no-certify)" if args.no_certify else f"and its certificate {dst / 'verification.json'}"))
+    if not args.verify:
+        return 0
+    report = certificate_peft.Report(dst)
+    report.measured = certificate_peft.measure(run.model, dst, base)
+    if not certificate_peft._passed(report.measured):
+        report.failures.append("the adapter through peft does not compute the run's model")
+    print(f"verify: {report.summary()}")
+    return 0 if report.ok else 1

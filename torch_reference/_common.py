@@ -227,3 +227,16 @@ def check_features(x, features: int, *, name: str = "x") -> None:
         raise TypeError(f"{name} must be a floating-point tensor of shape (batch, length, {features}), got {x.dtype}")
     if x.ndim != 3 or x.shape[-1] != features:
         raise ValueError(f"{name} must have shape (batch, length, {features}), got {tuple(x.shape)}")
+
+
+def stacked_heads(x, layers) -> torch.Tensor:
+    """(..., e) -> (..., h*d) through every head's own ``nn.Linear`` (e -> d), in one matmul.
+
+    A head whose layer is not a plain ``nn.Linear`` (PEFT's ``lora.Linear`` wrapping it, or any
+    hook-bearing subclass) is called, so that what wraps it runs: stacking its ``weight`` alone
+    would silently skip the adapter."""
+    if all(type(layer) is nn.Linear for layer in layers):
+        weight = torch.cat([layer.weight for layer in layers])  # (h*d, e)
+        bias = torch.cat([layer.bias for layer in layers])  # (h*d,)
+        return F.linear(x, weight, bias)
+    return torch.cat([layer(x) for layer in layers], dim=-1)

@@ -29,7 +29,16 @@ from torch import nn
 from flax_transformer.models._shared import TensorLoggingLevels
 from flax_transformer.models._shared import log_size as _log_size
 
-from ._common import InputSpec, Module, attend, check_features, check_length, check_token_ids, check_values
+from ._common import (
+    InputSpec,
+    Module,
+    attend,
+    check_features,
+    check_length,
+    check_token_ids,
+    check_values,
+    stacked_heads,
+)
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",
@@ -122,11 +131,9 @@ class MultiHeadAttention(Module):
 
     def _project(self, x, name):
         """(b, l, d_model) -> (b, h, l, d_feature) through every head's ``name`` at once."""
-        layers = [getattr(head, name) for head in self.attn_heads]
-        weight = torch.cat([layer.weight for layer in layers])  # (h*f, d_model)
-        bias = torch.cat([layer.bias for layer in layers])
         b, l, _ = x.shape
-        return nn.functional.linear(x, weight, bias).view(b, l, self.n_heads, self.d_feature).transpose(1, 2)
+        y = stacked_heads(x, [getattr(head, name) for head in self.attn_heads])  # (b, l, h*f)
+        return y.view(b, l, self.n_heads, self.d_feature).transpose(1, 2)
 
     def forward(self, queries, keys, values, mask=None):
         """Returns (b, q_len, d_model)."""

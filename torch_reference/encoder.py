@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flax_transformer.models.configs import EncoderConfig
@@ -32,6 +31,7 @@ from ._common import (
     check_token_ids,
     masked_mean,
     normalize_mask,
+    stacked_heads,
 )
 
 
@@ -113,10 +113,8 @@ class MultiHeadAttention(_ConfigModule):
     def _project(self, x, name):
         """(b, t, e) -> (b, h, t, d) through every head's ``name`` projection at once."""
         b, t, _ = x.shape
-        layers = [getattr(head, name) for head in self.heads]
-        weight = torch.cat([layer.weight for layer in layers])  # (h*d, e)
-        bias = torch.cat([layer.bias for layer in layers])  # (h*d,)
-        return F.linear(x, weight, bias).view(b, t, len(layers), weight.shape[0] // len(layers)).transpose(1, 2)
+        y = stacked_heads(x, [getattr(head, name) for head in self.heads])  # (b, t, h*d)
+        return y.view(b, t, len(self.heads), y.shape[-1] // len(self.heads)).transpose(1, 2)
 
     def forward(self, hidden_state, mask=None, *, return_weights: bool = False):
         """Args:

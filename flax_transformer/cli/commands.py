@@ -224,8 +224,9 @@ def _port(args) -> int:
         reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
         err, finite = verify.compare(reloaded.eval(), flax_model, pairs.example_inputs(flax_model))
-    else:
-        reloaded = checkpoints.load(dst)
+    else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
+        reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf._kind_of(flax_model)[2]
+                    else checkpoints.load(dst))
         err, finite = verify.compare(torch_model, reloaded, pairs.example_inputs(reloaded))
     # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
     tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (verify.TOLERANCE, "")

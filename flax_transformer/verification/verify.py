@@ -274,7 +274,8 @@ def case_inputs(spec: Spec, case: str, seed: int, b: int = 3, t: int = 7):
 
 
 def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None = None) -> Iterator[Row]:
-    """Yield one Row per (module, mask case, direction), for all families or the ones named."""
+    """Yield one Row per (module, mask case, direction), for all families or the ones named; for all
+    of them, then the "lora" rows (LoRA vs peft, ``lora_rows.rows``)."""
     for i, spec in enumerate(specs()):
         if families and spec.family not in families:
             continue
@@ -284,6 +285,10 @@ def run(*, seed: int = 0, use_jit: bool = True, families: tuple[str, ...] | None
                                                      reports=True):
                 yield dataclasses.replace(report.rows[0], family=spec.family, module=spec.name, case=case,
                                           direction=direction)
+    if not families:
+        from flax_transformer.verification import lora_rows
+
+        yield from lora_rows.rows(seed=seed)
 
 
 def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, seed: int = 0, use_jit: bool = True,

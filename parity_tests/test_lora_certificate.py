@@ -88,3 +88,28 @@ def test_a_changed_base_fails_the_recheck(adapted, tmp_path):
     (tmp_path / "adapter" / certificate_peft.FILE).write_text(json.dumps(record))
     report = certificate_peft.recheck(tmp_path / "adapter")
     assert not report.ok and any("is not the certified one: model.safetensors" in f for f in report.failures)
+
+
+def test_an_adapter_for_another_base_is_refused(adapted, tmp_path):
+    """Same shapes, other weights: by its certificate's base hashes; without one, by the config of the
+    folder its base_model_name_or_path names."""
+    import shutil
+
+    import torch
+
+    base, model = adapted
+    _save(model, base, tmp_path / "adapter")
+    torch.manual_seed(1)  # the same architecture, other weights
+    other = tmp_path / "other"
+    transformers.BertModel(transformers.BertConfig.from_pretrained(base)).save_pretrained(other)
+    peft.check_base(tmp_path / "adapter", base)
+    with pytest.raises(ValueError, match="is an adapter for another base: its certificate's base .* has other "
+                                         "model.safetensors than"):
+        peft.check_base(tmp_path / "adapter", other)
+    (tmp_path / "adapter" / certificate_peft.FILE).unlink()
+    peft.check_base(tmp_path / "adapter", other)  # same config.json: nothing to tell them apart by
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.3}))
+    with pytest.raises(ValueError, match="its base_model_name_or_path .* holds another config.json than"):
+        peft.check_base(tmp_path / "adapter", other)
+    shutil.rmtree(other)

@@ -39,7 +39,8 @@ from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
 from flax_transformer.models._shared import StateDictError
 
-__all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "hf_module_paths", "load_peft", "read_config", "save_peft"]
+__all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "check_base", "hf_module_paths", "load_peft", "read_config",
+           "save_peft"]
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -276,6 +277,38 @@ def _our_targets(model, targets, chosen: list[str]) -> list[str]:
         except ValueError:  # a name that is not ours (BERT's "dense") or names a module that is not linear
             pass
     return [re.escape(path) for path in chosen]
+
+
+def check_base(folder, base) -> None:
+    """Refuse an adapter made for another base than the HF folder ``base``, where it says which one.
+
+    Its certificate (``verification.json``, written by ``verification.export.save_peft``) records the
+    sha256 of its base's files: each of those ``base`` has must match. Without one, a
+    ``base_model_name_or_path`` that is a folder here must hold the same ``config.json`` as ``base``
+    (a hub name or a folder that is not here cannot be compared, and is not refused)."""
+    folder, base = Path(folder), Path(base)
+    cert = folder / "verification.json"
+    if cert.is_file() and cert.stat().st_size < (4 << 20):
+        try:
+            record = json.loads(cert.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            record = None
+        recorded = record.get("base", {}).get("files") if isinstance(record, dict) else None
+        if isinstance(recorded, dict):
+            differ = sorted(name for name, digest in recorded.items()
+                            if (base / name).is_file() and name != "verification.json"
+                            and files.sha256_file(base / name) != digest)
+            if differ:
+                raise ValueError(f"{folder} is an adapter for another base: its certificate's base "
+                                 f"{record['base'].get('path')!r} has other {', '.join(differ)} than {base}")
+            return
+    named = read_config(folder).get("base_model_name_or_path")
+    if isinstance(named, str) and named and (Path(named) / "config.json").is_file():
+        theirs = files.read_json_object(Path(named), "config.json")
+        ours = files.read_json_object(base, "config.json")
+        if Path(named).resolve() != base.resolve() and theirs != ours:
+            raise ValueError(f"{folder} is an adapter for another base: its base_model_name_or_path {named} holds "
+                             f"another config.json than {base}")
 
 
 def load_peft(model, folder, *, rngs=None):

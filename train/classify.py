@@ -7,6 +7,7 @@
     # fine-tune a pretrained HuggingFace BERT (default: all-MiniLM-L6-v2), export it back
     python -m train.classify --model hf --out runs/minilm --export-hf runs/minilm-hf
     python -m train.classify --model hf --freeze-encoder --out runs/probe   # the head only, on cached features
+    python -m train.classify --model hf --lora-rank 8 --out runs/lora --export-peft runs/lora-peft  # LoRA + the head
 
 Flag parsing only; the run is ``flax_transformer.training.classify.train_and_evaluate``.
 """
@@ -14,7 +15,7 @@ Flag parsing only; the run is ``flax_transformer.training.classify.train_and_eva
 import sys
 from pathlib import Path
 
-from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main
+from flax_transformer.cli.train_flags import add_lora_flags, common_parser, lora_paths, make_config, mesh_of, run_main
 from flax_transformer.training import classify
 
 
@@ -42,7 +43,9 @@ def main(argv=None) -> int:
     parser.add_argument("--predict", metavar="TEXT", action="append",
                         help="classify TEXT with the run in --checkpoint (repeatable) and exit")
     parser.add_argument("--checkpoint", metavar="RUN_DIR", help="the run directory --predict reads")
+    add_lora_flags(parser, task="classify")
     args = parser.parse_args(argv)
+    lora_paths(args)
     if args.predict:
         if not args.checkpoint:
             parser.error("--predict needs --checkpoint RUN_DIR")
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
                                               overwrite=args.overwrite,
                                               export_hf=args.export_hf,
                                               mesh=mesh_of(args), init_from_torch=args.init_from_torch,
-                                              export_torch_state=args.export_torch_state)
+                                              export_torch_state=args.export_torch_state,
+                                              export_peft=args.export_peft)
         if metrics["interrupted"]:
             return True
         print(f"test accuracy {metrics['test_accuracy']:.4f}  test loss {metrics['test_loss']:.4f}  "

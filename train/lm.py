@@ -6,6 +6,7 @@
 
     # fine-tune a pretrained HuggingFace causal LM folder with its own tokenizer, export it back
     python -m train.lm --model hf --init path/to/llama --out runs/ft --export-hf runs/ft-hf
+    python -m train.lm --model hf --init path/to/llama --lora-rank 8 --out runs/lora --export-peft runs/lora-peft
 
 Prints the validation loss and a sample at the end. Flag parsing only; the run is
 ``flax_transformer.training.lm.train_and_evaluate``.
@@ -14,7 +15,15 @@ Prints the validation loss and a sample at the end. Flag parsing only; the run i
 import sys
 from pathlib import Path
 
-from flax_transformer.cli.train_flags import common_parser, make_config, mesh_of, run_main, usage_error
+from flax_transformer.cli.train_flags import (
+    add_lora_flags,
+    common_parser,
+    lora_paths,
+    make_config,
+    mesh_of,
+    run_main,
+    usage_error,
+)
 from flax_transformer.training import lm, lm_pretrained
 
 
@@ -39,7 +48,9 @@ def main(argv=None) -> int:
                         help="tokens: characters (default) or words (notebook 002's tokenizer, the 10,000 most frequent)")
     parser.add_argument("--text", default=None, help="a text file (default: tinyshakespeare/input.txt)")
     parser.add_argument("--prompt", default=None, help="the start of the sample printed at the end")
+    add_lora_flags(parser, task="lm")
     args = parser.parse_args(argv)
+    lora_paths(args)
     if args.init is not None:  # recorded in run.json: a resume or load_run from elsewhere finds the same folder
         args.init = str(Path(args.init).absolute())
     config = make_config(args, lm.LMConfig, lm.presets(args.model), "lm")
@@ -58,7 +69,8 @@ def main(argv=None) -> int:
                                         progress=not args.no_progress, export_torch=args.export_torch,
                                         overwrite=args.overwrite,
                                         mesh=mesh_of(args), init_from_torch=args.init_from_torch,
-                                        export_torch_state=args.export_torch_state, export_hf=args.export_hf)
+                                        export_torch_state=args.export_torch_state, export_hf=args.export_hf,
+                                        export_peft=args.export_peft)
         if metrics["interrupted"]:
             return True
         print(f"validation loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bits_per_token']:.3f} bits), "

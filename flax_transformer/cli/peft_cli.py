@@ -64,8 +64,7 @@ def port_peft(args, dst: Path) -> int:
     if lora.config_of(run.model) is None:
         raise ValueError(f"{src} trained no LoRA adapter (train with --lora-rank R): nothing for --to peft")
     base = _base_of(src)
-    options = {"task_type": "SEQ_CLS" if run.task == "classify" else "CAUSAL_LM",
-               "modules_to_save": list(lora_runs.MODULES_TO_SAVE) if run.task == "classify" else None}
+    options = lora_runs.peft_options(run.task, base)
     export.save_peft(run.model, dst, base=base, overwrite=args.overwrite, certify=not args.no_certify, **options)
     print(f"wrote {dst} (PEFT LoRA adapter for {base}, {options['task_type']}) " +
           ("without a certificate (--no-certify)" if args.no_certify else f"and its certificate {dst / 'verification.json'}"))

@@ -65,7 +65,8 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
                         help="also write the finished run as a torch training checkpoint (model, optimizer, scheduler, "
                              "step) that a plain torch loop continues")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --export-torch (or --export-hf, --export-torch-state) output; "
+                        help="replace an existing --export-torch (or --export-hf, --export-peft, --export-torch-state) "
+                             "output; "
                              "without it, one is refused before training starts")
     parser.add_argument("--dtype", type=lambda name: {"fp32": "float32", "bfloat16": "bf16"}.get(name, name),
                         choices=["float32", "fp32", "bf16", "bfloat16"], default=None,
@@ -86,9 +87,35 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
     return parser
 
 
+def add_lora_flags(parser: argparse.ArgumentParser, *, task: str) -> None:
+    """The LoRA flags of ``train.classify`` and ``train.lm`` (``--model hf``: ``training.lora_runs``)."""
+    group = parser.add_argument_group("LoRA (--model hf)")
+    group.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                       help="train rank-R LoRA adapters (and, classifying, the head) on the frozen pretrained model")
+    group.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA's alpha (default 2 * R)")
+    group.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                       help="dropout on the LoRA branch's input (default 0)")
+    group.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                       help="module names or regexes to adapt (default PEFT's for the model type: q_proj v_proj for "
+                            "the llama family, c_attn for GPT-2, query value for BERT and RoBERTa, q_lin v_lin for "
+                            "DistilBERT)")
+    group.add_argument("--init-adapter", default=None, metavar="PEFT_FOLDER",
+                       help="start from a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors), whose "
+                            "settings it takes")
+    group.add_argument("--export-peft", type=Path, default=None, metavar="DIR",
+                       help=f"also write the adapter{' and head' if task == 'classify' else ''} as a PEFT folder "
+                            "(checked in peft's PeftModel against this library's logits when peft is installed)")
+
+
+def lora_paths(args) -> None:
+    """``--init-adapter`` as an absolute path: run.json records it, and a resume or load from elsewhere finds it."""
+    if getattr(args, "init_adapter", None) is not None:
+        args.init_adapter = str(Path(args.init_adapter).absolute())
+
+
 # flags that are not config fields (a resumed run may change them: the mesh, the processes)
 _RUN_FLAGS = {"preset", "out", "resume", "data_dir", "export_torch", "export_hf", "overwrite", "no_progress", "mesh",
-              "coordinator", "num_processes", "process_id", "init_from_torch", "export_torch_state"}
+              "coordinator", "num_processes", "process_id", "init_from_torch", "export_torch_state", "export_peft"}
 _PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
 

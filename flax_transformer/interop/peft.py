@@ -145,10 +145,12 @@ def _peft_matches(targets, module: str) -> bool:
 
 
 def _under(modules: list[str], module: str) -> bool:
-    """Whether ``module`` is, or is inside, a module that ``modules_to_save`` names (PEFT wraps the
-    named module whole: RoBERTa's ``classifier`` saves ``classifier.dense`` and ``classifier.out_proj``)."""
+    """Whether ``module`` is, or is inside, a module that ``modules_to_save`` names. PEFT's rule
+    (``_set_trainable``): a module whose path *ends with* a name, as a string, is wrapped whole, so
+    ``classifier`` takes DistilBERT's ``pre_classifier`` too, and RoBERTa's ``classifier`` its
+    ``classifier.dense`` and ``classifier.out_proj``."""
     parts = module.split(".")
-    return any(_peft_matches(modules, ".".join(parts[:i])) for i in range(1, len(parts) + 1))
+    return any(".".join(parts[:i]).endswith(m) for i in range(1, len(parts) + 1) for m in modules)
 
 
 def _target_modules(model, adapted: set[str]) -> list[str]:

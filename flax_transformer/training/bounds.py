@@ -33,9 +33,11 @@ BOUNDS = {
     # the optimizer's (config.optim)
     "b1": (0, 1, False), "b2": (0, 1, False), "eps": (0, 1, True), "end_lr_ratio": (0, 1, False),
     "total_steps": (1, BIG, False),
+    # a LoRA run's (config.lora)
+    "lora_rank": (1, 1 << 16, False), "lora_alpha": (0, 1e6, True), "lora_dropout": (0, 1, False),
 }
 # at most, not included (dropout 1 would drop everything)
-_BELOW = {"dropout": 1.0, "val_fraction": 1.0, "b1": 1.0, "b2": 1.0}
+_BELOW = {"dropout": 1.0, "lora_dropout": 1.0, "val_fraction": 1.0, "b1": 1.0, "b2": 1.0}
 
 
 def flag(name: str) -> str:
@@ -53,6 +55,10 @@ def _check_type(name: str, value, annotation) -> None:
     if value is None:
         if not optional:
             raise ValueError(f"{flag(name)} must be given (got null)")
+        return
+    if "tuple[str, ...]" in kinds:  # a list of names (--lora-targets): non-empty strings, at least one
+        if not (isinstance(value, tuple) and value and all(isinstance(v, str) and v for v in value)):
+            raise ValueError(f"{flag(name)} must be one or more non-empty names, got {value!r}")
         return
     ok = ((isinstance(value, bool) and "bool" in kinds)
           or (not isinstance(value, bool) and isinstance(value, int) and kinds & {"int", "float"})

@@ -54,6 +54,15 @@ def check_disk_space(run_dir, nbytes: int, keep: int) -> None:
               "may not fit", file=sys.stderr)
 
 
+def saved_filter(wrt=nnx.Param):
+    """The nnx filter of what a checkpoint of a run that trains ``wrt`` holds of its model: everything
+    (``wrt`` every ``nnx.Param``), else everything but the frozen parameters (the ``nnx.Param``s ``wrt``
+    leaves out: a LoRA run's base), which the reader rebuilds as the run did."""
+    if wrt is nnx.Param:
+        return ...
+    return nnx.Not(nnx.All(nnx.Param, nnx.Not(wrt)))
+
+
 def _storable(tree):
     """Typed PRNG keys -> their raw uint32 data (what orbax can write)."""
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
@@ -266,11 +275,14 @@ class Checkpoints:
         self.manager.reload()
         return target
 
-    def restore_model(self, model, step: int | None = None):
+    def restore_model(self, model, step: int | None = None, *, wrt=nnx.Param):
         """Fill ``model`` (a built NNX model) with checkpoint ``step`` (default: the newest, listed again
-        if it is removed while it is read: ``restore_newest``), checked against its checksums."""
+        if it is removed while it is read: ``restore_newest``), checked against its checksums.
+
+        ``wrt``: what the run trained (``fit``'s); the frozen parameters it leaves out are not in the
+        checkpoint, and stay as ``model`` holds them (the base the run was rebuilt from)."""
         graphdef, state = nnx.split(model)
-        like = {"model": nnx.to_pure_dict(state)}
+        like = {"model": nnx.to_pure_dict(nnx.filter_state(state, saved_filter(wrt)))}
         ocp = self._ocp
         target = _storable(like)  # the model part only: no need to know the optimizer to predict
         args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

@@ -30,7 +30,7 @@ from flax import nnx
 
 from flax_transformer.interop import files
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.training import data, tokenizers, torch_write
+from flax_transformer.training import data, lora_runs, tokenizers, torch_write
 from flax_transformer.training.batching import Bucketed, Rows, default_buckets
 from flax_transformer.training.limits import BIG, check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -57,7 +57,7 @@ from flax_transformer.training.pretrained import (  # noqa: F401  (re-exported: 
     pooled_features,
     pretrained_tokenizer,
 )
-from flax_transformer.training.run_config import RunConfig, replace
+from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import append_metrics, config_of_run, read_tokenizer
 from flax_transformer.verification import export
 
@@ -91,9 +91,11 @@ class ClassifyConfig:
     # batch size, steps, evaluation (default: once per epoch), checkpoints, seed, dtype
     run: RunConfig = RunConfig(batch_size=32)
     optim: OptimConfig = OptimConfig(optimizer="adamw", lr=1e-3, warmup_steps=100, decay="cosine", weight_decay=0.01)
+    lora: LoRARunConfig = LoRARunConfig()  # hf: LoRA adapters (and the head) train, the encoder is frozen
 
     def __post_init__(self):
         check_config(self)  # types and bounds of every field
+        lora_runs.check_task(self)
         if self.model not in ("former", "encoder", "hf"):
             raise ValueError(f"model must be 'former', 'encoder' or 'hf', got {self.model!r}")
         if self.freeze_encoder and self.model != "hf":
@@ -291,7 +293,7 @@ def loss_fn(model, batch):
 
 def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
                        export_torch=None, export_hf=None, overwrite: bool = False, mesh=None, init_from_torch=None,
-                       export_torch_state=None) -> dict:
+                       export_torch_state=None, export_peft=None) -> dict:
     """Train, evaluate on the test set, write the run directory; returns the final metrics.
 
     ``resume`` continues ``run_dir``'s run (the configuration must be the same) from its
@@ -300,7 +302,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     ``export_hf`` (model "hf", [CLS] pooling) a folder that transformers'
     ``BertForSequenceClassification`` and ``AutoTokenizer`` load, checked against this
     library's logits on test reviews when transformers is installed. An existing export is
-    replaced only with ``overwrite``. Everything that can be checked (the configuration, the
+    replaced only with ``overwrite``. A LoRA run (``config.lora``: ``lora_runs``) can also write
+    ``export_peft``, its adapter as a PEFT folder. Everything that can be checked (the configuration, the
     init folder, the data, the exports, the batch against the mesh, whether a step fits in
     memory) is checked before the run directory is made.
     """
@@ -314,6 +317,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     if export_hf is not None:
         _check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
+                          export_torch_state=export_torch_state, pooling=config.pooling)
     torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
@@ -330,7 +335,8 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)))
         return _train(config, run_dir, run_config, (train, val, test), tokenizer, folder, resume=resume,
                       progress=progress, export_torch=export_torch, export_hf=export_hf, overwrite=overwrite,
-                      mesh=mesh, init_from_torch=init_from_torch, export_torch_state=export_torch_state)
+                      mesh=mesh, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+                      export_peft=export_peft)
 
 
 def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
@@ -349,7 +355,8 @@ def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
 
 
 def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, tokenizer, folder, *, resume, progress,
-           export_torch, export_hf, overwrite, mesh, init_from_torch=None, export_torch_state=None) -> dict:
+           export_torch, export_hf, overwrite, mesh, init_from_torch=None, export_torch_state=None,
+           export_peft=None) -> dict:
     """The run itself, in its open (locked) run directory."""
     train, val, test = splits
     buckets = default_buckets(config.max_length, config.buckets)
@@ -361,6 +368,10 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
     model = (build_pretrained(config, folder, mesh) if folder is not None
              else build_model(config, tokenizer.get_vocab_size()))
+    adapted = None
+    if config.lora.enabled:  # LoRA on the hf model; lora.json records it (once)
+        adapted = lora_runs.adapt(model, config, task="classify", folder=folder, run_dir=run_dir, fresh=not resume)
+        adapted.write(run_dir)
     if config.freeze_encoder:
         def features(split, batches):
             return cached_features(run_dir, split, lambda: pooled_features(
@@ -387,11 +398,12 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
                  run_config=run_config, evaluate=batch_evaluator(loss_fn, lambda: val_batches.epoch()),
                  eval_every=config.run.eval_every or train_batches.steps_per_epoch,
                  checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
-                 mesh=mesh, description=f"classify-{config.model}", init_from_torch=init_from_torch)
+                 mesh=mesh, description=f"classify-{config.model}", init_from_torch=init_from_torch,
+                 wrt=adapted.wrt if adapted else nnx.Param)
     metrics = {"step": result.step, "interrupted": result.interrupted,
                **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
     if result.interrupted:
-        if export_hf is not None or export_torch is not None or export_torch_state is not None:
+        if any(x is not None for x in (export_hf, export_torch, export_torch_state, export_peft)):
             print("Interrupted: nothing exported (the export follows a finished run)", file=sys.stderr)
         return metrics
     if config.freeze_encoder:
@@ -402,6 +414,13 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
         append_metrics(run_dir, result.step, "test", {k: v for k, v in test_metrics.items() if k != "count"})
     plot_curves(run_dir, title=f"classify-{config.model}")  # again, with the test point
     final = result.model.attach(model) if config.freeze_encoder else result.model
+    if adapted is not None and is_main_process():
+        if export_peft is not None:
+            metrics["peft_check"] = lora_runs.export_peft(
+                final, export_peft, folder=folder, task="classify", overwrite=overwrite, num_labels=config.num_classes,
+                texts=[text for text, _ in test[:4]], max_length=config.max_length, float32_base=None
+                if config.run.dtype == "float32" else lambda: build_pretrained(replace(config, dtype="float32"), folder))
+        final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in
     if export_torch is not None and is_main_process():
         export.save_safetensors(final, export_torch, overwrite=overwrite)
         print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
@@ -442,6 +461,10 @@ def load_run(run_dir, *, step: int | None = None):
             model = build_pretrained(config, init_folder(config))
             head, step = checkpoints.restore_model(Probe(model, seed=config.run.seed), step)
             head.attach(model)
+        elif config.lora.enabled:  # the checkpoints hold the adapters and the head; the base is the init folder's
+            model = build_pretrained(config, init_folder(config))
+            wrt = lora_runs.adapt(model, config, task="classify", folder=init_folder(config), run_dir=run_dir).wrt
+            model, step = checkpoints.restore_model(model, step, wrt=wrt)
         else:
             model, step = checkpoints.restore_model(build_pretrained(config, init_folder(config)), step)
     finally:

@@ -24,12 +24,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files
-from flax_transformer.training import data, lm_pretrained, tokenizers, torch_write
+from flax_transformer.training import data, lm_pretrained, lora_runs, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
 from flax_transformer.training.limits import check_config, check_memory, step_bytes
 from flax_transformer.training.loop import (
@@ -44,7 +45,7 @@ from flax_transformer.training.loop import (
     prepare_run_dir,
 )
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
-from flax_transformer.training.run_config import RunConfig, replace
+from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import config_of_run, read_tokenizer
 from flax_transformer.training.step import cross_entropy
 from flax_transformer.verification import export
@@ -74,9 +75,11 @@ class LMConfig:
     top_k: int | None = None
     run: RunConfig = RunConfig(batch_size=32, steps=2000, eval_every=500)
     optim: OptimConfig = OptimConfig(optimizer="adamw", lr=2e-3, warmup_steps=100, decay="cosine", weight_decay=0.1)
+    lora: LoRARunConfig = LoRARunConfig()  # hf: LoRA adapters train, the model is frozen (lora_runs)
 
     def __post_init__(self):
         check_config(self)  # types and bounds of every field
+        lora_runs.check_task(self)
         if self.run.steps is None:
             raise ValueError("--steps must be given")
         if self.model not in MODELS:
@@ -282,14 +285,15 @@ def _windows(config: LMConfig, stream: np.ndarray, cut: int, source) -> tuple[Wi
 
 def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool = False, progress: bool = True,
                        export_torch=None, overwrite: bool = False, mesh=None, init_from_torch=None,
-                       export_torch_state=None, export_hf=None) -> dict:
+                       export_torch_state=None, export_hf=None, export_peft=None) -> dict:
     """Train, then report validation loss (nats per token) and a sample; returns the metrics.
 
     Everything that can be checked is checked before the run directory is made: the
     configuration, the init folder and its tokenizer (model "hf"), the text (long enough for a
     window in both parts), the prompt, ``export_torch`` and ``export_hf`` (an existing output is
     replaced only with ``overwrite``), the batch against the mesh, and whether a step fits in memory.
-    A fine-tune (model "hf") also reports ``init_val_loss``, the init model's validation loss."""
+    A fine-tune (model "hf") also reports ``init_val_loss``, the init model's validation loss; a LoRA one
+    (``config.lora``: ``lora_runs``) can write ``export_peft``, its adapter as a PEFT folder."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
     if config.init is None:  # run.json as before the field: a run begun then still resumes (its fields compared)
@@ -299,6 +303,8 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     hf_tokenizer = lm_pretrained.pretrained_tokenizer(config, folder) if folder is not None else None
     lm_pretrained.check_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
+    lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
+                          export_torch_state=export_torch_state)
     torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
@@ -318,25 +324,31 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     check_memory(step_bytes(batch=config.run.batch_size, length=config.context, attention=config.run.attention,
                             devices=mesh.size if mesh is not None else 1, **sizes), "--context or --batch-size")
     model = lm_pretrained.build_pretrained(config, folder, mesh) if folder is not None else build_model(config, vocab)
+    adapted = (lora_runs.adapt(model, config, task="lm", folder=folder, run_dir=run_dir, fresh=not resume)
+               if config.lora.enabled else None)
     what = lm_pretrained.describe(folder) if folder is not None else f"{config.model} at {config.level} level"
     with open_run(run_dir, run_config, resume=resume):
         if not saved_tokenizer and is_main_process():
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
             if folder is not None:
                 lm_pretrained.record_init(run_dir, folder)
+        if adapted is not None:
+            adapted.write(run_dir)
         print(f"lm: {what}: {len(stream):,} tokens ({cut:,} train), vocabulary "
               f"{vocab}, {config.run.steps} steps of {config.run.batch_size} x {config.context} tokens "
               f"({config.run.steps * config.run.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
         evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
         before = {}
         if folder is not None and not resume:  # where the fine-tune starts from, on the same validation windows
+            if mesh is None:  # committed to the device as fit's arrays are: the final evaluation reuses this program
+                nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
             before = {"init_val_loss": evaluate(model)["loss"]}
             print(f"the init model's validation loss: {before['init_val_loss']:.4f} nats/token", file=sys.stderr)
         result = fit(model, from_task(config, config.run.steps), loss_fn, train, run_dir=run_dir, steps=config.run.steps,
                      run_config=run_config, evaluate=evaluate, eval_every=config.run.eval_every,
                      checkpoint_every=config.run.checkpoint_every, keep=config.run.keep, resume=resume, progress=progress,
                      mesh=mesh, description="lm-hf" if folder is not None else f"lm-{config.model}-{config.level}",
-                     init_from_torch=init_from_torch)
+                     init_from_torch=init_from_torch, wrt=adapted.wrt if adapted else nnx.Param)
         metrics = {"step": result.step, "interrupted": result.interrupted, **before,
                    **{f"val_{k}": v for k, v in result.metrics.items() if k != "count"}}
         if not result.interrupted:
@@ -344,8 +356,16 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             metrics["sample"] = sample(config, result.model, tokenizer)
             if is_main_process():
                 files.write_text(run_dir / "sample.txt", metrics["sample"] + "\n", overwrite=True)
+        final = result.model
+        if adapted is not None and not result.interrupted and is_main_process():
+            if export_peft is not None:
+                metrics["peft_check"] = lora_runs.export_peft(
+                    final, export_peft, folder=folder, task="lm", overwrite=overwrite, ids=next(val.fixed(1))["ids"][0],
+                    float32_base=None if config.run.dtype == "float32" else lambda: lm_pretrained.build_pretrained(
+                        replace(config, dtype="float32"), folder))
+            final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in
         if export_torch is not None and is_main_process():
-            export.save_safetensors(result.model, export_torch, overwrite=overwrite)
+            export.save_safetensors(final, export_torch, overwrite=overwrite)
             print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
                   "in torch, with their certificate beside them", file=sys.stderr)
         if export_torch_state is not None and not result.interrupted and is_main_process():
@@ -355,7 +375,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
                   " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
         if export_hf is not None and not result.interrupted and is_main_process():
             metrics["export_check"] = lm_pretrained.export_pretrained(
-                result.model, export_hf, folder=folder, text=text[-20 * config.context:], length=config.context,
+                final, export_hf, folder=folder, text=text[-20 * config.context:], length=config.context,
                 overwrite=overwrite)
     return metrics
 
@@ -367,9 +387,12 @@ def load_run(run_dir, *, step: int | None = None):
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
     model = (lm_pretrained.build_pretrained(config, lm_pretrained.init_folder(config, run_dir=run_dir))
              if config.model == "hf" else build_model(config, tokenizer.get_vocab_size()))
+    wrt = nnx.Param
+    if config.lora.enabled:  # the checkpoints hold the adapters; the base is the init folder's
+        wrt = lora_runs.adapt(model, config, task="lm", folder=Path(config.init), run_dir=run_dir).wrt
     checkpoints = Checkpoints(run_dir, keep=config.run.keep, read_only=True)
     try:
-        model, _ = checkpoints.restore_model(model, step)
+        model, _ = checkpoints.restore_model(model, step, wrt=wrt)
     finally:
         checkpoints.close()
     model.eval()

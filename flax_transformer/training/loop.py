@@ -44,7 +44,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from flax_transformer.interop.checkpoints import describe
-from flax_transformer.training.checkpointing import Checkpoints, check_disk_space
+from flax_transformer.training.checkpointing import Checkpoints, check_disk_space, saved_filter
 from flax_transformer.training.distributed import (  # noqa: F401  (re-exported: these used to live here)
     batch_sharding,
     check_batch_size,
@@ -159,11 +159,14 @@ def _holding_the_run_dir(function):
     return locked
 
 
-def _restore(checkpoints, run_dir, model_state, opt_state) -> tuple[int, dict]:
+def _restore(checkpoints, run_dir, model_state, opt_state, kept=None) -> tuple[int, dict]:
     """Fill the states in place from the latest intact checkpoint; (its step, its metadata).
 
-    Restored straight into the states' shardings: each process reads the shards it holds."""
-    like = {"model": nnx.to_pure_dict(model_state), "optimizer": nnx.to_pure_dict(opt_state)}
+    Restored straight into the states' shardings: each process reads the shards it holds. With
+    ``kept`` (``checkpointing.saved_filter``), the model's variables it leaves out (a frozen base)
+    are not read: they stay as built."""
+    held = model_state if kept is None else nnx.filter_state(model_state, kept)
+    like = {"model": nnx.to_pure_dict(held), "optimizer": nnx.to_pure_dict(opt_state)}
     found = checkpoints.restore_latest(like)
     if found is None:
         print(f"{run_dir} has no checkpoint yet: starting it from step 0", file=sys.stderr)
@@ -186,15 +189,34 @@ class _State:
     shardings: tuple | None
     start: int
     meta: dict
+    kept: object = None  # what a checkpoint holds of the model (None: all of it; else not the frozen params)
 
     def pure(self) -> dict:
-        return {"model": nnx.to_pure_dict(self.model), "optimizer": nnx.to_pure_dict(self.optimizer)}
+        model = self.model if self.kept is None else nnx.filter_state(self.model, self.kept)
+        return {"model": nnx.to_pure_dict(model), "optimizer": nnx.to_pure_dict(self.optimizer)}
 
     def current_model(self):
         """The model as it is now, in eval mode."""
         model = nnx.merge(self.train_def, self.model)
         model.eval()
         return model
+
+
+def _sizes(model, optimizer, wrt) -> dict:
+    """What a run that trains ``wrt`` trains, against the whole model, and its optimizer state's bytes."""
+    def count(state) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(state))
+
+    return {"trained_params": count(nnx.state(model, wrt)), "params": count(nnx.state(model, nnx.Param)),
+            "optimizer_bytes": sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(nnx.state(optimizer)))}
+
+
+def _print_sizes(model, optimizer, wrt) -> None:
+    sizes = _sizes(model, optimizer, wrt)
+    share = sizes["trained_params"] / max(sizes["params"], 1)
+    print(f"training {sizes['trained_params']:,} of the model's {sizes['params']:,} parameters ({share:.2%}); "
+          f"optimizer state {sizes['optimizer_bytes']:,} bytes (the rest is frozen: no gradient, no optimizer "
+          "state, not in the checkpoints)", file=sys.stderr)
 
 
 def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh, init_from_torch=None,
@@ -210,13 +232,19 @@ def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh,
 
         start = import_torch_state(init_from_torch, model, optim, optimizer=optimizer)[1]
         print(f"Starting {run_dir} from {init_from_torch} at step {start}", file=sys.stderr)
+    kept = None if wrt is nnx.Param else saved_filter(wrt)
+    if kept is not None and is_main_process():
+        _print_sizes(model, optimizer, wrt)
     train_def, model_state = nnx.split(model)
     opt_def, opt_state = nnx.split(optimizer)
     shardings = None
     if mesh is not None:
         model_state, opt_state, shardings = place_state(model_state, opt_state, mesh)
-    start, meta = _restore(checkpoints, run_dir, model_state, opt_state) if resume else (start, {})
-    state = _State(train_def, opt_def, model_state, opt_state, shardings, start, meta)
+    else:  # committed to the device, as restored arrays are: a fresh run and a resumed one (whose frozen
+        # arrays are built, the rest restored) then compile one same step, and none compiles it twice
+        model_state, opt_state = jax.device_put((model_state, opt_state), jax.devices()[0])
+    start, meta = _restore(checkpoints, run_dir, model_state, opt_state, kept) if resume else (start, {})
+    state = _State(train_def, opt_def, model_state, opt_state, shardings, start, meta, kept)
     if is_main_process():
         check_disk_space(run_dir, sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state.pure())), keep)
     return state
@@ -315,7 +343,9 @@ def fit(model, optim: OptimConfig, loss_fn, batches, *, run_dir, steps: int, run
             those of steps N.. (a pure function of (seed, step)).
         wrt: the variables that train (an nnx filter): every ``nnx.Param`` by default; a LoRA run
             gives its adapters (and a head), so the rest of the model gets no gradient and no
-            optimizer state.
+            optimizer state, and its checkpoints hold everything but the frozen parameters (those
+            the caller rebuilds, as the base model it started from, before a resume restores them:
+            ``Checkpoints.restore_model(..., wrt=)`` likewise).
 
     Raises ``NonFiniteLoss`` when the loss is NaN/inf (the last good checkpoint is kept)
     and ``RunError`` for anything that stops a run before it starts. The run directory is

@@ -1,7 +1,8 @@
 """What every task config holds besides its model and data: a ``RunConfig`` and an ``OptimConfig``.
 
 ``ClassifyConfig``, ``LMConfig`` and ``Seq2SeqConfig`` each nest one of both (``config.run``,
-``config.optim``) instead of copying the same fields. Flags and presets still name fields
+``config.optim``) instead of copying the same fields; ``ClassifyConfig`` and ``LMConfig`` also nest
+a ``LoRARunConfig`` (``config.lora``: off unless ``--lora-rank`` or ``--init-adapter`` is given). Flags and presets still name fields
 flat (``--lr``, ``ClassifyConfig.tiny(steps=30)``): ``replace`` routes each name to the
 config that holds it, so a field name means the same thing wherever it appears.
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flax_transformer.training.bounds import check_config
+from flax_transformer.training.bounds import check_config, flag
 from flax_transformer.training.optim import OptimConfig, check_precision
 
 # the sub-configs a task config nests, by field name
-_NESTED = {"run": "RunConfig", "optim": "OptimConfig"}
+_NESTED = {"run": "RunConfig", "optim": "OptimConfig", "lora": "LoRARunConfig"}
+_WITH_LORA = ("classify", "lm")  # the tasks whose configs nest a LoRARunConfig
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,50 @@ class RunConfig:
         check_precision(self.dtype, self.attention)
 
 
+@dataclass(frozen=True)
+class LoRARunConfig:
+    """A LoRA fine-tune of a pretrained (``--model hf``) model: what ``lora.apply`` is given, or the PEFT
+    adapter folder it starts from (whose ``adapter_config.json`` then decides rank, alpha, dropout, targets).
+
+    Attributes:
+        lora_rank: the adapters' rank r (None: no LoRA, unless ``init_adapter`` is given).
+        lora_alpha: the scale's numerator (alpha / r); None: 2 * r.
+        lora_dropout: dropout on the LoRA branch's input.
+        lora_targets: module names or regexes (PEFT's ``target_modules``); None: PEFT's default for the model type.
+        init_adapter: a PEFT LoRA adapter folder to start from (instead of ``lora_rank``).
+    """
+
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None
+    init_adapter: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.lora_targets, list):  # from run.json
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        check_config(self)
+        if self.init_adapter is not None:
+            given = [name for name, unset in (("lora_rank", None), ("lora_alpha", None), ("lora_dropout", 0.0),
+                                              ("lora_targets", None)) if getattr(self, name) != unset]
+            if given:
+                raise ValueError(f"--init-adapter takes rank, alpha, dropout and targets from the adapter's "
+                                 f"adapter_config.json; drop {', '.join(flag(n) for n in given)}")
+        elif self.lora_rank is None:
+            given = [name for name, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", None))
+                     if getattr(self, name) != unset]
+            if given:
+                raise ValueError(f"{', '.join(flag(n) for n in given)} set(s) up a LoRA run: give --lora-rank R too")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank is not None or self.init_adapter is not None
+
+
 def _sub_fields() -> dict[str, str]:
-    """flat field name -> the nested config holding it ("run" or "optim")."""
+    """flat field name -> the nested config holding it ("run", "optim" or "lora")."""
     out = {f.name: "run" for f in dataclasses.fields(RunConfig)}
+    out.update({f.name: "lora" for f in dataclasses.fields(LoRARunConfig)})
     out.update({f.name: "optim" for f in dataclasses.fields(OptimConfig) if f.name != "total_steps"})
     return out
 
@@ -87,17 +130,21 @@ def nest(saved: dict) -> dict:
     """A run.json's config in the nested form; a flat one (written before the nesting) is converted.
 
     An old flat config had no b1, b2, eps or end_lr_ratio: its runs used ``OptimConfig``'s
-    defaults, so the converted one holds those.
+    defaults, so the converted one holds those. A classify or lm config written before LoRA runs
+    existed gets the default ``lora`` (no LoRA), which is what it ran with.
     """
-    if any(name in saved for name in _NESTED):
-        return dict(saved)
-    out = {k: v for k, v in saved.items() if k not in SUB_FIELDS}
-    run = {k: v for k, v in saved.items() if SUB_FIELDS.get(k) == "run"}
-    optim = {k: v for k, v in saved.items() if SUB_FIELDS.get(k) == "optim"}
-    if run:
-        out["run"] = run
-    if optim:
-        out["optim"] = {**dataclasses.asdict(OptimConfig()), "total_steps": None, **optim}
+    if "run" in saved or "optim" in saved:  # nested already
+        out = dict(saved)
+    else:
+        out = {k: v for k, v in saved.items() if k not in SUB_FIELDS}
+        run = {k: v for k, v in saved.items() if SUB_FIELDS.get(k) == "run"}
+        optim = {k: v for k, v in saved.items() if SUB_FIELDS.get(k) == "optim"}
+        if run:
+            out["run"] = run
+        if optim:
+            out["optim"] = {**dataclasses.asdict(OptimConfig()), "total_steps": None, **optim}
+    if out.get("task") in _WITH_LORA and "lora" not in out:
+        out["lora"] = dataclasses.asdict(LoRARunConfig())
     return out
 
 
@@ -107,7 +154,7 @@ def from_dict(config_cls, saved: dict):
     ``TypeError`` names an unknown field; the configs' own checks raise ``ValueError``.
     """
     values = nest(saved)
-    classes = {"run": RunConfig, "optim": OptimConfig}
+    classes = {"run": RunConfig, "optim": OptimConfig, "lora": LoRARunConfig}
     for sub, cls in classes.items():
         if isinstance(values.get(sub), dict):
             known = {f.name for f in dataclasses.fields(cls)}

@@ -214,7 +214,7 @@ def _copy_of(named: dict, key: str, modules) -> str | None:
     parts = key[len(ROOT):].split(".")
     modules = [modules] if isinstance(modules, str) else list(modules)
     for i in range(1, len(parts)):
-        if peft._peft_matches(modules, ".".join(parts[:i])):
+        if any(".".join(parts[:i]).endswith(m) for m in modules):  # PEFT's rule: peft._under
             name = ".".join([ROOT + ".".join(parts[:i]), "modules_to_save", "default", *parts[i:]])
             return name if name in named else None
     return None

@@ -114,6 +114,31 @@ def test_export_peft_loads_in_peft_with_the_runs_logits(cls_run):
     saved = json.loads((tmp / "peft" / "adapter_config.json").read_text())
     assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["classifier"] and saved["r"] == RANK
     assert saved["base_model_name_or_path"] == str(tmp / "bert") and sorted(saved["target_modules"]) == ["query", "value"]
+    cert = json.loads((tmp / "peft" / "verification.json").read_text())  # certified through peft as it was written
+    assert cert["forward"]["max_abs_err"] <= 1e-5 and cert["adapter_grads"]["tensors"] == cert["adapter_grads"]["of"]
+
+
+def test_port_writes_the_runs_adapter_for_peft_and_the_merged_model(cls_run, tmp_path, capsys):
+    """``port RUN_DIR DIR --to peft``: the run's adapter and head, certified; ``--merge``: a plain HF
+    classifier folder computing the run's logits; a LoRA run without either is refused in one line."""
+    from flax_transformer.cli import main
+    from flax_transformer.interop import hf
+
+    tmp, _ = cls_run
+    assert main(["port", str(tmp / "whole"), str(tmp_path / "peft"), "--to", "peft"]) == 0
+    cert = json.loads((tmp_path / "peft" / "verification.json").read_text())
+    assert cert["adapter_grads"]["tensors"] == cert["adapter_grads"]["of"] == 2 * 2 + 2  # q, v of 1 layer; the head
+    assert main(["port", str(tmp / "whole"), str(tmp_path / "merged"), "--merge"]) == 0
+    run = classify.load_run(tmp / "whole")[0]
+    ids, mask = np.array([[101, 2023, 2001, 102]]), np.ones((1, 4), bool)
+    merged = hf.classifier_from_pretrained(tmp_path / "merged")
+    assert not lora.layers(merged)
+    assert np.abs(np.asarray(merged(ids, mask)) - np.asarray(run(ids, mask))).max() < 1e-5
+    capsys.readouterr()
+    assert main(["port", str(tmp / "whole"), str(tmp_path / "plain")]) == 2
+    assert "holds a LoRA adapter: --to peft" in capsys.readouterr().err and not (tmp_path / "plain").exists()
+    assert main(["port", str(tmp / "bert"), str(tmp_path / "p2"), "--to", "peft"]) == 2
+    assert "reads a LoRA training run directory" in capsys.readouterr().err
 
 
 def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys):

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from flax_transformer.cli import peft_cli, verify_flags
+from flax_transformer.cli import run_ports, verify_flags
 from flax_transformer.cli.bisect_cli import load_model
 
 
@@ -151,28 +151,6 @@ def _verify_through_torch_state(args, start) -> int:
     return 1 if failed else 0
 
 
-def _port_torch_state(args, dst: Path) -> int:
-    """``port RUN_DIR FILE.pt --to torch-state``: a training run's checkpoint as a torch training checkpoint."""
-    if args.family or args.cls or args.config:
-        raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
-    from flax_transformer.interop import files
-    from flax_transformer.training import torch_export
-
-    files.check_target(dst, kind="file", overwrite=args.overwrite)
-    model, optimizer, optim, step = torch_export.restore_run(args.src)
-    torch_export.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
-    print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
-    if not args.verify:
-        return 0
-    # read it back as torch does and as the import does, and compare with the run's own state
-    problems = torch_export.check_export(args.src, dst, step=step)
-    for problem in problems:
-        print(f"  {problem}")
-    print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "
-          f"parameters, Adam moments and counts at step {step} -> {'FAIL' if problems else 'pass'}")
-    return 1 if problems else 0
-
-
 def _port(args) -> int:
     _highest_precision()
     from flax_transformer.interop import checkpoints, files, hf
@@ -180,9 +158,9 @@ def _port(args) -> int:
 
     dst = Path(args.dst)
     if args.to == "torch-state":
-        return _port_torch_state(args, dst)
+        return run_ports.port_torch_state(args, dst)
     if args.to == "peft":
-        return peft_cli.port_peft(args, dst)
+        return run_ports.port_peft(args, dst)
     if args.merge and not (Path(args.src) / "run.json").is_file():
         raise ValueError(f"--merge folds a LoRA training run's adapter into its weights; {args.src} is not a run "
                          "directory")
@@ -193,7 +171,7 @@ def _port(args) -> int:
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
     flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config,
-                                              load=peft_cli.lora_loader(args.merge))
+                                              load=run_ports.lora_loader(args.merge))
     if not args.no_certify:  # NaN/inf in SRC is named as SRC's, before any export (named as in SRC where it can be)
         hint = "--no-certify writes them anyway"
         if not export.check_source_finite(args.src, hint=hint):

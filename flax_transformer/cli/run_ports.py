@@ -1,5 +1,6 @@
-"""``flax-transformer port`` for LoRA runs: ``--to peft`` (the adapter as a PEFT folder, certified through
-``peft``) and ``--merge`` (the adapter folded into the weights, then any other ``--to``)."""
+"""``flax-transformer port`` of training run directories: ``--to torch-state`` (a run as a torch training
+checkpoint), and for LoRA runs ``--to peft`` (the adapter as a PEFT folder, certified through ``peft``)
+and ``--merge`` (the adapter folded into the weights, then any other ``--to``)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,25 @@ def port_peft(args, dst: Path) -> int:
         report.failures.append("the adapter through peft does not compute the run's model")
     print(f"verify: {report.summary()}")
     return 0 if report.ok else 1
+
+
+def port_torch_state(args, dst: Path) -> int:
+    """``port RUN_DIR FILE.pt --to torch-state``: a training run's checkpoint as a torch training checkpoint."""
+    if args.family or args.cls or args.config:
+        raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
+    from flax_transformer.interop import files
+    from flax_transformer.training import torch_export
+
+    files.check_target(dst, kind="file", overwrite=args.overwrite)
+    model, optimizer, optim, step = torch_export.restore_run(args.src)
+    torch_export.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
+    print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
+    if not args.verify:
+        return 0
+    # read it back as torch does and as the import does, and compare with the run's own state
+    problems = torch_export.check_export(args.src, dst, step=step)
+    for problem in problems:
+        print(f"  {problem}")
+    print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "
+          f"parameters, Adam moments and counts at step {step} -> {'FAIL' if problems else 'pass'}")
+    return 1 if problems else 0

@@ -166,6 +166,18 @@ def test_fresh_adapter_merge_unmerge_and_remove_on_a_model(folder):
     lora.remove(model)  # merged into plain layers again: what hf.save_pretrained writes
     assert not lora.layers(model) and _err(_ours(model), adapted) < TOL
     assert type(model.model.layers[0].self_attn.q_proj) is nnx.Linear
+    again = lora.apply(hf.from_pretrained(path), rank=4, alpha=8, targets=CASES[kind][1], rngs=nnx.Rngs(0))
+    _random_b(again)
+    lora.remove(lora.merge(again), merge_weights=False)  # a merged adapter taken out again: the base as it was
+    assert _err(_ours(again), before) < TOL
+
+
+def test_modules_to_save_match_as_peft_matches_them():
+    """PEFT's ``_set_trainable``: a module whose path *ends with* a listed name, as a string, is saved whole
+    (so ``classifier`` takes DistilBERT's ``pre_classifier``), with everything under it."""
+    assert peft._under(["classifier"], "pre_classifier") and peft._under(["classifier"], "distilbert.pre_classifier")
+    assert peft._under(["classifier"], "classifier.out_proj") and peft._under(["score"], "score")
+    assert not peft._under(["classifier"], "classifier_x") and not peft._under(["lm_head"], "model.embed_tokens")
 
 
 def test_dropout_acts_on_the_lora_branch_and_follows_eval_and_train():

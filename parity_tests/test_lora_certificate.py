@@ -61,6 +61,18 @@ def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path):
     save_file(tensors, tmp_path / "adapter" / peft.WEIGHTS_FILE, metadata={"format": "pt"})
     report = certificate_peft.recheck(tmp_path / "adapter")
     assert not report.ok and any(key in f for f in report.failures)
+    config = tmp_path / "adapter" / peft.CONFIG_FILE  # a config changed after the export (both sides read it)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 16}))
+    assert any("adapter_config.json differs" in f for f in certificate_peft.recheck(tmp_path / "adapter").failures)
+
+
+def test_a_measurement_that_compared_fewer_gradients_than_it_should_is_not_a_pass():
+    good = {"forward": {"max_abs_err": 0.0, "tolerance": 1e-5}, "adapter_grads": {"max_rel_err": 0.0,
+                                                                                  "tolerance": 1e-5, "tensors": 2, "of": 2}}
+    assert certificate_peft._passed(good)
+    for grads in ({"tensors": 1, "of": 2}, {"tensors": 0, "of": 0}, {"max_rel_err": float("nan")}):
+        assert not certificate_peft._passed({**good, "adapter_grads": {**good["adapter_grads"], **grads}})
+    assert not certificate_peft._passed({**good, "forward": {"max_abs_err": float("nan"), "tolerance": 1e-5}})
 
 
 @pytest.mark.parametrize("head", [True, False])

@@ -119,7 +119,7 @@ SLOW = {
     "test_torch_state.py::test_entry_point_continues_an_exported_run_exactly_as_resume":
         "test_trajectory_continues_across_frameworks",
     "test_porting.py::test_torch_to_flax_dtypes": "test_bf16_weights_load_into_fp32_and_bf16_models",
-    "test_finetune.py::test_bf16_fine_tune_runs_with_fp32_parameters": "test_runs::test_bf16_and_fused_attention_runs",
+    "test_finetune.py::test_bf16_fine_tune_runs_with_fp32_parameters": "test_torch_state::test_bf16_run_exported_and_imported_continues_bit_for_bit",
     "test_hf.py::test_fresh_flax_gpt2_loads_in_transformers": "test_gpt2_from_transformers_and_back[False]",
     "test_survivors.py::test_masked_lm_folders_load[bert-BertForPreTraining]": "the other masked-LM folders",
     "test_llama.py::test_rope_against_transformers_at_long_positions[dynamic]": "the llama3, linear, default RoPE",
@@ -154,6 +154,11 @@ SLOW = {
     "test_runs.py::test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly":
         "test_interrupt_and_resume_equals_an_uninterrupted_run (a real SIGINT in-process: the checkpoint, the "
         "resume), test_finetune's SIGINT cases, test_run_faults' killed runs",
+    "test_runs.py::test_bf16_and_fused_attention_runs":
+        "test_torch_state::test_bf16_run_exported_and_imported_continues_bit_for_bit (a bf16 run), "
+        "test_attention_impl (the fused attention), test_mixed_precision",
+    "test_torch_state_values.py::test_verify_fails_on_a_bad_moment_naming_it":
+        "test_port_refuses_to_write_a_run_whose_moment_is_inf, test_save_torch_state_refuses_a_bad_moment",
 }
 
 # Parametrised sweeps: the default run keeps the cases named here (the hardest masks: padding,

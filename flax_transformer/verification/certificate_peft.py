@@ -71,8 +71,9 @@ def _adapter_hashes(folder: Path) -> dict:
             "config_sha256": _sha256((folder / peft.CONFIG_FILE).read_bytes())}
 
 
-def _torch_model(base: Path, task_type):
-    """transformers' model of the base folder for PEFT's ``task_type``, quiet, fp32, eval mode."""
+def _torch_model(base: Path, task_type, num_labels: int | None = None):
+    """transformers' model of the base folder for PEFT's ``task_type``, quiet, fp32, eval mode (a
+    sequence classifier with ``num_labels`` outputs, the adapter's saved head's)."""
     import torch
     import transformers
 
@@ -88,11 +89,19 @@ def _torch_model(base: Path, task_type):
     transformers.utils.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
     try:
-        return cls.from_pretrained(str(base), dtype=torch.float32).eval()
+        extra = {"num_labels": num_labels} if task_type == "SEQ_CLS" and num_labels else {}
+        return cls.from_pretrained(str(base), dtype=torch.float32, **extra).eval()
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bar:
             transformers.utils.logging.enable_progress_bar()
+
+
+def _num_labels(folder: Path) -> int | None:
+    """The outputs of the classifier head an adapter saves (``modules_to_save``), or None without one."""
+    heads = [v.shape[0] for k, v in safetensors_io.open_safetensors(folder / peft.WEIGHTS_FILE).items()
+             if k.endswith((".classifier.weight", ".classifier.out_proj.weight"))]  # not pre_classifier
+    return int(heads[0]) if heads else None
 
 
 def _output(out):
@@ -115,7 +124,8 @@ def measure(model, folder, base) -> dict:
     folder, base = Path(folder), Path(base)
     config = json.loads((folder / peft.CONFIG_FILE).read_text(encoding="utf-8"))
     try:
-        theirs = peft_lib.PeftModel.from_pretrained(_torch_model(base, config.get("task_type")), str(folder),
+        theirs = peft_lib.PeftModel.from_pretrained(_torch_model(base, config.get("task_type"), _num_labels(folder)),
+                                                    str(folder),
                                                     is_trainable=True).eval()  # trainable: its adapter gets gradients
     except Exception as error:  # noqa: BLE001 - whatever peft raises, it does not load the folder
         raise CertificateError(f"{folder}: peft does not load the adapter as written: peft raised "
@@ -313,9 +323,8 @@ def recheck(folder, *, base=None) -> Report:
         report.failures.append(f"the base {base} is not the certified one: {', '.join(differ)} differ")
     kind = json.loads((folder / peft.CONFIG_FILE).read_text(encoding="utf-8")).get("task_type")
     if kind == "SEQ_CLS":  # the head's size is the adapter's saved classifier's
-        heads = [v.shape[0] for k, v in safetensors_io.open_safetensors(folder / peft.WEIGHTS_FILE).items()
-                 if k.endswith(("classifier.weight", "classifier.out_proj.weight"))]
-        model = hf.classifier_from_pretrained(base, **({"num_labels": heads[0]} if heads else {}))
+        labels = _num_labels(folder)
+        model = hf.classifier_from_pretrained(base, **({"num_labels": labels} if labels else {}))
     else:
         model = hf.from_pretrained(base)
     peft.load_peft(model, folder)

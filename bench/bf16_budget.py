@@ -11,7 +11,7 @@ Two Markdown tables.
    the second padded from 20): ``bisect`` with gradients and ``compare`` with gradients, each
    judged by bf16's rule; the largest JAX error over its budget among the module calls and among
    the gradients (under 1 passes); and the verdict the same model gets by float32's rule.
-2. Bugs. ``parity_tests/test_llama_bisect.py``'s planted bugs (its ``BUGS``, models and inputs),
+2. Bugs. ``parity_tests/verification/test_llama_bisect.py``'s planted bugs (its ``BUGS``, models and inputs),
    in the Flax port computing in bf16: the module ``bisect`` names and JAX's error there over its
    budget, and the first wrong gradient.
 
@@ -56,7 +56,7 @@ def main() -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
     from flax_transformer.interop import hf, porting
     from flax_transformer.verification import bisect, precision, verify
-    from parity_tests import test_llama_bisect as bugs
+    from parity_tests.verification import test_llama_bisect as bugs
 
     print("| bf16 model (parameters) | bisect | JAX/budget, modules | gradients | compare | JAX/budget | "
           "by float32's rule |")

@@ -37,7 +37,7 @@ def _models(folder: Path):
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)).eval()
     with torch.no_grad():
-        for p in llama.parameters():  # spread the logits, as parity_tests/test_llama_cli.py
+        for p in llama.parameters():  # spread the logits, as parity_tests/cli/test_llama_cli.py
             p.add_(0.5 * torch.randn(p.shape))
     for name, model in (("gpt2", gpt2), ("llama", llama)):
         model.save_pretrained(folder / name)

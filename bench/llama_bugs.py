@@ -2,7 +2,7 @@
 
     python bench/llama_bugs.py [--png docs/images/bisect_positions.png]
 
-The bugs, models and inputs are ``parity_tests/test_llama_bisect.py``'s (``BUGS``, ``run``: the
+The bugs, models and inputs are ``parity_tests/verification/test_llama_bisect.py``'s (``BUGS``, ``run``: the
 test asserts these verdicts). Prints a Markdown table: each bug, the module ``bisect`` names
 (JAX's error there over its budget), the first wrong gradient, and where the error starts
 (``report.positions``: the first position whose JAX error leaves the budget) in that module and
@@ -29,7 +29,7 @@ def main() -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
-    from parity_tests import test_llama_bisect as bugs
+    from parity_tests.verification import test_llama_bisect as bugs
 
     print("| bug | module named | JAX / budget there | first wrong gradient | error starts at (module; model output) |")
     print("|---|---|---|---|---|")

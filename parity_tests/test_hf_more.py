@@ -220,7 +220,7 @@ def _tiny_roberta_with_tokenizer(root):
     """A random RoBERTa folder with a small byte-level BPE tokenizer (``<s>`` ... ``</s>``, ``<pad>`` = 1)."""
     from tokenizers import ByteLevelBPETokenizer, processors
 
-    from .test_runs import NEGATIVE, NEUTRAL, POSITIVE
+    from parity_tests.training.test_runs import NEGATIVE, NEUTRAL, POSITIVE
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([" ".join(NEUTRAL + POSITIVE + NEGATIVE)] * 4, vocab_size=300,
@@ -239,7 +239,7 @@ def _tiny_roberta_with_tokenizer(root):
 def test_classify_fine_tunes_a_roberta_folder_and_exports_it(tmp_path, capsys, monkeypatch):
     """``train.classify --model hf --init ROBERTA --export-hf``: the export loads in transformers with no missing or
     unexpected keys, AutoTokenizer gives our ids and the logits match (``pretrained.check_export``, 1e-4)."""
-    from .test_runs import _main, write_fake_imdb
+    from parity_tests.training.test_runs import _main, write_fake_imdb
 
     folder, data = _tiny_roberta_with_tokenizer(tmp_path), write_fake_imdb(tmp_path / "data", n_train=40, n_test=16)
     monkeypatch.setattr(certificate, "sidecar", lambda *args, **kwargs: lambda tmp, final: {})  # tested above, and costly

@@ -12,7 +12,7 @@ from folding the transposes back. The softmax backward is one pass over the save
 Which backends need them: XLA CPU (measured). On GPU/TPU the vendor matmuls take either
 layout at full speed, so there the VJPs are the same math at the same speed, neither a gain
 nor a loss measured here (no GPU run was made for this). Same math everywhere: the
-gradients equal autodiff's (parity_tests/test_attention_impl.py) and torch's (verify --grads).
+gradients equal autodiff's (parity_tests/models/test_attention_impl.py) and torch's (verify --grads).
 ``jax.jvp``/``jacfwd`` through them are not supported (custom VJP).
 """
 

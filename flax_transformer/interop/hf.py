@@ -49,23 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer.interop import files, meta_llama, porting, safetensors_io
-from flax_transformer.interop.hf_tables import (  # noqa: F401  (re-exported: the tables are part of the API)
-    BERT_KEYS,
-    DISTILBERT_KEYS,
-    ENCODERS,
-    GPT2_KEYS,
-    LLAMA_KEYS,
-    LLAMA_TYPES,
-    _pattern,
-    config_of,
-    convert,
-    hf_to_ours,
-    ours_to_hf,
-)
-from flax_transformer.interop.safetensors_io import _torch_pickle, open_weights, read  # noqa: F401  (re-exported)
+from flax_transformer.interop.converter import convert, pattern
+from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, ours_to_hf
+from flax_transformer.interop.safetensors_io import open_weights, read
 from flax_transformer.models._shared import check_positive_float
-
-_convert = convert  # the name the tests and older callers use
 
 # bf16 weights against the fp32 model they were rounded from (``port --dtype bf16 --verify``):
 # each weight moves by up to 2**-9 of itself, and the outputs of a small random model by
@@ -247,8 +234,8 @@ def _classifier_state(path, num_labels, pooling, seed):
         raise ValueError(f"{path} holds a {raw.get('model_type')!r} model; a sequence classifier needs a BERT, "
                          "DistilBERT or RoBERTa folder")
     spec = ENCODERS[kind]
-    head_names = [k for k in weights if any(_pattern(name).fullmatch(k) for name, _, _ in spec.classifier_keys)]
-    head = convert(spec.classifier_keys, {k: weights.pop(k) for k in head_names}, forward=True)
+    head_names = [k for k in weights if any(pattern(row.source).fullmatch(k) for row in spec.classifier_rows)]
+    head = convert(spec.classifier_rows, {k: weights.pop(k) for k in head_names}, forward=True, config=config)
     if kind == "roberta":  # a RobertaModel folder's pooler: RobertaForSequenceClassification has none either
         weights = {k: v for k, v in weights.items() if not k.startswith(("pooler.", "roberta.pooler."))}
     id2label = raw.get("id2label")
@@ -411,11 +398,11 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     if classifier:
         spec = ENCODERS[kind]
         body = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
-        weights = {f"{spec.prefix}{k}": v for k, v in ours_to_hf(kind, body).items()}
-        weights |= convert(spec.classifier_keys, {k: v for k, v in state.items() if not k.startswith("encoder.")},
-                           forward=False)
+        weights = {f"{spec.prefix}{k}": v for k, v in ours_to_hf(kind, body, config).items()}
+        weights |= convert(spec.classifier_rows, {k: v for k, v in state.items() if not k.startswith("encoder.")},
+                           forward=False, format_name="HuggingFace")
     else:
-        weights = ours_to_hf(kind, state)
+        weights = ours_to_hf(kind, state, config)
     if dtype is not None:
         hf_config["dtype"] = dtype.name
         weights = {k: v.astype(dtype) if np.issubdtype(np.dtype(v.dtype), np.floating)

@@ -1,13 +1,11 @@
-"""The key tables between HuggingFace checkpoints and torch_reference names, one per ``model_type``
-(the llama family's five share one: torch_reference.llama keeps transformers' own names).
+"""The converter rows between HuggingFace checkpoints and torch_reference names, one table per
+``model_type`` (the llama family's five share one: torch_reference.llama keeps transformers' own names).
 
-Each row is (HF name, our torch_reference name, rule), both sides templates whose
-``{fields}`` match ``PLACEHOLDERS``, so one table serves both directions. Rules: "as_is";
-"split_heads": an HF (hidden, hidden) weight or (hidden,) bias is one slice per head on
-our side, ``{h}`` in our name (the notebook's ``AttentionHead`` layout).
-
-Values may be numpy arrays or ``safetensors_io.Lazy`` tensors: splitting and joining
-heads stays lazy, so a streamed load or save reads each slice only when it is written.
+Each table is a list of ``converter.Row``: the HF name (the source) -> our torch_reference name
+(canonical), with the ops between them. BERT's, DistilBERT's and RoBERTa's q/k/v are one tensor in
+HF's files and one slice per head on our side (the notebook's ``AttentionHead`` layout):
+``Split("h", size="num_attention_heads")``. One table serves both directions, lazily: a streamed
+load or save reads each head's slice only when it is written.
 """
 
 from __future__ import annotations
@@ -15,71 +13,66 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 
-from flax_transformer.interop.safetensors_io import join_rows, read, split_rows
-from flax_transformer.models._shared import StateDictError
+from flax_transformer.interop.converter import Row, convert
+from flax_transformer.interop.converter_ops import Split
+from flax_transformer.interop.safetensors_io import read
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.llama_config import MODEL_TYPES as LLAMA_TYPES
 from flax_transformer.models.llama_config import LlamaConfig
 
-AS_IS, SPLIT_HEADS = "as_is", "split_heads"
+HEADS = (Split("h", axis=0, size="num_attention_heads"),)  # one HF tensor, a slice per head on our side
 
-PLACEHOLDERS = {"i": r"\d+", "h": r"\d+", "p": "weight|bias", "emb": "wte|wpe", "ln": "ln_1|ln_2",
-                "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj",
-                "attn": "q_proj|k_proj|v_proj|o_proj", "qk_norm": "q_norm|k_norm", "mlp": "gate_proj|up_proj|down_proj",
-                "norm": "input_layernorm|post_attention_layernorm"}
-
-BERT_KEYS = [  # RoBERTa's are the same
-    ("embeddings.word_embeddings.weight", "embeddings.token_embeddings.weight", AS_IS),
-    ("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight", AS_IS),
-    ("embeddings.token_type_embeddings.weight", "embeddings.token_type_embeddings.weight", AS_IS),
-    ("embeddings.LayerNorm.{p}", "embeddings.layer_norm.{p}", AS_IS),
-    ("encoder.layer.{i}.attention.self.query.{p}", "layers.{i}.attention.heads.{h}.q.{p}", SPLIT_HEADS),
-    ("encoder.layer.{i}.attention.self.key.{p}", "layers.{i}.attention.heads.{h}.k.{p}", SPLIT_HEADS),
-    ("encoder.layer.{i}.attention.self.value.{p}", "layers.{i}.attention.heads.{h}.v.{p}", SPLIT_HEADS),
-    ("encoder.layer.{i}.attention.output.dense.{p}", "layers.{i}.attention.output_linear.{p}", AS_IS),
-    ("encoder.layer.{i}.attention.output.LayerNorm.{p}", "layers.{i}.layer_norm_1.{p}", AS_IS),
-    ("encoder.layer.{i}.intermediate.dense.{p}", "layers.{i}.feed_forward.linear_1.{p}", AS_IS),
-    ("encoder.layer.{i}.output.dense.{p}", "layers.{i}.feed_forward.linear_2.{p}", AS_IS),
-    ("encoder.layer.{i}.output.LayerNorm.{p}", "layers.{i}.layer_norm_2.{p}", AS_IS),
-    ("pooler.dense.{p}", "pooler.{p}", AS_IS),
+BERT_ROWS = [  # RoBERTa's are the same
+    Row("embeddings.word_embeddings.weight", "embeddings.token_embeddings.weight"),
+    Row("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
+    Row("embeddings.token_type_embeddings.weight", "embeddings.token_type_embeddings.weight"),
+    Row("embeddings.LayerNorm.{p}", "embeddings.layer_norm.{p}"),
+    Row("encoder.layer.{i}.attention.self.query.{p}", "layers.{i}.attention.heads.{h}.q.{p}", HEADS),
+    Row("encoder.layer.{i}.attention.self.key.{p}", "layers.{i}.attention.heads.{h}.k.{p}", HEADS),
+    Row("encoder.layer.{i}.attention.self.value.{p}", "layers.{i}.attention.heads.{h}.v.{p}", HEADS),
+    Row("encoder.layer.{i}.attention.output.dense.{p}", "layers.{i}.attention.output_linear.{p}"),
+    Row("encoder.layer.{i}.attention.output.LayerNorm.{p}", "layers.{i}.layer_norm_1.{p}"),
+    Row("encoder.layer.{i}.intermediate.dense.{p}", "layers.{i}.feed_forward.linear_1.{p}"),
+    Row("encoder.layer.{i}.output.dense.{p}", "layers.{i}.feed_forward.linear_2.{p}"),
+    Row("encoder.layer.{i}.output.LayerNorm.{p}", "layers.{i}.layer_norm_2.{p}"),
+    Row("pooler.dense.{p}", "pooler.{p}"),
 ]
 
-DISTILBERT_KEYS = [  # post-LN like BERT: sa_layer_norm after attention, output_layer_norm after the FFN
-    ("embeddings.word_embeddings.weight", "embeddings.token_embeddings.weight", AS_IS),
-    ("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight", AS_IS),
-    ("embeddings.LayerNorm.{p}", "embeddings.layer_norm.{p}", AS_IS),
-    ("transformer.layer.{i}.attention.q_lin.{p}", "layers.{i}.attention.heads.{h}.q.{p}", SPLIT_HEADS),
-    ("transformer.layer.{i}.attention.k_lin.{p}", "layers.{i}.attention.heads.{h}.k.{p}", SPLIT_HEADS),
-    ("transformer.layer.{i}.attention.v_lin.{p}", "layers.{i}.attention.heads.{h}.v.{p}", SPLIT_HEADS),
-    ("transformer.layer.{i}.attention.out_lin.{p}", "layers.{i}.attention.output_linear.{p}", AS_IS),
-    ("transformer.layer.{i}.sa_layer_norm.{p}", "layers.{i}.layer_norm_1.{p}", AS_IS),
-    ("transformer.layer.{i}.ffn.lin1.{p}", "layers.{i}.feed_forward.linear_1.{p}", AS_IS),
-    ("transformer.layer.{i}.ffn.lin2.{p}", "layers.{i}.feed_forward.linear_2.{p}", AS_IS),
-    ("transformer.layer.{i}.output_layer_norm.{p}", "layers.{i}.layer_norm_2.{p}", AS_IS),
+DISTILBERT_ROWS = [  # post-LN like BERT: sa_layer_norm after attention, output_layer_norm after the FFN
+    Row("embeddings.word_embeddings.weight", "embeddings.token_embeddings.weight"),
+    Row("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
+    Row("embeddings.LayerNorm.{p}", "embeddings.layer_norm.{p}"),
+    Row("transformer.layer.{i}.attention.q_lin.{p}", "layers.{i}.attention.heads.{h}.q.{p}", HEADS),
+    Row("transformer.layer.{i}.attention.k_lin.{p}", "layers.{i}.attention.heads.{h}.k.{p}", HEADS),
+    Row("transformer.layer.{i}.attention.v_lin.{p}", "layers.{i}.attention.heads.{h}.v.{p}", HEADS),
+    Row("transformer.layer.{i}.attention.out_lin.{p}", "layers.{i}.attention.output_linear.{p}"),
+    Row("transformer.layer.{i}.sa_layer_norm.{p}", "layers.{i}.layer_norm_1.{p}"),
+    Row("transformer.layer.{i}.ffn.lin1.{p}", "layers.{i}.feed_forward.linear_1.{p}"),
+    Row("transformer.layer.{i}.ffn.lin2.{p}", "layers.{i}.feed_forward.linear_2.{p}"),
+    Row("transformer.layer.{i}.output_layer_norm.{p}", "layers.{i}.layer_norm_2.{p}"),
 ]
 
-GPT2_KEYS = [
-    ("transformer.{emb}.weight", "transformer.{emb}.weight", AS_IS),
-    ("transformer.h.{i}.{ln}.{p}", "transformer.h.{i}.{ln}.{p}", AS_IS),
-    ("transformer.ln_f.{p}", "transformer.ln_f.{p}", AS_IS),
-    ("transformer.h.{i}.{conv}.weight", "transformer.h.{i}.{conv}.matrix", AS_IS),  # Conv1D: (in, out) both
-    ("transformer.h.{i}.{conv}.bias", "transformer.h.{i}.{conv}.bias", AS_IS),
-    ("lm_head.weight", "lm_head.weight", AS_IS),  # only when the head is not tied
+GPT2_ROWS = [
+    Row("transformer.{emb}.weight", "transformer.{emb}.weight"),
+    Row("transformer.h.{i}.{ln}.{p}", "transformer.h.{i}.{ln}.{p}"),
+    Row("transformer.ln_f.{p}", "transformer.ln_f.{p}"),
+    Row("transformer.h.{i}.{conv}.weight", "transformer.h.{i}.{conv}.matrix"),  # Conv1D: (in, out) both
+    Row("transformer.h.{i}.{conv}.bias", "transformer.h.{i}.{conv}.bias"),
+    Row("lm_head.weight", "lm_head.weight"),  # only when the head is not tied
 ]
 GPT2_BUFFERS = (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)  # old causal-mask buffers
 
-LLAMA_KEYS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both sides
-    ("model.embed_tokens.weight", "model.embed_tokens.weight", AS_IS),
-    ("model.layers.{i}.self_attn.{attn}.{p}", "model.layers.{i}.self_attn.{attn}.{p}", AS_IS),
-    ("model.layers.{i}.self_attn.{qk_norm}.weight", "model.layers.{i}.self_attn.{qk_norm}.weight", AS_IS),  # Qwen3
-    ("model.layers.{i}.mlp.{mlp}.{p}", "model.layers.{i}.mlp.{mlp}.{p}", AS_IS),
-    ("model.layers.{i}.{norm}.weight", "model.layers.{i}.{norm}.weight", AS_IS),
-    ("model.norm.weight", "model.norm.weight", AS_IS),
-    ("lm_head.weight", "lm_head.weight", AS_IS),  # only when the head is not tied
+LLAMA_ROWS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both sides
+    Row("model.embed_tokens.weight", "model.embed_tokens.weight"),
+    Row("model.layers.{i}.self_attn.{attn}.{p}", "model.layers.{i}.self_attn.{attn}.{p}"),
+    Row("model.layers.{i}.self_attn.{qk_norm}.weight", "model.layers.{i}.self_attn.{qk_norm}.weight"),  # Qwen3
+    Row("model.layers.{i}.mlp.{mlp}.{p}", "model.layers.{i}.mlp.{mlp}.{p}"),
+    Row("model.layers.{i}.{norm}.weight", "model.layers.{i}.{norm}.weight"),
+    Row("model.norm.weight", "model.norm.weight"),
+    Row("lm_head.weight", "lm_head.weight"),  # only when the head is not tied
 ]
 # RoPE tables that older transformers saved (and still skip on load): computed, not weights
 LLAMA_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
@@ -89,66 +82,29 @@ LLAMA_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model
 class Encoder:
     """What differs between the encoder ``model_type``s: their tables, names and classes."""
 
-    keys: list  # the base model's table
+    rows: list  # the base model's table
     prefix: str  # the base model's prefix inside the *For* classes
     buffers: tuple  # regexes of stored tensors that are not parameters
     heads: tuple  # prefixes of task heads the base model lacks
-    classifier_keys: list  # the sequence-classification head's table
+    classifier_rows: list  # the sequence-classification head's table
     base: str  # transformers' class names
     classifier: str
 
 
 ENCODERS = {
-    "bert": Encoder(BERT_KEYS, "bert.", (r"embeddings\.position_ids",), ("cls.", "classifier.", "qa_outputs."),
-                    [("classifier.{p}", "classifier.{p}", AS_IS)], "BertModel", "BertForSequenceClassification"),
-    "distilbert": Encoder(DISTILBERT_KEYS, "distilbert.", (r"embeddings\.position_ids",),
+    "bert": Encoder(BERT_ROWS, "bert.", (r"embeddings\.position_ids",), ("cls.", "classifier.", "qa_outputs."),
+                    [Row("classifier.{p}", "classifier.{p}")], "BertModel", "BertForSequenceClassification"),
+    "distilbert": Encoder(DISTILBERT_ROWS, "distilbert.", (r"embeddings\.position_ids",),
                           ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "pre_classifier.",
                            "classifier.", "qa_outputs."),
-                          [("pre_classifier.{p}", "pre_classifier.{p}", AS_IS), ("classifier.{p}", "classifier.{p}", AS_IS)],
+                          [Row("pre_classifier.{p}", "pre_classifier.{p}"), Row("classifier.{p}", "classifier.{p}")],
                           "DistilBertModel", "DistilBertForSequenceClassification"),
-    "roberta": Encoder(BERT_KEYS, "roberta.", (r"embeddings\.position_ids", r"embeddings\.token_type_ids"),
+    "roberta": Encoder(BERT_ROWS, "roberta.", (r"embeddings\.position_ids", r"embeddings\.token_type_ids"),
                        ("lm_head.", "classifier.", "qa_outputs."),
-                       [("classifier.dense.{p}", "pre_classifier.{p}", AS_IS),
-                        ("classifier.out_proj.{p}", "classifier.{p}", AS_IS)],
+                       [Row("classifier.dense.{p}", "pre_classifier.{p}"),
+                        Row("classifier.out_proj.{p}", "classifier.{p}")],
                        "RobertaModel", "RobertaForSequenceClassification"),
 }
-
-
-@cache
-def _pattern(template: str) -> re.Pattern:
-    parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, field, ...
-    regex = "".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>{PLACEHOLDERS[part]})"
-                    for i, part in enumerate(parts))
-    return re.compile(regex)
-
-
-def convert(table, state: dict, *, forward: bool, heads: int | None = None) -> dict:
-    """Rename (and split or join heads) by the table, HF -> ours if ``forward``, else back."""
-    out, joins = {}, {}
-    for key, value in state.items():
-        for hf_name, our_name, rule in table:
-            match = _pattern(hf_name if forward else our_name).fullmatch(key)
-            if not match:
-                continue
-            fields = match.groupdict()
-            if forward and rule == SPLIT_HEADS:
-                if np.ndim(value) == 0 or np.shape(value)[0] % heads:
-                    raise StateDictError(mismatched=[(key, tuple(np.shape(value)),
-                                                      f"(a multiple of num_attention_heads={heads}, ...)")])
-                for h, part in enumerate(split_rows(value, heads)):
-                    out[our_name.format(**fields, h=h)] = part
-            elif not forward and rule == SPLIT_HEADS:
-                joins.setdefault(hf_name.format(**fields), {})[int(fields["h"])] = value
-            else:
-                out[(our_name if forward else hf_name).format(**fields)] = value
-            break
-        else:
-            if not forward:
-                raise ValueError(f"{key}: no HuggingFace name for it in the key table")
-            out[key] = value  # unknown: kept, so that the strict load names it
-    for hf_key, parts in joins.items():
-        out[hf_key] = join_rows([parts[h] for h in sorted(parts)])
-    return out
 
 
 def config_of(raw: dict, *, pooler: bool = True):
@@ -174,7 +130,7 @@ def config_of(raw: dict, *, pooler: bool = True):
 
 def table_of(kind: str) -> list:
     """The key table of a ``model_type``."""
-    return ENCODERS[kind].keys if kind in ENCODERS else LLAMA_KEYS if kind in LLAMA_TYPES else GPT2_KEYS
+    return ENCODERS[kind].rows if kind in ENCODERS else LLAMA_ROWS if kind in LLAMA_TYPES else GPT2_ROWS
 
 
 def normalise_hf_names(kind: str, weights: dict) -> dict:
@@ -217,16 +173,17 @@ def hf_to_ours(kind: str, weights: dict, config) -> dict:
             warnings.warn(f"ignoring {len(dropped)} task-head tensors a {spec.base} does not have: {dropped[:4]}",
                           stacklevel=3)
         weights = {k: v for k, v in weights.items() if not k.startswith(spec.heads)}
-        return convert(spec.keys, weights, forward=True, heads=config.num_attention_heads)
+        return convert(spec.rows, weights, forward=True, config=config)
     table = "model.embed_tokens.weight" if kind in LLAMA_TYPES else "transformer.wte.weight"
     if config.tie_word_embeddings and "lm_head.weight" in weights:  # a tied file may still hold its head: a copy
         tied = read(weights.pop("lm_head.weight"))
         embedding = weights.get(table)
         if embedding is not None and (tied.shape != embedding.shape or not np.array_equal(tied, read(embedding))):
             raise ValueError(f"lm_head.weight differs from {table} but the config ties them (tie_word_embeddings)")
-    return convert(table_of(kind), weights, forward=True)
+    return convert(table_of(kind), weights, forward=True, config=config)
 
 
-def ours_to_hf(kind: str, state: dict) -> dict:
-    """torch_reference names -> HF names and layouts (the inverse of ``hf_to_ours``)."""
-    return convert(table_of(kind), state, forward=False)
+def ours_to_hf(kind: str, state: dict, config=None) -> dict:
+    """torch_reference names -> HF names and layouts (the inverse of ``hf_to_ours``); with ``config``,
+    every head of a split tensor must be there."""
+    return convert(table_of(kind), state, forward=False, config=config, format_name="HuggingFace")

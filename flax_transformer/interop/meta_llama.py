@@ -7,7 +7,7 @@ Meta's names differ from transformers' (``tok_embeddings``, ``layers.N.attention
 Meta rotates adjacent pairs of a head's features (rows 2j and 2j+1 of ``wq``/``wk``, the real and
 imaginary parts of a complex number), transformers the two halves (rows j and j + head_dim/2).
 The table below renames and, for ``wq`` and ``wk``, moves each head's rows from the interleaved
-order to the half-split one (``interleaved_to_half_split``, the ``permute`` of transformers'
+order to the half-split one (``converter_ops.RopePermute``, the ``permute`` of transformers'
 ``convert_llama_weights_to_hf.py``): ``wq`` per query head, ``wk`` per key/value head (GQA).
 
 Model-parallel shards (``consolidated.00.pth``, ``.01.pth``, ...) are joined as Meta split them:
@@ -37,32 +37,33 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.interop.hf_tables import AS_IS, _pattern
+from flax_transformer.interop.converter import Context, Row, pattern, to_canonical
+from flax_transformer.interop.converter_ops import EmbeddingShards, Join, Replicated, RopePermute, concat
 from flax_transformer.interop.safetensors_io import Lazy, read
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.models._shared import StateDictError
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
 
-# rules: wq's rows per query head, wk's per key/value head, from Meta's interleaved RoPE to the half split
-ROPE_Q, ROPE_K = "rope_q", "rope_k"
-ROPE_HEADS = {ROPE_Q: "num_attention_heads", ROPE_K: "num_key_value_heads"}
 # how model-parallel shards hold a tensor: split along its rows (column-parallel), its columns
 # (row-parallel), either for the embedding (told by the shapes), or a copy in each (the norms)
-ROWS, COLUMNS, EMBEDDING, REPLICATED = "rows", "columns", "embedding", "replicated"
+ROWS, COLUMNS = Join("s", 0, "shards"), Join("s", 1, "shards")
+EMBEDDING, REPLICATED = EmbeddingShards("s", "hidden_size", "shards"), Replicated("s", "shards")
+# wq's rows per query head, wk's per key/value head, from Meta's interleaved RoPE to the half split
+ROPE_Q, ROPE_K = RopePermute("num_attention_heads"), RopePermute("num_key_value_heads")
 
-META_LLAMA_KEYS = [  # (Meta's name, torch_reference's (transformers') name, rule, how shards hold it)
-    ("tok_embeddings.weight", "model.embed_tokens.weight", AS_IS, EMBEDDING),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight", ROPE_Q, ROWS),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight", ROPE_K, ROWS),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight", AS_IS, ROWS),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight", AS_IS, COLUMNS),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight", AS_IS, ROWS),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight", AS_IS, COLUMNS),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight", AS_IS, ROWS),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight", AS_IS, REPLICATED),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", AS_IS, REPLICATED),
-    ("norm.weight", "model.norm.weight", AS_IS, REPLICATED),
-    ("output.weight", "lm_head.weight", AS_IS, ROWS),
+META_LLAMA_ROWS = [  # Meta's name in shard {s} -> torch_reference's (transformers') name: shards joined, then RoPE
+    Row("{s}/tok_embeddings.weight", "model.embed_tokens.weight", (EMBEDDING,)),
+    Row("{s}/layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight", (ROWS, ROPE_Q)),
+    Row("{s}/layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight", (ROWS, ROPE_K)),
+    Row("{s}/layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight", (ROWS,)),
+    Row("{s}/layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight", (COLUMNS,)),
+    Row("{s}/layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight", (ROWS,)),
+    Row("{s}/layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight", (COLUMNS,)),
+    Row("{s}/layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight", (ROWS,)),
+    Row("{s}/layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight", (REPLICATED,)),
+    Row("{s}/layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", (REPLICATED,)),
+    Row("{s}/norm.weight", "model.norm.weight", (REPLICATED,)),
+    Row("{s}/output.weight", "lm_head.weight", (ROWS,)),
 ]
 META_BUFFERS = ("rope.freqs",)  # Llama 1's RoPE table: computed, not a weight (as transformers' inv_freq)
 
@@ -193,13 +194,6 @@ def config_of(params: dict, vocab_size: int, file) -> LlamaConfig:
 # ------------------------------------------------------------------ tensors
 
 
-def interleaved_to_half_split(weight, heads: int):
-    """(heads * head_dim, in) rows of ``wq`` or ``wk``, per head from Meta's RoPE order (x0, y0, x1, y1, ...)
-    to transformers' (x0, x1, ..., y0, y1, ...): row j + c * head_dim/2 takes Meta's row 2j + c."""
-    rows, cols = weight.shape
-    return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)  # (h, 2, d/2, in)
-
-
 def _lazy(tensor) -> Lazy:
     """A torch tensor (mapped from its file) as a ``Lazy``: its bytes are read by ``read()``."""
     dtype = to_numpy(tensor.reshape(-1)[:0]).dtype
@@ -225,20 +219,11 @@ def load_shard(file: Path) -> dict[str, Lazy]:
     return {k: _lazy(v) for k, v in state.items()}
 
 
-def _join(parts: list, axis: int):
-    if len(parts) == 1:
-        return parts[0]
-    shape = list(parts[0].shape)
-    shape[axis] = sum(p.shape[axis] for p in parts)
-    return Lazy(shape, parts[0].dtype, lambda: np.concatenate([read(p) for p in parts], axis=axis))
-
-
-def _rename(key: str):
-    """(our name, rule, how shards hold it) of a Meta name, or None."""
-    for meta, ours, rule, split in META_LLAMA_KEYS:
-        match = _pattern(meta).fullmatch(key)
-        if match:
-            return ours.format(**match.groupdict()), rule, split
+def _shard_rule(key: str):
+    """How model-parallel shards hold the Meta tensor ``key`` (the first op of its row), or None for no row."""
+    for row in META_LLAMA_ROWS:
+        if pattern(row.source.removeprefix("{s}/")).fullmatch(key):
+            return row.ops[0]
     return None
 
 
@@ -257,14 +242,14 @@ def _expected_shapes(config: LlamaConfig) -> dict[str, tuple]:
     return out
 
 
-def _shard_axis(split: str, shapes: list[tuple], dim: int) -> int | None:
+def _shard_axis(split, shapes: list[tuple], dim: int) -> int | None:
     """The axis the shards of a tensor join along, or None when their shapes cannot be Meta's split."""
     n, first = len(shapes), shapes[0]
     if any(s != first for s in shapes):
         return None  # Meta splits evenly: every shard holds the same shape
     if split == EMBEDDING:  # Llama 3 splits the vocabulary (rows), Llama 1/2 the features (columns)
         return None if len(first) != 2 else 0 if n == 1 or first[1] == dim else 1 if first[1] * n == dim else None
-    axis = {ROWS: 0, COLUMNS: 1, REPLICATED: 0}[split]
+    axis = split.axis if isinstance(split, Join) else 0
     return axis if len(first) > axis else None
 
 
@@ -286,14 +271,14 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
     names = sorted({k for s in shards for k in s if not k.startswith(META_BUFFERS)})
     for key in names:
         holders = [f for f, s in zip(files, shards, strict=True) if key in s]
-        if _rename(key) is None:
+        split = _shard_rule(key)
+        if split is None:
             unexpected.append(key if n == 1 else f"{key} ({', '.join(f.name for f in holders)})")
             continue
         if len(holders) < n:
             missing += [f"{key} ({f.name})" for f, s in zip(files, shards, strict=True) if key not in s]
             continue
         parts = [s[key] for s in shards]
-        split = _rename(key)[2]
         axis = _shard_axis(split, [p.shape for p in parts], dim)
         if axis is None or len({p.dtype for p in parts}) > 1:
             mismatched.append((key, " / ".join(f"{p.dtype}{list(p.shape)}" for p in parts), f"{n} equal parts"))
@@ -304,7 +289,7 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
             if differ:  # a norm is a copy in every shard: which one would be the model's?
                 mismatched.append((key, f"differs in {', '.join(differ)} from {files[0].name}", "replicated (equal)"))
         else:
-            joined[key] = _join(parts, axis)
+            joined[key] = parts[0] if n == 1 else concat(parts, axis)
     vocab = params.get("vocab_size", -1)
     if vocab == -1:  # Llama 1 and 2: the tokenizer's size, which the embedding (and the head) has
         table = joined.get("tok_embeddings.weight", joined.get("output.weight"))
@@ -323,11 +308,6 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
     unexpected += [k for k in joined if k not in expected]  # a layer beyond n_layers
     if missing or unexpected or mismatched:
         raise MetaLayoutError(folder, missing, sorted(unexpected), mismatched, notes)
-    state = {}
-    for key, value in joined.items():
-        ours, rule, _ = _rename(key)
-        if rule in ROPE_HEADS:
-            heads = getattr(config, ROPE_HEADS[rule])
-            value = Lazy(value.shape, value.dtype, lambda v=value, h=heads: interleaved_to_half_split(read(v), h))
-        state[ours] = value
-    return config, state
+    numbered = {f"{n}/{key}": value for n, shard in enumerate(shards) for key, value in shard.items()
+                if key in joined}
+    return config, to_canonical(META_LLAMA_ROWS, numbered, context=Context(config, shards=len(shards)))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import files, hf, porting, safetensors_io
+from flax_transformer.interop import converter, files, hf, porting, safetensors_io
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
@@ -80,20 +80,14 @@ def _hf_key(model, key: str, *, whole: bool = False) -> str | None:
     if classifier:
         spec = ENCODERS[kind]
         if key.startswith("encoder."):
-            name = _rename(spec.keys, key[len("encoder."):], whole)
+            name = _rename(spec.rows, key[len("encoder."):], whole)
             return None if name is None else spec.prefix + name
-        return _rename(spec.classifier_keys, key, whole)
+        return _rename(spec.classifier_rows, key, whole)
     return _rename(table_of(kind), key, whole)
 
 
-def _rename(table, key: str, whole: bool = False) -> str | None:
-    for hf_name, our_name, rule in table:
-        match = hf._pattern(our_name).fullmatch(key)
-        if match:
-            if rule != "as_is" and not whole:  # one head's slice of BERT's q/k/v: no module of transformers'
-                return None
-            return hf_name.format(**match.groupdict())
-    raise ValueError(f"{key}: no transformers name for it in the key table")
+def _rename(rows, key: str, whole: bool = False) -> str | None:
+    return converter.source_name(rows, key, whole=whole, format_name="transformers")
 
 
 def _module_of(key: str) -> str:

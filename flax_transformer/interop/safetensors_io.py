@@ -141,7 +141,7 @@ def open_safetensors(file) -> dict[str, Lazy]:
     return out
 
 
-def _torch_pickle(file: Path) -> dict[str, np.ndarray]:
+def read_torch_pickle(file: Path) -> dict[str, np.ndarray]:
     import pickle
 
     import torch
@@ -289,7 +289,7 @@ def open_weights(path) -> dict:
     if path.suffix == ".safetensors":
         return open_safetensors(path)
     if path.suffix in (".bin", ".pt", ".pth"):
-        return _torch_pickle(path)
+        return read_torch_pickle(path)
     raise ValueError(f"unknown checkpoint format: {path} (expected .safetensors, .bin/.pt/.pth or *.index.json)")
 
 

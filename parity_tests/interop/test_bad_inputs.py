@@ -23,7 +23,7 @@ import torch_reference.encoder as te
 import torch_reference.former as tf
 import torch_reference.gpt as tg
 import torch_reference.llama as tl
-from flax_transformer.interop import checkpoints, hf, porting
+from flax_transformer.interop import checkpoints, converter, hf, hf_tables, porting
 from flax_transformer.models import configs
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.generate import generate as flax_generate
@@ -184,8 +184,8 @@ def test_hf_weights_beyond_float32_are_refused_in_both_frameworks(tmp_path, load
 def test_heads_that_do_not_divide_a_weight_are_named():
     with pytest.raises(porting.StateDictError, match=r"encoder\.layer\.0\.attention\.self\.query\.weight.*"
                                                      r"num_attention_heads=4"):
-        hf._convert(hf.BERT_KEYS, {"encoder.layer.0.attention.self.query.weight": np.zeros((6, 8))},
-                    forward=True, heads=4)
+        converter.convert(hf_tables.BERT_ROWS, {"encoder.layer.0.attention.self.query.weight": np.zeros((6, 8))},
+                          forward=True, context=converter.Context(num_attention_heads=4))
 
 
 # ------------------------------------------------------------------ state_dict values

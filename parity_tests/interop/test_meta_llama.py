@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flax_transformer.cli.commands import main
-from flax_transformer.interop import hf, meta_llama
+from flax_transformer.interop import converter_ops, hf, meta_llama
 from flax_transformer.verification import verify
 from parity_tests.conftest import TOL
 
@@ -208,14 +208,14 @@ def test_a_wrong_permutation_is_caught(reference, want, tmp_path, monkeypatch, b
     (head width 16, so the inverse is another permutation), or wk's rows grouped by query heads
     instead of key/value heads (GQA)."""
     if bug == "no permutation":
-        monkeypatch.setattr(meta_llama, "interleaved_to_half_split", lambda w, heads: w)
+        monkeypatch.setattr(converter_ops, "interleaved_to_half_split", lambda w, heads: w)
     elif bug == "the inverse":
         def inverse(w, heads):  # half split -> interleaved
             rows, cols = w.shape
             return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-        monkeypatch.setattr(meta_llama, "interleaved_to_half_split", inverse)
+        monkeypatch.setattr(converter_ops, "interleaved_to_half_split", inverse)
     else:
-        monkeypatch.setitem(meta_llama.ROPE_HEADS, meta_llama.ROPE_K, "num_attention_heads")
+        monkeypatch.setattr(meta_llama.ROPE_K, "heads", "num_attention_heads")
     folder = meta_files(tmp_path / "meta", meta_state(reference))
     assert _err(_logits(hf.torch_from_pretrained(folder), 8185), want[8185]) > 1e-2
 

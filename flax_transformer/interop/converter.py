@@ -34,7 +34,8 @@ from flax_transformer.models._shared import StateDictError
 PLACEHOLDERS = {"i": r"\d+", "e": r"\d+", "h": r"\d+", "s": r"\d+", "p": "weight|bias", "emb": "wte|wpe",
                 "ln": "ln_1|ln_2", "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj",
                 "attn": "q_proj|k_proj|v_proj|o_proj", "qk_norm": "q_norm|k_norm",
-                "mlp": "gate_proj|up_proj|down_proj", "norm": "input_layernorm|post_attention_layernorm"}
+                "mlp": "gate_proj|up_proj|down_proj", "norm": "input_layernorm|post_attention_layernorm",
+                "proj": "gate_up_proj|down_proj"}
 INDEX = r"\d+"  # a field whose values are indices: ordered as numbers, complete from 0
 SOURCE = "t"  # the field that numbers a row's source templates
 
@@ -223,8 +224,9 @@ def convert(rows: Sequence[Row], state: dict, *, forward: bool, config=None, con
         try:
             for op in row.ops if forward else reversed(row.ops):
                 values = op.forward(values, row_ctx) if forward else op.inverse(values, row_ctx)
-        except OpShapeError as error:
-            problems.mismatched.append((names[sorted(names, key=str)[0]], error.got, error.expected))
+        except OpShapeError as error:  # named by the group's template, its open fields left as {field}
+            template = row.sources[0] if forward else row.target
+            problems.mismatched.append((template.format_map(_Open(carried)), error.got, error.expected))
             continue
         for part, value in values.items():
             fields = {**carried, **dict(part)}
@@ -237,6 +239,11 @@ def convert(rows: Sequence[Row], state: dict, *, forward: bool, config=None, con
             out[key] = value
     problems.raise_any()
     return out
+
+
+class _Open(dict):
+    def __missing__(self, field):
+        return "{" + field + "}"
 
 
 def to_canonical(rows: Sequence[Row], state: dict, *, config=None, **kwargs) -> dict:

@@ -69,7 +69,7 @@ def interleave(values: list, axis: int):
 def stack(values: list, axis: int):
     shapes = [_shape(v) for v in values]
     if len(set(shapes)) > 1:
-        raise OpShapeError(" / ".join(str(list(s)) for s in shapes), "equal shapes")
+        raise OpShapeError(", ".join(f"{i}: {list(s)}" for i, s in enumerate(shapes)), "equal shapes")
     axis = _axis(axis, len(shapes[0]) + 1)
     shape = [*shapes[0][:axis], len(values), *shapes[0][axis:]]
     return _lazy(values, shape, _dtype(values), lambda *a: np.stack(a, axis=axis))
@@ -374,7 +374,7 @@ def mxfp4_quantise(weight: np.ndarray, block_bytes: int = 16) -> tuple[np.ndarra
     exponents = np.where(largest > 0, np.ceil(np.log2(np.maximum(largest, 1e-38) / 6.0)), -127).astype(np.int32)
     exponents = np.clip(exponents, -127, 128)
     scaled = np.ldexp(values, -exponents[..., None])
-    codes = np.abs(scaled[..., None] - FP4_VALUES[:8]).argmin(axis=-1).astype(np.uint8)
+    codes = np.abs(np.abs(scaled)[..., None] - FP4_VALUES[:8]).argmin(axis=-1).astype(np.uint8)
     codes |= np.where(np.signbit(scaled), 8, 0).astype(np.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.astype(np.uint8), (exponents + 127).astype(np.uint8)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flax_transformer.interop.converter import Row, convert
-from flax_transformer.interop.converter_ops import Split
+from flax_transformer.interop.converter_ops import MXFP4, Join, Split, Stack
 from flax_transformer.interop.safetensors_io import read
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.llama_config import MODEL_TYPES as LLAMA_TYPES
@@ -74,6 +74,38 @@ LLAMA_ROWS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both si
     Row("model.norm.weight", "model.norm.weight"),
     Row("lm_head.weight", "lm_head.weight"),  # only when the head is not tied
 ]
+# Mixtures of experts. transformers 5 holds a layer's experts fused (``mlp.experts.gate_up_proj``
+# (E, 2I, H), gate rows first, ``mlp.experts.down_proj`` (E, H, I)) and saves them per expert, as the
+# original checkpoints do; a fused file reads as it is. Written back, they are per expert again.
+def _experts(gate: str, up: str, down: str, size: str) -> list:
+    """A layer's experts: per-expert files -> transformers 5's fused tensors, then fused files as they are."""
+    fused = "model.layers.{i}.mlp.experts."
+    return [Row((gate, up), fused + "gate_up_proj", (Stack("e", 0, size), Join("t", axis=1))),
+            Row(down, fused + "down_proj", (Stack("e", 0, size),)),
+            Row(fused + "gate_up_proj", fused + "gate_up_proj"), Row(fused + "down_proj", fused + "down_proj")]
+
+
+MOE_ROWS = [  # qwen2_moe, qwen3_moe, olmoe: the llama family's attention and norms, a router, the experts
+    *_experts("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+              "model.layers.{i}.mlp.experts.{e}.down_proj.weight", "num_experts"),
+    Row("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    Row("model.layers.{i}.mlp.shared_expert.{mlp}.weight", "model.layers.{i}.mlp.shared_expert.{mlp}.weight"),
+    Row("model.layers.{i}.mlp.shared_expert_gate.weight", "model.layers.{i}.mlp.shared_expert_gate.weight"),
+    *LLAMA_ROWS,
+]
+MIXTRAL_ROWS = [  # Mixtral's files say block_sparse_moe and w1 (gate), w3 (up), w2 (down)
+    *_experts("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+              "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+              "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "num_local_experts"),
+    Row("model.layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    Row("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    *LLAMA_ROWS,
+]
+GPT_OSS_MXFP4_ROWS = [  # GPT-OSS's released files: the experts' weights in MXFP4, dequantised to bfloat16
+    Row(("model.layers.{i}.mlp.experts.{proj}_blocks", "model.layers.{i}.mlp.experts.{proj}_scales"),
+        "model.layers.{i}.mlp.experts.{proj}", (MXFP4(),)),
+]
+
 # RoPE tables that older transformers saved (and still skip on load): computed, not weights
 LLAMA_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
 

@@ -24,39 +24,58 @@ from flax_transformer.models import gpt, layers
 
 # ------------------------------------------------------------------ layouts
 
-AS_IS, TRANSPOSE, CONV = "as_is", "transpose", "conv"
+
+class Layout(NamedTuple):
+    """Where a parameter's axes sit in torch and in Flax, by name: ``Layout("out in", "in out")`` is
+    ``nn.Linear``'s weight against NNX's kernel. ``...`` stands for any number of axes kept in order
+    (a convolution's window), so ``Layout("...", "...")`` keeps any array as it is. An expert tensor
+    names its expert axis, which stays first: ``Layout("e out in", "e in out")``."""
+
+    torch: str
+    flax: str
+
+    def axes(self, ndim: int) -> tuple[int, ...]:
+        """The permutation that takes a torch array to the Flax layout: flax.shape[j] = torch.shape[axes[j]]."""
+        torch_names, flax_names = self.torch.split(), self.flax.split()
+        fixed = len(torch_names) - ("..." in torch_names)
+        if ndim < fixed or ("..." not in torch_names and ndim != fixed):
+            raise ValueError(f"a {ndim}-d array does not fit the layout {self.torch!r} (torch) -> {self.flax!r} (Flax)")
+        rest = [f"...{k}" for k in range(ndim - fixed)]
+
+        def expand(names):
+            out = []
+            for name in names:
+                out += rest if name == "..." else [name]
+            return out
+
+        source = expand(torch_names)
+        return tuple(source.index(name) for name in expand(flax_names))
 
 
-def _axes(rule: str, ndim: int) -> tuple[int, ...]:
-    """The permutation that takes a torch array to the Flax layout: flax.shape[j] = torch.shape[axes[j]]."""
-    if rule == AS_IS:
-        return tuple(range(ndim))
-    if rule == TRANSPOSE:  # nn.Linear (out, in) <-> kernel (in, out)
-        return tuple(reversed(range(ndim)))
-    if rule == CONV:  # nn.ConvNd (out, in/groups, *window) <-> nnx.Conv (*window, in/groups, out)
-        return (*range(2, ndim), 1, 0)
-    raise ValueError(f"unknown layout rule {rule!r} (rules: {AS_IS}, {TRANSPOSE}, {CONV})")
+AS_IS = Layout("...", "...")
+TRANSPOSE = Layout("out in", "in out")  # nn.Linear (out, in) <-> kernel (in, out)
+CONV = Layout("out in ...", "... in out")  # nn.ConvNd (out, in/groups, *window) <-> nnx.Conv (*window, in/groups, out)
 
 
-def to_flax(rule: str, array: np.ndarray) -> np.ndarray:
+def to_flax(rule: Layout, array: np.ndarray) -> np.ndarray:
     """A torch-layout array in the Flax layout of ``rule``."""
-    return np.transpose(array, _axes(rule, np.ndim(array)))
+    return np.transpose(array, rule.axes(np.ndim(array)))
 
 
-def to_torch(rule: str, array: np.ndarray) -> np.ndarray:
+def to_torch(rule: Layout, array: np.ndarray) -> np.ndarray:
     """A Flax-layout array back in torch's layout (the inverse of ``to_flax``)."""
-    return np.transpose(array, np.argsort(_axes(rule, np.ndim(array))))
+    return np.transpose(array, np.argsort(rule.axes(np.ndim(array))))
 
 
-def torch_shape(rule: str, flax_shape: tuple[int, ...]) -> tuple[int, ...]:
+def torch_shape(rule: Layout, flax_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The torch-layout shape of a Flax parameter of ``flax_shape`` (for error messages)."""
-    axes = np.argsort(_axes(rule, len(flax_shape)))
+    axes = np.argsort(rule.axes(len(flax_shape)))
     return tuple(int(flax_shape[i]) for i in axes)
 
 
 # ------------------------------------------------------------------ kinds of layer
 
-# kind of layer -> {torch leaf: (flax leaf, layout rule)}
+# kind of layer -> {torch leaf: (flax leaf, its Layout)}
 LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "linear": {"weight": ("kernel", TRANSPOSE), "bias": ("bias", AS_IS)},  # torch (out, in), Flax (in, out)
     "layer_norm": {"weight": ("scale", AS_IS), "bias": ("bias", AS_IS)},
@@ -109,7 +128,7 @@ class Slot(NamedTuple):
     """One torch name of a Flax parameter: the key, its layout rule, and the kind of layer that says so."""
 
     torch_key: str
-    rule: str
+    rule: Layout
     kind: str  # a LEAF_RULES kind, or "by name" (a parameter of a module with no rule for it)
 
 

@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import (  # noqa: F401  (re-exported)
-    InputSpec,
+from flax_transformer.models._shared import (
     RecordsInit,
     StateDictError,
-    check_divisible,
-    check_length,
     check_state_dict_mapping,
 )
 

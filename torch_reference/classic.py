@@ -26,19 +26,10 @@ import math
 import torch
 from torch import nn
 
-from flax_transformer.models._shared import TensorLoggingLevels
+from flax_transformer.models._shared import InputSpec, TensorLoggingLevels, check_length
 from flax_transformer.models._shared import log_size as _log_size
 
-from ._common import (
-    InputSpec,
-    Module,
-    attend,
-    check_features,
-    check_length,
-    check_token_ids,
-    check_values,
-    stacked_heads,
-)
+from ._common import Module, attend, check_features, check_token_ids, check_values, stacked_heads
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",
            "PositionalEmbedding", "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder",

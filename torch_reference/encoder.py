@@ -20,19 +20,10 @@ import math
 import torch
 from torch import nn
 
+from flax_transformer.models._shared import InputSpec, check_length
 from flax_transformer.models.configs import EncoderConfig
 
-from ._common import (
-    InputSpec,
-    Module,
-    attend,
-    check_features,
-    check_length,
-    check_token_ids,
-    masked_mean,
-    normalize_mask,
-    stacked_heads,
-)
+from ._common import Module, attend, check_features, check_token_ids, masked_mean, normalize_mask, stacked_heads
 
 
 class _ConfigModule(Module):

@@ -28,15 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import attention_variants
+from flax_transformer.models._shared import InputSpec, attention_variants, check_divisible, check_length
 
 from ._common import (
-    InputSpec,
     Module,
     attend,
-    check_divisible,
     check_features,
-    check_length,
     check_token_ids,
     combine_masks,
     make_causal_mask,

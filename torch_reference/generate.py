@@ -13,13 +13,14 @@ import torch
 
 from flax_transformer.models._shared import (
     check_generate_args,
+    check_length,
     check_padding_mask,
     input_spec,
     is_greedy,
     prompt_lengths,
 )
 
-from ._common import check_length, check_token_ids
+from ._common import check_token_ids
 
 
 def sample_logits(logits, generator, *, temperature, top_k, top_p, greedy):

@@ -24,18 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flax_transformer.models._shared import InputSpec, check_divisible, check_length
 from flax_transformer.models.configs import GPTConfig
 
-from ._common import (
-    InputSpec,
-    Module,
-    attend,
-    check_divisible,
-    check_features,
-    check_length,
-    check_token_ids,
-    check_values,
-)
+from ._common import Module, attend, check_features, check_token_ids, check_values
 
 INF = 1e20  # the notebook's additive mask constant
 

@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flax_transformer.models._shared import InputSpec
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
 
-from ._common import InputSpec, Module, attend, check_features, check_token_ids, check_values, normalize_mask
+from ._common import Module, attend, check_features, check_token_ids, check_values, normalize_mask
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]

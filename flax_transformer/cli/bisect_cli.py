@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.verification.pairs import call_factory, load_factory  # noqa: F401 (their home: verification)
+from flax_transformer.verification.pairs import call_factory
 
 
 def load_model(path):

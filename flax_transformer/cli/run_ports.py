@@ -84,11 +84,11 @@ def port_torch_state(args, dst: Path) -> int:
     if args.family or args.cls or args.config:
         raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
     from flax_transformer.interop import files
-    from flax_transformer.training import torch_export
+    from flax_transformer.training import torch_export, torch_write
 
     files.check_target(dst, kind="file", overwrite=args.overwrite)
     model, optimizer, optim, step = torch_export.restore_run(args.src)
-    torch_export.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
+    torch_write.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
     print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
     if not args.verify:
         return 0

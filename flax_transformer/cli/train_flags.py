@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from flax_transformer.cli.commands import cli_message
-from flax_transformer.training.loop import NonFiniteLoss, RunError, initialize_distributed, parse_mesh
+from flax_transformer.training.distributed import initialize_distributed, parse_mesh
+from flax_transformer.training.errors import NonFiniteLoss, RunError
 from flax_transformer.training.run_config import field_names, from_dict, replace
 from flax_transformer.training.rundir import read_run_config
 

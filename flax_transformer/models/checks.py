@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.models._shared import check_divisible, check_length  # noqa: F401  (re-exported)
-
 
 def is_concrete(x) -> bool:
     """True when the values of ``x`` are known now (not a tracer inside jit/grad)."""

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.models._shared import InputSpec, RecordsInit, TensorLoggingLevels, log_size
+from flax_transformer.models._shared import InputSpec, RecordsInit, TensorLoggingLevels, check_length, log_size
 from flax_transformer.models.attention import attend, cache_mask, empty_cache, update_cache
-from flax_transformer.models.checks import check_features, check_length, check_token_ids, is_concrete
+from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, stacked_projection
 
 __all__ = ["TensorLoggingLevels", "ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention",

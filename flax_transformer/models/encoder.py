@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_transformer.models._shared import InputSpec, RecordsInit
+from flax_transformer.models._shared import InputSpec, RecordsInit, check_length
 from flax_transformer.models.attention import attend, normalize_mask
-from flax_transformer.models.checks import check_features, check_length, check_token_ids
+from flax_transformer.models.checks import check_features, check_token_ids
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.layers import (
     ACTIVATIONS,

@@ -35,12 +35,13 @@ from flax_transformer.models._shared import (
     InputSpec,
     check_flag,
     check_generate_args,
+    check_length,
     check_padding_mask,
     input_spec,
     is_greedy,
     prompt_lengths,
 )
-from flax_transformer.models.checks import check_length, check_token_ids, is_concrete
+from flax_transformer.models.checks import check_token_ids, is_concrete
 
 
 def sample_logits(logits, key, *, temperature: float, top_k: int | None, top_p: float | None, greedy: bool):

@@ -21,18 +21,11 @@ The modules import one way, each only from the lines above it (and from ``models
 """
 
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
-from flax_transformer.training.loop import (
-                   Checkpoints,
-                   FitResult,
-                   NonFiniteLoss,
-                   RunError,
-                   batch_evaluator,
-                   create_run_dir,
-                   fit,
-                   plot_curves,
-                   prepare_run_dir,
-)
+from flax_transformer.training.checkpointing import Checkpoints
+from flax_transformer.training.errors import NonFiniteLoss, RunError
+from flax_transformer.training.loop import FitResult, batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
+from flax_transformer.training.rundir import create_run_dir, plot_curves, prepare_run_dir
 from flax_transformer.training.step import cross_entropy, make_steps
 
 __all__ = ["Bucketed", "Windows", "default_buckets", "Checkpoints", "FitResult", "NonFiniteLoss", "RunError",

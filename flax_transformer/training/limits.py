@@ -4,7 +4,7 @@
 device it runs on (an estimate of the attention and activations), instead of an
 out-of-memory traceback from XLA. ``check_output`` refuses, before training, an export
 target that could not be written at the end. The fields' bounds (``BOUNDS``,
-``check_config``) are ``bounds``'s, given here too.
+``check_config``) are ``bounds``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 from flax_transformer.interop import files
-from flax_transformer.training.bounds import BIG, BOUNDS, check_config  # noqa: F401  (re-exported: they lived here)
 from flax_transformer.training.errors import RunError
 
 # ----------------------------------------------------------------------------- memory

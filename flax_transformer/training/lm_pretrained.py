@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files
-from flax_transformer.training.loop import RunError, check_output
+from flax_transformer.training.errors import RunError
+from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import compute_dtype
 
 # what the run directory keeps of the init folder: its config.json, to rebuild the same model
@@ -196,11 +197,11 @@ def save_export(model, path, *, folder: Path, overwrite: bool = False) -> Path:
     as ``verification.export.save_pretrained`` does (``verification.json``: reloaded in torch and
     measured against the model before the folder is swapped in)."""
     from flax_transformer.interop import hf
-    from flax_transformer.verification import certificate, export
+    from flax_transformer.verification import certificate, certificate_subjects, export
 
     files.check_target(path, kind="dir", overwrite=overwrite)
     export.check_finite(model)
-    certify = certificate.sidecar("hf", model)
+    certify = certificate.sidecar("hf", certificate_subjects.FamilySubject(model))
 
     def before_swap(tmp: Path, final: Path) -> dict[str, bytes]:
         _carry_init_files(folder, tmp)  # first, so that the certificate measures the folder as it will be

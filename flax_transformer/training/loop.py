@@ -45,32 +45,10 @@ from tqdm.auto import tqdm
 
 from flax_transformer.interop.checkpoints import describe
 from flax_transformer.training.checkpointing import Checkpoints, check_disk_space, saved_filter
-from flax_transformer.training.distributed import (  # noqa: F401  (re-exported: these used to live here)
-    batch_sharding,
-    check_batch_size,
-    initialize_distributed,
-    parse_mesh,
-    place_state,
-    put_batch,
-    state_shardings,
-)
-from flax_transformer.training.errors import NonFiniteLoss
-from flax_transformer.training.limits import check_output  # noqa: F401  (re-exported)
+from flax_transformer.training.distributed import place_state, put_batch
+from flax_transformer.training.errors import NonFiniteLoss, RunError
 from flax_transformer.training.optim import OptimConfig, make_optimizer, schedule
-from flax_transformer.training.rundir import (  # noqa: F401  (re-exported: the run directory's functions used to live here)
-    MetricsLog,
-    RunError,
-    _NoLog,
-    barrier,
-    config_differences,
-    create_run_dir,
-    is_main_process,
-    lock_run_dir,
-    open_run,
-    plot_curves,
-    prepare_run_dir,
-    read_metrics,
-)
+from flax_transformer.training.rundir import MetricsLog, _NoLog, is_main_process, lock_run_dir, plot_curves
 from flax_transformer.training.step import compiled_train_step, eval_step
 
 # ----------------------------------------------------------------------------- Ctrl-C

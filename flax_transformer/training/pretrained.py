@@ -19,12 +19,10 @@ from flax import nnx
 from flax_transformer.interop import files
 from flax_transformer.training import tokenizers
 from flax_transformer.training.batching import Bucketed
-from flax_transformer.training.loop import (
-    RunError,
-    check_output,
-    is_main_process,
-)
+from flax_transformer.training.errors import RunError
+from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import compute_dtype
+from flax_transformer.training.rundir import is_main_process
 
 
 def init_folder(config) -> Path:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from flax_transformer.interop import files
-from flax_transformer.training.errors import RunDirBusy, RunError  # noqa: F401  (re-exported: they lived here)
+from flax_transformer.training.errors import RunDirBusy, RunError
 from flax_transformer.training.run_config import from_dict, nest
 
 LOCK_NAME = ".lock"

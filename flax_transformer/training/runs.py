@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flax_transformer.training.checkpointing import Checkpoints
-from flax_transformer.training.rundir import RunError, config_of_run, read_run_config
+from flax_transformer.training.errors import RunError
+from flax_transformer.training.rundir import config_of_run, read_run_config
 
 
 @dataclass(frozen=True)

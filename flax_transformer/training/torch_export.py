@@ -23,14 +23,12 @@ from flax import nnx
 from flax_transformer.interop import files, porting
 from flax_transformer.training.optim import OptimConfig
 from flax_transformer.training.runs import load_run
-from flax_transformer.training.torch_state import TorchStateError, import_torch_state, load_torch_state, torch_optimizer
-from flax_transformer.training.torch_write import (  # noqa: F401  (re-exported: they lived here)
-    check_entry_flags,
-    export_checkpoint,
+from flax_transformer.training.torch_state import import_torch_state, load_torch_state, torch_optimizer
+from flax_transformer.training.torch_state_checks import TorchStateError
+from flax_transformer.training.torch_write import (
     restore_checkpoint,
     run_optim,
     save_torch_state,
-    torch_training_state,
 )
 
 # ----------------------------------------------------------------------------- run directories

@@ -60,22 +60,18 @@ from flax import nnx
 
 from flax_transformer.interop import porting
 from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer
-from flax_transformer.training.torch_state_checks import (  # noqa: F401 (re-exported: torch_state.X as before)
+from flax_transformer.training.torch_state_checks import (
     _ADAM_KEYS,
-    _STATE_KEYS,
     TorchStateError,
     _check_groups,
     _check_moments,
     _check_scheduler,
     _check_weights,
     _close,
-    _is_index,
     _numpy,
-    _real,
     _refuse_finished,
     _shown,
     lr_factor,
-    value_problem,
 )
 
 # ----------------------------------------------------------------------------- the torch side

@@ -28,7 +28,6 @@ from flax_transformer.training.checkpointing import Checkpoints
 from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import OptimConfig, from_task, make_optimizer
 from flax_transformer.training.torch_state import (
-    TorchStateError,
     _config_json,
     _dotted,
     _field_and_param,
@@ -36,10 +35,9 @@ from flax_transformer.training.torch_state import (
     _rng_variables,
     _torch_twin_on_meta,
     check_torch_state,
-    lr_factor,
     torch_optimizer,
-    value_problem,
 )
+from flax_transformer.training.torch_state_checks import TorchStateError, lr_factor, value_problem
 
 # ----------------------------------------------------------------------------- writing
 

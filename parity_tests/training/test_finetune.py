@@ -18,7 +18,7 @@ from flax import nnx
 from flax_transformer.interop import hf
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.encoder import TransformerEncoder
-from flax_transformer.training import classify, loop
+from flax_transformer.training import classify, rundir
 from flax_transformer.training.batching import Rows
 from flax_transformer.verification import export
 
@@ -116,7 +116,7 @@ def test_fine_tune_resume_equals_an_uninterrupted_run(tiny_bert, fake_data, tmp_
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     assert second["test_accuracy"] == whole["test_accuracy"]
     strip = lambda rs: [(r["step"], r["split"], r["loss"]) for r in rs]  # noqa: E731
-    assert strip(loop.read_metrics(tmp_path / "whole")) == strip(loop.read_metrics(tmp_path / "split"))
+    assert strip(rundir.read_metrics(tmp_path / "whole")) == strip(rundir.read_metrics(tmp_path / "split"))
 
 
 def test_frozen_encoder_caches_features_trains_the_head_and_resumes(tiny_bert, fake_data, tmp_path, monkeypatch):

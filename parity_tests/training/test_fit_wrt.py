@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flax_transformer.training import loop
+from flax_transformer.training import errors, loop
 from flax_transformer.training.optim import OptimConfig
 from parity_tests.training.test_run_faults import Batches, _loss, _raw_restore
 
@@ -74,6 +74,6 @@ def test_a_torch_training_checkpoint_cannot_start_a_partial_run(tmp_path):
     from flax_transformer.models.former import CTransformer
 
     model = CTransformer(8, 2, 1, 8, 64, 2, rngs=nnx.Rngs(params=0, dropout=1))
-    with pytest.raises(loop.RunError, match="trains a part"):
+    with pytest.raises(errors.RunError, match="trains a part"):
         loop.fit(model, OptimConfig(lr=1e-1), _loss, Batches(), run_dir=tmp_path / "run", steps=2, run_config={},
                  init_from_torch=tmp_path / "ckpt.pt", wrt=HEAD, progress=False)

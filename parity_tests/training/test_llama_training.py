@@ -17,7 +17,7 @@ import pytest
 import torch
 from flax import nnx
 
-from flax_transformer.training import lm, loop
+from flax_transformer.training import checkpointing, lm, rundir
 from flax_transformer.training.runs import load_model, load_run
 
 TEXT = "ROMEO: but soft, what light through yonder window breaks?\n" * 300
@@ -40,7 +40,7 @@ def _saved_state(run_dir, step=None) -> dict:
     """{path: array} of a run's checkpoint (default: the latest): model, optimizer, RNG streams, step."""
     import orbax.checkpoint as ocp
 
-    checkpoints = loop.Checkpoints(run_dir, read_only=True)
+    checkpoints = checkpointing.Checkpoints(run_dir, read_only=True)
     try:
         path = checkpoints.directory / str(checkpoints.latest() if step is None else step) / "state"
         with ocp.PyTreeCheckpointer() as reader:
@@ -117,12 +117,12 @@ def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     shutil.copytree(folder / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
     (split / "sample.txt").unlink()
-    assert loop.Checkpoints(split, read_only=True).latest() == 4
+    assert checkpointing.Checkpoints(split, read_only=True).latest() == 4
     assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
     _assert_same_state(folder / "whole", split)
 
     def losses(run):
-        return [(r["step"], r["split"], r["loss"]) for r in loop.read_metrics(run)]
+        return [(r["step"], r["split"], r["loss"]) for r in rundir.read_metrics(run)]
     assert losses(folder / "whole") == losses(split)
     assert (split / "sample.txt").read_text() == (folder / "whole" / "sample.txt").read_text()
 

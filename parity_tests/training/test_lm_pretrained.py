@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer.training import lm, loop
+from flax_transformer.training import checkpointing, errors, lm, rundir
 from flax_transformer.training.runs import load_model, load_run
 
 LINES = ["ROMEO: but soft, what light through yonder window breaks?",
@@ -127,7 +127,7 @@ def test_fine_tune_lowers_the_loss_and_exports_a_folder_transformers_loads(whole
     moved = tmp / "moved"
     (tmp / "init").rename(moved)
     try:
-        with pytest.raises(loop.RunError, match="not there any more"):
+        with pytest.raises(errors.RunError, match="not there any more"):
             lm.load_run(tmp / "whole")
     finally:
         moved.rename(tmp / "init")
@@ -169,12 +169,12 @@ def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     shutil.copytree(tmp / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
     (split / "sample.txt").unlink()
-    assert loop.Checkpoints(split, read_only=True).latest() == 4
+    assert checkpointing.Checkpoints(split, read_only=True).latest() == 4
     assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
     _assert_same_state(tmp / "whole", split)
 
     def losses(run):
-        return [(r["step"], r["split"], r["loss"]) for r in loop.read_metrics(run)]
+        return [(r["step"], r["split"], r["loss"]) for r in rundir.read_metrics(run)]
     assert losses(tmp / "whole") == losses(split)
     assert (split / "sample.txt").read_text() == (tmp / "whole" / "sample.txt").read_text()
 
@@ -221,7 +221,7 @@ def test_each_refusal_is_one_line_before_anything_is_written(tmp_path, capsys):
     old.mkdir()
     saved = {"task": "lm", **dataclasses.asdict(lm.LMConfig.tiny(text=str(text)))}
     (old / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "init"}))
-    with pytest.raises(loop.RunError, match="--export-hf writes the fine-tuned"):
+    with pytest.raises(errors.RunError, match="--export-hf writes the fine-tuned"):
         lm.train_and_evaluate(lm.LMConfig.tiny(text=str(text)), old, resume=True, export_hf=tmp_path / "new")
 
 
@@ -235,7 +235,7 @@ def test_gpt2_folder_exports_and_the_default_context(tmp_path):
     folder = _folder(tmp_path / "gpt2", kind="gpt2", n_positions=48)
     config = lm.presets("hf")["tiny"](init=str(folder))
     assert config.context == 64 and lm_pretrained.default_context(config).context == 48
-    with pytest.raises(loop.RunError, match="--context 64 is longer than the model takes: 48 positions"):
+    with pytest.raises(errors.RunError, match="--context 64 is longer than the model takes: 48 positions"):
         lm_pretrained.pretrained_tokenizer(config, folder)
     model = hf.from_pretrained(folder)
     report = lm_pretrained.export_pretrained(model, tmp_path / "export", folder=folder, text=TEXT, length=48)

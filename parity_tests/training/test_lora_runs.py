@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from flax_transformer.models import lora
-from flax_transformer.training import classify, lm, loop
+from flax_transformer.training import checkpointing, classify, errors, lm, rundir
 
 from .test_run_faults import _raw_restore
 from .test_runs import _main, tree_of, write_fake_imdb
@@ -149,7 +149,7 @@ def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys)
     split = tmp_path / "split"
     shutil.copytree(tmp / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
-    assert loop.Checkpoints(split, read_only=True).latest() == 2
+    assert checkpointing.Checkpoints(split, read_only=True).latest() == 2
     capsys.readouterr()
     assert _main("classify", ["--out", split, "--resume", "--lora-rank", 8, "--data-dir", tmp / "data"]) == 2
     err = capsys.readouterr().err
@@ -161,7 +161,7 @@ def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys)
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
     def losses(run):
-        return [(r["step"], r["split"], r["loss"]) for r in loop.read_metrics(run)]
+        return [(r["step"], r["split"], r["loss"]) for r in rundir.read_metrics(run)]
     assert losses(tmp / "whole") == losses(split)
 
 
@@ -172,7 +172,7 @@ def test_a_changed_base_is_refused(cls_run, tmp_path, capsys):
     other = _bert(tmp_path / "other", seed=1)  # the same architecture, other weights
     saved = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps(saved | {"init": str(other)}))
-    with pytest.raises(loop.RunError, match="holds other weights than the base"):
+    with pytest.raises(errors.RunError, match="holds other weights than the base"):
         classify.load_run(run)
     capsys.readouterr()
     assert _main("classify", ["--out", run, "--resume", "--no-progress", "--data-dir", tmp / "data"]) == 2
@@ -243,7 +243,7 @@ def test_lm_continues_a_peft_adapter_trained_in_torch(tmp_path):
                                                  torch.from_numpy(first["labels"].astype(np.int64)).reshape(-1))
 
     metrics = lm.train_and_evaluate(config, tmp_path / "run", progress=False, export_peft=tmp_path / "peft")
-    logged = [r for r in loop.read_metrics(tmp_path / "run") if r["split"] == "train"]
+    logged = [r for r in rundir.read_metrics(tmp_path / "run") if r["split"] == "train"]
     assert logged[0]["step"] == 1 and abs(logged[0]["loss"] - float(want)) < 1e-4, (logged[0]["loss"], float(want))
     check = metrics["peft_check"]
     assert check["max_abs_diff"] < 1e-4 and not any(check["loading_info"].values()), check

@@ -23,9 +23,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer.training import data, loop, seq2seq
-from flax_transformer.training.loop import RunError, create_run_dir, fit
+from flax_transformer.training import checkpointing, data, loop, rundir, seq2seq
+from flax_transformer.training.errors import RunError
+from flax_transformer.training.loop import fit
 from flax_transformer.training.optim import OptimConfig
+from flax_transformer.training.rundir import create_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,10 +129,10 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
     whole = _tiny_fit(tmp_path / "whole")
     create_run_dir(tmp_path / "run", {"x": 1})
     _tiny_fit(tmp_path / "run")
-    assert loop.Checkpoints(tmp_path / "run").steps() == [5, 10]
+    assert checkpointing.Checkpoints(tmp_path / "run").steps() == [5, 10]
     _flip_bytes_silently(tmp_path / "run" / "checkpoints" / "10")
 
-    checkpoints = loop.Checkpoints(tmp_path / "run")
+    checkpoints = checkpointing.Checkpoints(tmp_path / "run")
     from flax_transformer.models.former import CTransformer
 
     with pytest.raises(RunError, match=r"checkpoints/10 is corrupt: .* of its arrays \(\['model'\]"):
@@ -141,7 +143,7 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
     err = capsys.readouterr().err
     assert "checkpoints/10 is corrupt" in err and "resuming from the previous checkpoint, step 5" in err
     assert (tmp_path / "run" / "broken-checkpoints" / "10").is_dir()  # kept, out of the way
-    assert loop.Checkpoints(tmp_path / "run").steps() == [5, 10]  # step 10 written again, intact
+    assert checkpointing.Checkpoints(tmp_path / "run").steps() == [5, 10]  # step 10 written again, intact
     a, b = _params(whole), _params(resumed)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # no NaN, no garbage: the real run
@@ -153,9 +155,9 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
 def test_resuming_a_finished_run_logs_each_step_once(tmp_path):
     create_run_dir(tmp_path, {"x": 1})
     _tiny_fit(tmp_path)  # as if killed after the final checkpoint (and after its final evaluation line)
-    first = loop.read_metrics(tmp_path)
+    first = rundir.read_metrics(tmp_path)
     _tiny_fit(tmp_path, resume=True)
-    again = loop.read_metrics(tmp_path)
+    again = rundir.read_metrics(tmp_path)
     keys = [(r["step"], r["split"]) for r in again]
     assert len(keys) == len(set(keys)), keys
     assert keys == [(r["step"], r["split"]) for r in first] == [(5, "train"), (5, "eval"), (10, "train"), (10, "eval")]
@@ -164,14 +166,12 @@ def test_resuming_a_finished_run_logs_each_step_once(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 10, "split": "te')
     _tiny_fit(tmp_path, resume=True)
-    assert [(r["step"], r["split"]) for r in loop.read_metrics(tmp_path)] == keys
+    assert [(r["step"], r["split"]) for r in rundir.read_metrics(tmp_path)] == keys
 
     # the test line a classify run appends after training: once, however often the end is reached
-    from flax_transformer.training import rundir
-
     for accuracy in (0.5, 0.6):
         rundir.append_metrics(tmp_path, 10, "test", {"accuracy": accuracy})
-    tests = [r for r in loop.read_metrics(tmp_path) if r["split"] == "test"]
+    tests = [r for r in rundir.read_metrics(tmp_path) if r["split"] == "test"]
     assert [r["accuracy"] for r in tests] == [0.6]
 
 
@@ -286,8 +286,6 @@ def test_a_run_directory_in_use_is_refused(tmp_path, capsys):
     finally:
         holder.kill()  # kill -9: the kernel drops its lock, no stale lock is left
         holder.wait()
-    from flax_transformer.training import rundir
-
     with rundir.lock_run_dir(new):
         with rundir.lock_run_dir(new):  # re-entrant within a process
             fd = os.open(new / ".lock", os.O_RDWR)

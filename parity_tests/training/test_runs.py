@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer.training import classify, lm, loop, seq2seq
+from flax_transformer.training import checkpointing, classify, lm, rundir, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
-from flax_transformer.training.loop import NonFiniteLoss, RunError, create_run_dir, fit
+from flax_transformer.training.errors import NonFiniteLoss, RunError
+from flax_transformer.training.loop import fit
 from flax_transformer.training.optim import OptimConfig
+from flax_transformer.training.rundir import create_run_dir
 from flax_transformer.training.runs import load_model, load_run
 from flax_transformer.verification import certificate_check
 
@@ -66,14 +68,14 @@ def fake_data(tmp_path_factory):
 
 
 def records(run_dir, split):
-    return [r for r in loop.read_metrics(run_dir) if r["split"] == split]
+    return [r for r in rundir.read_metrics(run_dir) if r["split"] == split]
 
 
 def tree_of(run_dir, step=None):
     """The saved state of a run's checkpoint (default latest) as {path: numpy array}, whatever its sharding."""
     import orbax.checkpoint as ocp
 
-    checkpoints = loop.Checkpoints(run_dir)
+    checkpoints = checkpointing.Checkpoints(run_dir)
     try:
         step = checkpoints.latest() if step is None else step
         path = checkpoints.directory / str(step) / "state"
@@ -169,7 +171,7 @@ def _assert_run_files(run_dir):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert loop.Checkpoints(run_dir).steps()
+    assert checkpointing.Checkpoints(run_dir).steps()
 
 
 def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, capsys):
@@ -332,7 +334,7 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     monkeypatch.setattr(seq2seq, "Examples", lambda c: _interrupt_at(real_examples(c), 17))
     first = seq2seq.train_and_evaluate(config, tmp_path / "split", progress=False)
     assert first["interrupted"] and first["step"] == 18  # stopped after the step in flight, and saved
-    assert loop.Checkpoints(tmp_path / "split").latest() == 18
+    assert checkpointing.Checkpoints(tmp_path / "split").latest() == 18
     monkeypatch.setattr(seq2seq, "Examples", real_examples)
     # a run.json written before the task configs nested run/optim (flat fields) still resumes, exactly
     saved = json.loads((tmp_path / "split" / "run.json").read_text())
@@ -351,7 +353,7 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     # the logs read like one run: the same steps, the same losses
     def strip(rs):
         return [(r["step"], r["split"], r["loss"]) for r in rs]
-    assert strip(loop.read_metrics(tmp_path / "whole")) == strip(loop.read_metrics(tmp_path / "split"))
+    assert strip(rundir.read_metrics(tmp_path / "whole")) == strip(rundir.read_metrics(tmp_path / "split"))
 
 
 def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
@@ -369,7 +371,7 @@ def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "Saved a checkpoint at step" in err
-    step = loop.Checkpoints(run).latest()
+    step = checkpointing.Checkpoints(run).latest()
     assert step is not None and step >= 10
     assert json.loads((run / "run.json").read_text())["run"]["steps"] == 100000
 
@@ -397,7 +399,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 14.*checkpoints/10"):
         fit(model, OptimConfig(lr=1e-3), loss_fn, Poisoned(), run_dir=tmp_path, steps=30, run_config={"x": 1},
             checkpoint_every=5, progress=False, tensorboard=False)
-    assert loop.Checkpoints(tmp_path).steps() == [5, 10]
+    assert checkpointing.Checkpoints(tmp_path).steps() == [5, 10]
     assert all(np.isfinite(v).all() for k, v in tree_of(tmp_path).items() if v.dtype.kind == "f")
 
 
@@ -455,7 +457,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
             p.write_bytes(b"\0" * 7)
         if step == 80:
             with pytest.raises(RunError, match="checkpoints/80 is unreadable"):
-                loop.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
+                checkpointing.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
     before = digest(run)
     capsys.readouterr()
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--resume", "--no-progress", "--steps", 80]) == 2
@@ -556,7 +558,7 @@ def test_two_processes_equal_one_process(tmp_path):
         assert last_line(output[name][0]) == last_line(output["one process"][0])  # the same exact match
     def strip(rs):
         return [(r["step"], r["split"], r["loss"]) for r in rs]
-    assert strip(loop.read_metrics(two)) == strip(loop.read_metrics(one))
+    assert strip(rundir.read_metrics(two)) == strip(rundir.read_metrics(one))
     assert [r["step"] for r in records(two, "train")] == [10, 20]
     # the all-reduce of two partial gradients is exact (a + b), so the runs agree bit for bit
     a, b = tree_of(one), tree_of(two)

@@ -20,13 +20,9 @@ from flax import nnx
 from flax_transformer.interop import porting
 from flax_transformer.training import OptimConfig, make_optimizer, make_steps, parity
 from flax_transformer.training.step import cross_entropy
-from flax_transformer.training.torch_export import save_torch_state, torch_training_state
-from flax_transformer.training.torch_state import (
-    TorchStateError,
-    import_torch_state,
-    library_decayed,
-    torch_optimizer,
-)
+from flax_transformer.training.torch_state import import_torch_state, library_decayed, torch_optimizer
+from flax_transformer.training.torch_state_checks import TorchStateError
+from flax_transformer.training.torch_write import save_torch_state, torch_training_state
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +239,8 @@ def test_a_finished_run_is_named_with_the_way_to_extend_it():
     """A file whose cosine decay ended (learning rate 0) given a longer schedule (a larger ``--steps``)
     is refused as a finished run, not as a learning-rate mismatch; once its optimizer steps on the
     longer schedule, the longer run accepts it."""
-    from flax_transformer.training.torch_state import check_torch_state, lr_factor
+    from flax_transformer.training.torch_state import check_torch_state
+    from flax_transformer.training.torch_state_checks import lr_factor
 
     short = OptimConfig(lr=1e-2, warmup_steps=1, decay="cosine", total_steps=2, weight_decay=0.1)
     longer = dataclasses.replace(short, total_steps=10)

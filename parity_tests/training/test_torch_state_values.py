@@ -22,12 +22,12 @@ from flax import nnx
 from flax_transformer.interop import porting
 from flax_transformer.training import OptimConfig
 from flax_transformer.training.torch_state import (
-    TorchStateError,
     _field_and_param,
     check_torch_state,
     import_torch_state,
     torch_optimizer,
 )
+from flax_transformer.training.torch_state_checks import TorchStateError
 
 
 @pytest.fixture(autouse=True)
@@ -207,7 +207,7 @@ def _poisoned(optimizer, field: str, value: float) -> str:
     ("mu", float("nan"), r"the optimizer's exp_avg of [\w.]+ holds 1 NaN value"),
 ])
 def test_save_torch_state_refuses_a_bad_moment(field, value, match, tiny_checkpoint, tmp_path):
-    from flax_transformer.training.torch_export import save_torch_state
+    from flax_transformer.training.torch_write import save_torch_state
 
     model = porting.torch_to_flax(_tiny(seed=1))
     optimizer, _ = import_torch_state(copy.deepcopy(tiny_checkpoint), model, CONFIG)

@@ -13,7 +13,7 @@ import jax
 import pytest
 from flax import nnx
 
-from flax_transformer.training import loop
+from flax_transformer.training import loop, rundir
 from flax_transformer.training.optim import OptimConfig
 from parity_tests.training.test_run_faults import Batches, _loss  # the same tiny task
 
@@ -56,7 +56,7 @@ def test_an_evaluation_does_not_lower_the_logged_tokens_per_second(tmp_path, mon
                       evaluate=slow_evaluation, eval_every=10, checkpoint_every=15, log_every=5, progress=False,
                       tensorboard=False)
     assert result.step == 30 and not result.interrupted
-    records = loop.read_metrics(tmp_path)
+    records = rundir.read_metrics(tmp_path)
     train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]

@@ -442,7 +442,7 @@ def test_links_resolve(path):
 
 def test_layout_names_every_python_file():
     layout = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
-    files = [p for folder in ("flax_transformer", "torch_reference", "train", "bench", "parity_tests")
+    files = [p for folder in ("flax_transformer", "torch_reference", "train", "bench", "parity_tests", "docs")
              for p in sorted((ROOT / folder).rglob("*.py"))]
     named = set(re.findall(r"[\w]+\.py\b", layout))
     missing = sorted(_rel(p) for p in files if p.name not in named)

@@ -64,3 +64,40 @@ def test_grouped_argument_names_are_split_and_nothing_else():
     assert split_groups(doc) == ("Do it.\n\nArgs:\n    x: one.\n    a: two\n        lines.\n    b: two\n        lines.\n"
                                  "    rng: three.\n    seed: three.\n\nReturns:\n    a, b: the pair.")
     assert not re.search(r"^\s+\w+, \w+:", split_groups(doc).split("Returns:")[0], flags=re.M)
+
+
+EXCERPT = re.compile(r"^an excerpt of (\S+)$")
+
+
+def _normalised(text: str) -> str:
+    return "\n".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def excerpts(path: Path) -> list[tuple[int, str, str]]:
+    """(line, source file, code) of each block marked ``<!-- docs-test: skip (an excerpt of FILE) -->``."""
+    lines, found = path.read_text(encoding="utf-8").splitlines(), []
+    for number, line in enumerate(lines):
+        match = re.match(r"^<!-- docs-test: skip \((.*)\) -->$", line)
+        if match and EXCERPT.match(match[1]) and lines[number + 1].startswith("```"):
+            end = next(j for j in range(number + 2, len(lines)) if lines[j].strip() == "```")
+            found.append((number + 3, EXCERPT.match(match[1])[1], "\n".join(lines[number + 2:end])))
+    return found
+
+
+def test_the_add_a_family_excerpts_are_the_code():
+    """Each excerpt of docs/add-a-family.md is, line for line (indentation aside), in the file it
+    names: a renamed class, a changed table or a moved file fails here until the page follows."""
+    found = excerpts(ROOT / "docs" / "add-a-family.md")
+    assert len(found) >= 5
+    for line, source, code in found:
+        assert (ROOT / source).is_file(), f"add-a-family.md:{line}: {source} does not exist"
+        assert _normalised(code) in _normalised((ROOT / source).read_text(encoding="utf-8")), \
+            f"add-a-family.md:{line}: the excerpt is no longer in {source}"
+
+
+def test_an_edited_excerpt_is_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- docs-test: skip (an excerpt of torch_reference/llama.py) -->\n```python\n"
+                    "class LlamaMLP(Module):\n    pass\n```\n")
+    ((line, source, code),) = excerpts(page)
+    assert source == "torch_reference/llama.py" and _normalised(code) not in _normalised((ROOT / source).read_text())

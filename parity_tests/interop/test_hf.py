@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer.interop import hf
+from flax_transformer.interop import hf, hf_tables
 from flax_transformer.interop.porting import StateDictError
 from flax_transformer.verification import export
 from parity_tests.conftest import TOL
@@ -255,7 +255,7 @@ def test_key_table_round_trip():
     for kind, model, cfg in (("bert", TransformerEncoder(config), config),
                              ("gpt2", GPT2LMHeadModel(GPTConfig.tiny(tie_word_embeddings=False)), None)):
         ours = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-        back = hf.hf_to_ours(kind, hf.ours_to_hf(kind, ours), cfg or model.config)
+        back = hf_tables.hf_to_ours(kind, hf_tables.ours_to_hf(kind, ours), cfg or model.config)
         assert back.keys() == ours.keys() and all(np.array_equal(back[k], ours[k]) for k in ours)
 
 

@@ -68,8 +68,8 @@ SLOW = {
         "the same bound on GPTTransformer",
     "interop/test_hf.py::test_gpt2_from_transformers_and_back[True]": "test_gpt2_from_transformers_and_back[False]",
     "interop/test_hf.py::test_pytorch_bin_sharded_index_and_bf16": "test_hf_more::test_encoder_folder_both_ways (sharded)",
-    "test_hf_more.py::test_bf16_export_and_import": "test_llama_hf's bf16 shards, test_porting's bf16 cases",
-    "test_hf_more.py::test_sharded_save_streams_and_transformers_loads":
+    "interop/test_hf_encoder_folders.py::test_bf16_export_and_import": "test_llama_hf's bf16 shards, test_porting's bf16 cases",
+    "interop/test_hf_encoder_folders.py::test_sharded_save_streams_and_transformers_loads":
         "test_hf_more::test_encoder_folder_both_ways[distilbert-True], test_sharded",
     "models/test_generate.py::test_a_row_in_a_ragged_batch_equals_the_row_alone[former]":
         "test_generate_hf's and test_llama_generate's ragged batches",
@@ -109,10 +109,10 @@ SLOW = {
     "training/test_llama_training.py::test_resume_equals_the_uninterrupted_run": "test_runs' resume test",
     "verification/test_llama_bisect.py::test_rope_half_split_applied_to_meta_interleaved_q_k_weights":
         "test_llama_meta's permutation tests",
-    "test_hf_more.py::test_classify_fine_tunes_a_roberta_folder_and_exports_it":
+    "interop/test_hf_encoder_folders.py::test_classify_fine_tunes_a_roberta_folder_and_exports_it":
         "test_hf_more::test_sequence_classifier_heads[roberta], test_finetune's cases",
-    "test_hf_more.py::test_encoder_folder_both_ways[roberta-False]": "test_sequence_classifier_heads[roberta]",
-    "test_hf_more.py::test_sequence_classifier_heads[distilbert]": "test_encoder_folder_both_ways[distilbert-True]",
+    "interop/test_hf_encoder_folders.py::test_encoder_folder_both_ways[roberta-False]": "test_sequence_classifier_heads[roberta]",
+    "interop/test_hf_encoder_folders.py::test_sequence_classifier_heads[distilbert]": "test_encoder_folder_both_ways[distilbert-True]",
     "cli/test_commands.py::test_verify_grads_covers_every_full_model":
         "test_*::test_parameter_gradients, test_llama::test_forward_and_gradients",
     "models/test_encoder.py::test_jit_matches_eager": "test_former::test_jit_matches_eager, test_gpt's eager model rows",
@@ -121,17 +121,17 @@ SLOW = {
     "interop/test_porting.py::test_torch_to_flax_dtypes": "test_bf16_weights_load_into_fp32_and_bf16_models",
     "training/test_finetune.py::test_bf16_fine_tune_runs_with_fp32_parameters": "test_torch_state::test_bf16_run_exported_and_imported_continues_bit_for_bit",
     "interop/test_hf.py::test_fresh_flax_gpt2_loads_in_transformers": "test_gpt2_from_transformers_and_back[False]",
-    "test_survivors.py::test_masked_lm_folders_load[bert-BertForPreTraining]": "the other masked-LM folders",
+    "interop/test_hf_masked_lm.py::test_masked_lm_folders_load[bert-BertForPreTraining]": "the other masked-LM folders",
     "models/test_llama.py::test_rope_against_transformers_at_long_positions[dynamic]": "the llama3, linear, default RoPE",
     "models/test_llama.py::test_forward_and_gradients[linear-mha-biases-gelu]": "test_attention_impl's llama blocks",
     "models/test_llama.py::test_forward_and_gradients[mistral-window-dynamic-mqa]": "test_attention_impl's llama blocks",
     "models/test_llama.py::test_forward_and_gradients[qwen3-qk-norm]": "test_attention_impl's llama blocks",
     "interop/test_writers.py::test_port_on_a_full_disk_keeps_the_old_output[torch]": "the safetensors and orbax cases",
-    "test_guards.py::test_generation_with_eos_on_ragged_prompts_matches_torch[top_k=1]":
+    "models/test_sampling.py::test_generation_with_eos_on_ragged_prompts_matches_torch[top_k=1]":
         "test_generate::test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus",
-    "test_hf_more.py::test_tf_era_layer_norm_names_load": "test_porting's rename tests, test_survivors' masked-LM folders",
+    "interop/test_hf_encoder_folders.py::test_tf_era_layer_norm_names_load": "test_porting's rename tests, test_survivors' masked-LM folders",
     "models/test_encoder.py::test_returned_attentions_match": "test_text_length's attention map, test_llama_cli's attention maps",
-    "test_hf_more.py::test_verify_checkpoint_and_port_on_each": "test_hf::test_verify_checkpoint_command_compares_with_transformers",
+    "interop/test_hf_encoder_folders.py::test_verify_checkpoint_and_port_on_each": "test_hf::test_verify_checkpoint_command_compares_with_transformers",
     "models/test_former.py::test_notebook_000_ctransformer_checkpoint[True]": "test_notebook_000_ctransformer_checkpoint[False]",
     "verification/test_llama_bisect.py::test_q_norm_after_rope_instead_of_before":
         "test_sliding_window_off_by_one, test_gemma_norm_without_plus_one",
@@ -267,15 +267,15 @@ def assert_both_directions(torch_module, args, kwargs=None, *, seed=0, tol=TOL, 
 def assert_parameter_gradients_match(torch_model, args, rng):
     """d<model(*args), W>/d(every parameter) agrees between torch and the ported Flax model.
 
-    W is a fixed random tensor of the output's shape (``verify.compare(..., grads=True)``).
+    W is a fixed random tensor of the output's shape (``compare.compare(..., grads=True)``).
     Tolerance: TOL relative to the gradient's scale (max(1, max |g|)); and every gradient (and
     the outputs) within the float64 budget, with no NaN or inf.
     """
     from flax_transformer.interop import porting
-    from flax_transformer.verification import verify
+    from flax_transformer.verification import compare
 
     torch_model.eval()
-    report = verify.compare(torch_model, porting.torch_to_flax(torch_model), tuple(args), grads=True, tol=TOL,
+    report = compare.compare(torch_model, porting.torch_to_flax(torch_model), tuple(args), grads=True, tol=TOL,
                             seed=int(rng.integers(1 << 30)))
     assert report.grad_finite and report.grad_err <= TOL, \
         f"{report.worst_grad_key}: grad max abs err {report.grad_err:.3g} relative to its scale"

@@ -1,13 +1,8 @@
-"""Guards for bugs the parity tests cannot see (issue 17), models and generation: each test
-fails on a realistic planted bug that the rest of the suite let through.
+"""Sampling with ``eos_id`` on ragged prompts, Flax against torch_reference's loop on the same noise,
+greedy and sampled; ``generate`` honours ``rng`` and leaves the model's mode as it was.
 
-1. generation with ``eos_id`` on ragged prompts, Flax against torch_reference's loop, greedy
-   and sampled;
-5. softmax, LayerNorm and pooling statistics stay float32 under bf16 compute (read off the jaxpr).
-
-Also: generate honours ``rng`` and leaves the model's mode as it was (mutation-testing survivors).
-The training-library guards (issue 17's items 2, 4 and 6, and the other mutation-testing
-survivors) are in test_guards_training.py.
+Each test fails on a realistic planted bug the parity tests cannot see (issue 17, item 1; mutation-testing
+survivors).
 """
 
 import jax
@@ -16,9 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer.verification import verify
-
-# ---------------------------------------------------------------- 1. generation: eos on ragged prompts
 # Row 0 reads its 6-token prompt while rows 1 and 2 (3 and 1 tokens) already generate. eos is
 # chosen as a token the sampler picks for row 0 *inside* its prompt: that pick must be ignored
 # (the prompt token is kept), so row 0 is not done. The JAX loop is compared with the plain
@@ -33,7 +25,11 @@ from flax_transformer.verification import verify
 # tokens. top_k=1 sampling (deterministic, no noise shared) is checked as well.
 
 GEN_PROMPTS = np.array([[5, 9, 2, 7, 1, 3], [4, 8, 6, 0, 0, 0], [11, 0, 0, 0, 0, 0]])
+
+
 GEN_MASK = (np.arange(6)[None] < np.array([[6], [3], [1]])).astype(np.int64)
+
+
 GEN_NEW = 10
 
 
@@ -94,7 +90,7 @@ def _flax_generate(flax_model, how, **kw):
 
 @pytest.mark.parametrize("how", SAMPLING)
 def test_generation_with_eos_on_ragged_prompts_matches_torch(gpt_pair, how, monkeypatch):
-    from .conftest import TOL
+    from parity_tests.conftest import TOL
 
     torch_model, flax_model = gpt_pair
     seed = 7  # row 0 also stops on eos later, and row 1 too (sampled)
@@ -140,52 +136,3 @@ def test_generate_honours_rng_and_leaves_the_mode_as_it_was(gpt_pair):
     finally:
         flax_model.eval()
     np.testing.assert_array_equal(in_train_mode[0], by_seed[0])  # no dropout while generating
-
-
-# ---------------------------------------------------------------- 5. bf16: statistics stay float32
-# Under ``dtype=bfloat16`` the matmuls and activations run in bf16, but softmax (max, exp,
-# sum), LayerNorm (mean, variance, rsqrt) and mean pooling (sum) must run in float32. The
-# 3e-2 output bound of test_mixed_precision.py cannot see a bf16 softmax; the jaxpr can:
-# no reduction, exp, log or square root of the forward pass may take a bf16 operand.
-
-STATISTICS = {"reduce_sum", "reduce_max", "reduce_min", "exp", "exp2", "log", "log1p", "rsqrt", "sqrt",
-              "cumsum", "cumlogsumexp", "cummax"}
-BF16_MODULES = ("TransformerLayer", "GPTTransformerLayer")  # notebook 002's Attention and GPTAttention
-
-
-def _bf16_statistics(jaxpr, found):
-    """Append (primitive, operand dtypes) of every statistic with a bf16 float operand, nested jaxprs too."""
-    from jax.extend import core as jcore
-
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _bf16_statistics(sub.jaxpr, found)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _bf16_statistics(sub, found)
-        dtypes = [str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")]
-        if eqn.primitive.name in STATISTICS and "bfloat16" in dtypes:
-            found.append((eqn.primitive.name, dtypes))
-    return found
-
-
-@pytest.mark.parametrize("name", (*verify.MODELS, *BF16_MODULES))
-def test_softmax_norm_and_pooling_statistics_are_float32_under_bf16(name):
-    from flax import nnx
-
-    from flax_transformer.interop import porting
-
-    spec = next(s for s in verify.specs() if s.name == name)
-    torch_module, args, kwargs = verify.case_inputs(spec, "padding" if "padding" in spec.cases else spec.cases[0], 0)
-    cls, init = porting.flax_class(torch_module), torch_module.init_kwargs()
-    model = nnx.eval_shape(lambda: cls(**init, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))  # shapes only: no compiling
-    model.eval()
-    graphdef, state = nnx.split(model)
-    to = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-    args, kwargs = [to(a) for a in args], {k: to(v) for k, v in kwargs.items()}
-    jaxpr = jax.make_jaxpr(lambda state: nnx.merge(graphdef, state)(*args, **kwargs))(state)
-    primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
-    assert "dot_general" in primitives or "custom_vjp_call" in primitives  # (the model was traced)
-    assert _bf16_statistics(jaxpr.jaxpr, []) == []
-    assert len(_bf16_statistics(jax.make_jaxpr(jax.nn.softmax)(jnp.ones((2, 3), jnp.bfloat16)).jaxpr, [])) >= 2

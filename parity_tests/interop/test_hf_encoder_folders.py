@@ -23,8 +23,7 @@ from flax_transformer.interop import hf
 from flax_transformer.interop.safetensors_io import Lazy, open_weights
 from flax_transformer.training.pretrained import Probe
 from flax_transformer.verification import certificate, export
-
-from .conftest import TOL
+from parity_tests.conftest import TOL
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")
 

@@ -34,7 +34,7 @@ RUN = ["--preset", "tiny", "--steps", "2", "--no-progress"]
 LOAD = """
 import numpy as np
 from torch_reference.former import CTransformer
-from flax_transformer import porting
+from flax_transformer.interop import porting
 model = porting.torch_to_flax(CTransformer(emb=32, heads=4, depth=2, seq_length=16, num_tokens=100, num_classes=2))
 before = porting.state_dict(model)
 good = {k: np.zeros_like(v) for k, v in before.items()}
@@ -64,7 +64,7 @@ for label, state, words in [
                  LOAD + f"expect((TypeError, ValueError), ({words}), {state})\n")
 
 snippet_case("checkpoints.load('/nonexistent.pt')", "18 files", """
-from flax_transformer import checkpoints
+from flax_transformer.interop import checkpoints
 try:
     checkpoints.load("/nonexistent/model.pt")
 except FileNotFoundError as error:
@@ -72,7 +72,7 @@ except FileNotFoundError as error:
 """)
 snippet_case("save_safetensors onto an existing file", "3 outputs", """
 from torch_reference.former import CTransformer
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.verification import export
 model = porting.torch_to_flax(CTransformer(emb=32, heads=4, depth=2, seq_length=16, num_tokens=100, num_classes=2))
 try:
@@ -93,7 +93,7 @@ print("OK" if os.path.isfile("out/model.safetensors") and os.stat("out/model.saf
 snippet_case("generate temperature=1e-39 equals greedy", "17 generate", """
 import numpy as np
 from torch_reference.gpt import GPTTransformer
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.models.generate import generate
 model = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
                                              max_length=32, dropout=0.0).eval())
@@ -106,7 +106,7 @@ snippet_case("batch 0 through GPT, encoder and generate", "17 generate", """
 import numpy as np
 from torch_reference.gpt import GPTTransformer
 from torch_reference.encoder import TransformerEncoder
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.generate import generate
 gpt = porting.torch_to_flax(GPTTransformer(n_layers=1, d_embed=32, d_ff=64, n_heads=2, voc_size=50,
@@ -132,7 +132,8 @@ for label, code, words in [
     snippet_case(f"{label} refused", "13 constructors", f"""
 import numpy as np
 from flax import nnx
-from flax_transformer import former, porting
+from flax_transformer.interop import porting
+from flax_transformer.models import former
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.generate import generate
 from torch_reference.gpt import GPTTransformer

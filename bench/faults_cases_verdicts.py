@@ -186,7 +186,7 @@ for writer, target in (("save_safetensors", "m.safetensors"), ("save_torch", "m.
 import os
 import torch
 import torch_reference.former as tf
-from flax_transformer import porting
+from flax_transformer.interop import porting
 from flax_transformer.verification import export
 torch.manual_seed(0)
 model = tf.CTransformer(8, 2, 1, 6, 20, 2).eval()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 sys.path.insert(0, sys.argv[1])
 from safetensors.numpy import load_file, save_file
-from flax_transformer import hf, porting
+from flax_transformer.interop import hf, porting
 from flax_transformer.models.configs import GPTConfig
 from flax_transformer.training import seq2seq
 from flax_transformer.training.torch_state import torch_optimizer

@@ -15,8 +15,9 @@ from flax import nnx
 
 import torch_reference.encoder as te
 import torch_reference.former as tf
-from flax_transformer import porting, verify
+from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.verification import verify
 
 IDS = (np.random.default_rng(0).integers(0, 20, (2, 8)),)
 

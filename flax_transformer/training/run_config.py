@@ -35,7 +35,7 @@ class RunConfig:
         keep: how many checkpoints to keep.
         seed: parameters, dropout and the order of batches (a pure function of (seed, step)).
         dtype: compute dtype, "float32" or "bf16" (parameters and optimizer state stay float32).
-        attention: "reference", "xla" or "cudnn" (see ``flax_transformer.set_attention``).
+        attention: "reference", "xla" or "cudnn" (see ``flax_transformer.models.attention.set_attention``).
     """
 
     batch_size: int = 32

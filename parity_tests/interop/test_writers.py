@@ -202,7 +202,7 @@ def test_save_pretrained_writes_into_an_existing_empty_folder(tmp_path):
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from flax_transformer import files
+    from flax_transformer.interop import files
     def write(tmp):
         with open(tmp, "wb") as f:
             f.write(b"x" * 1000)

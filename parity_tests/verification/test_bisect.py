@@ -142,7 +142,7 @@ def test_grads_name_the_transposed_parameter():
 PAIR = '''
 import numpy as np
 import torch_reference.former as tf
-from flax_transformer import porting
+from flax_transformer.interop import porting
 
 def make():
     model = tf.CTransformer(16, 4, 1, 8, 20, 3).eval()

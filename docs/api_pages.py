@@ -57,8 +57,9 @@ def main() -> None:
             page.write(f"# `{module}`\n\n::: {module}\n")
     with mkdocs_gen_files.open("api/SUMMARY.md", "w") as summary:
         summary.writelines(nav_lines(modules))
-    with mkdocs_gen_files.open("index.md", "w") as index:  # the README, its links made the site's
-        index.write(site_links((ROOT / "README.md").read_text(encoding="utf-8"), "README.md"))
+    for source, name in ROOT_PAGES.items():  # the README and the changelog, their links made the site's
+        with mkdocs_gen_files.open(name, "w") as page:
+            page.write(site_links((ROOT / source).read_text(encoding="utf-8"), source))
     for page in sorted((ROOT / "docs").glob("*.md")):
         text = page.read_text(encoding="utf-8")
         if site_links(text, f"docs/{page.name}") != text:
@@ -66,18 +67,24 @@ def main() -> None:
                 copy.write(site_links(text, f"docs/{page.name}"))
 
 
-LINK = re.compile(r"\[([^\]]*)\]\(([^)\s:]+?)(#[^)\s]*)?\)")
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s:#]*)(#[^)\s]*)?\)")
+
+
+ROOT_PAGES = {"README.md": "index.md", "CHANGELOG.md": "changelog.md"}  # files at the root -> site pages
 
 
 def site_links(markdown: str, where: str) -> str:
     """``markdown`` (the file at ``where``, relative to the repository) with its links made the
-    site's: the README is the home page, ``index.md``; a link to another file of the repository
-    outside ``docs/`` (a script, say) becomes its text, since the site holds only ``docs/``."""
+    site's: the README is the home page, ``index.md``, the changelog ``changelog.md``; a link to
+    another file of the repository outside ``docs/`` (a script, say) becomes its text, since the
+    site holds only ``docs/`` and those two."""
     def link(match: re.Match) -> str:
         text, target, anchor = match[1], match[2], match[3] or ""
+        if not target:  # an anchor on the same page
+            return match[0]
         path = (ROOT / where).parent.joinpath(target).resolve()
-        if path == ROOT / "README.md":
-            return f"[{text}](index.md{anchor})" if where.startswith("docs/") else match[0]
+        if path.parent == ROOT and path.name in ROOT_PAGES:
+            return f"[{text}]({ROOT_PAGES[path.name]}{anchor})"
         if path.is_relative_to(ROOT / "docs"):
             return f"[{text}]({path.relative_to(ROOT / 'docs').as_posix()}{anchor})"
         return text

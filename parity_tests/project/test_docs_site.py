@@ -53,6 +53,8 @@ def test_site_links():
         "[README](index.md) · [x](index.md#port-a-checkpoint) · [v](verification.md#bf16-budgets) "
         "· script · [web](https://example.org/a.md)")
     assert api_pages.site_links("[p](docs/porting.md#x)", "README.md") == "[p](porting.md#x)"
+    assert api_pages.site_links("[c](CHANGELOG.md) [r](#two-commands)", "README.md") == "[c](changelog.md) [r](#two-commands)"
+    assert api_pages.site_links("[c](../CHANGELOG.md#issue-25)", "docs/benchmarks.md") == "[c](changelog.md#issue-25)"
 
 
 def test_grouped_argument_names_are_split_and_nothing_else():

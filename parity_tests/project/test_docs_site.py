@@ -103,3 +103,9 @@ def test_an_edited_excerpt_is_caught(tmp_path):
                     "class LlamaMLP(Module):\n    pass\n```\n")
     ((line, source, code),) = excerpts(page)
     assert source == "torch_reference/llama.py" and _normalised(code) not in _normalised((ROOT / source).read_text())
+
+
+def test_verification_guide_stays_a_guide():
+    """docs/verification.md stays under 25 KiB: rationale goes to verification-design.md and
+    figures to benchmarks.md, so that the guide stays readable."""
+    assert len((ROOT / "docs" / "verification.md").read_bytes()) <= 25 * 1024

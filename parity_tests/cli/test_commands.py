@@ -8,6 +8,7 @@ import pytest
 from flax_transformer.verification import verify
 
 
+@pytest.mark.slow(reason="test_classic's parity tests (the same rows in-process), test_commands' other verify commands; the README's set-up runs `flax-transformer verify` whole")
 def test_verify_command_passes_and_covers_every_module_of_a_family():
     """The command as a user runs it, on one family (the parity tests cover every module of all four)."""
     result = subprocess.run([sys.executable, "-m", "flax_transformer", "verify", "--family", "classic"],
@@ -23,6 +24,7 @@ def test_verify_command_passes_and_covers_every_module_of_a_family():
     assert f"{sum(2 * len(s.cases) for s in classic)} passed, 0 failed" in result.stdout
 
 
+@pytest.mark.slow(reason="test_*::test_parameter_gradients, test_llama::test_forward_and_gradients")
 def test_verify_grads_covers_every_full_model(capsys):
     """``verify --grads``: every full model of a family, every mask case, both directions."""
     from flax_transformer.cli.commands import main
@@ -234,6 +236,7 @@ def test_summary_of_a_preset_lists_the_largest_layers(capsys):
     assert largest[0] == "lm_head" and largest[3] == "token_embeddings"  # the notebook's question
 
 
+@pytest.mark.slow(reason="test_text_length's attention-map run")
 def test_attention_map_png_and_html(tmp_path, capsys):
     import pytest
 
@@ -250,6 +253,7 @@ def test_attention_map_png_and_html(tmp_path, capsys):
     assert not (tmp_path / "b.png").exists()
 
 
+@pytest.mark.slow(reason="the verify --checkpoint tests of each family (pairs.example_inputs, drawn from input_spec), test_generate's per-family greedy tests")
 def test_every_whole_model_says_what_it_reads():
     """``input_spec()`` replaces the tools' class-name tables: the same in both frameworks, and the
     example inputs drawn from it run the model and stay in range."""

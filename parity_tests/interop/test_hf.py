@@ -96,6 +96,9 @@ def test_minilm_torch_reference_twin_and_round_trip(minilm, tmp_path):
 
 
 @pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.slow_cases({
+    "True": "test_gpt2_from_transformers_and_back[False]",
+})
 def test_gpt2_from_transformers_and_back(tied, tmp_path):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=131, n_positions=40, n_embd=48, n_layer=3, n_head=6,
@@ -121,6 +124,7 @@ def test_gpt2_from_transformers_and_back(tied, tmp_path):
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow(reason="test_gpt2_from_transformers_and_back[False]")
 def test_fresh_flax_gpt2_loads_in_transformers(tmp_path):
     from flax import nnx
 
@@ -150,6 +154,7 @@ def _small_bert(tmp_path):
     return reference, tmp_path / "bert"
 
 
+@pytest.mark.slow(reason="test_hf_encoder_folders::test_encoder_folder_both_ways (sharded)")
 def test_pytorch_bin_sharded_index_and_bf16(tmp_path):
     reference, folder = _small_bert(tmp_path)
     ids = np.random.default_rng(2).integers(0, 60, size=(2, 7))

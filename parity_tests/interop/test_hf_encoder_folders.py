@@ -74,6 +74,9 @@ def _close_on_tokens(got, want, mask):
 
 
 @pytest.mark.parametrize("kind,sharded", [("distilbert", True), ("roberta", False)])
+@pytest.mark.slow_cases({
+    "roberta-False": "test_sequence_classifier_heads[roberta]",
+})
 def test_encoder_folder_both_ways(tmp_path, kind, sharded):
     reference, folder = _folder(tmp_path, kind, sharded=sharded)
     ids, mask = _batch(kind)
@@ -98,6 +101,9 @@ def test_encoder_folder_both_ways(tmp_path, kind, sharded):
 
 
 @pytest.mark.parametrize("kind", ["distilbert", "roberta"])
+@pytest.mark.slow_cases({
+    "distilbert": "test_encoder_folder_both_ways[distilbert-True]",
+})
 def test_sequence_classifier_heads(tmp_path, kind):
     reference, folder = _folder(tmp_path, kind, "AutoModelForSequenceClassification", num_labels=3)
     ids, mask = _batch(kind)
@@ -132,6 +138,7 @@ def test_sequence_classifier_heads(tmp_path, kind):
     assert not np.asarray(model.pre_classifier.kernel[...]).any()
 
 
+@pytest.mark.slow(reason="test_hf_encoder_folders::test_encoder_folder_both_ways[distilbert-True], test_sharded")
 def test_sharded_save_streams_and_transformers_loads(tmp_path):
     reference, folder = _folder(tmp_path, "roberta")
     model = hf.from_pretrained(folder)
@@ -169,6 +176,7 @@ def test_sharded_save_streams_and_transformers_loads(tmp_path):
     assert done.stdout.strip() == "P('fsdp', None) [(10, 27), (10, 27)]", done.stderr[-2000:]
 
 
+@pytest.mark.slow(reason="test_llama_hf's bf16 shards, test_porting's bf16 cases")
 def test_bf16_export_and_import(tmp_path):
     reference, folder = _folder(tmp_path, "distilbert", "AutoModelForSequenceClassification", num_labels=2)
     model = hf.classifier_from_pretrained(folder)
@@ -192,6 +200,7 @@ def test_bf16_export_and_import(tmp_path):
     np.testing.assert_allclose(np.asarray(widened(ids, mask))[:2], theirs32[:2], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow(reason="test_hf::test_verify_checkpoint_command_compares_with_transformers")
 def test_verify_checkpoint_and_port_on_each(tmp_path, capsys):
     """``verify --checkpoint`` on a sharded DistilBERT and a RoBERTa classifier folder; ``port`` to a sharded bf16 folder."""
     from flax_transformer.cli.commands import main
@@ -235,6 +244,7 @@ def _tiny_roberta_with_tokenizer(root):
     return root / "roberta"
 
 
+@pytest.mark.slow(reason="test_hf_encoder_folders::test_sequence_classifier_heads[roberta], test_finetune's cases")
 def test_classify_fine_tunes_a_roberta_folder_and_exports_it(tmp_path, capsys, monkeypatch):
     """``train.classify --model hf --init ROBERTA --export-hf``: the export loads in transformers with no missing or
     unexpected keys, AutoTokenizer gives our ids and the logits match (``pretrained.check_export``, 1e-4)."""
@@ -251,6 +261,7 @@ def test_classify_fine_tunes_a_roberta_folder_and_exports_it(tmp_path, capsys, m
     assert config["architectures"] == ["RobertaForSequenceClassification"] and config["pad_token_id"] == 1
 
 
+@pytest.mark.slow(reason="test_porting's rename tests, test_hf_masked_lm's folders")
 def test_tf_era_layer_norm_names_load(tmp_path):
     """The hub's bert-base-uncased names LayerNorm parameters gamma/beta (transformers renames them on
     load); a folder with those names loads, with the same outputs."""

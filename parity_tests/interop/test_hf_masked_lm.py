@@ -28,6 +28,9 @@ def _masked_lm_config(kind):
     ("distilbert", "DistilBertForMaskedLM"),  # distilbert-base-uncased on the hub
     ("roberta", "RobertaForMaskedLM"),  # roberta-base on the hub
 ])
+@pytest.mark.slow_cases({
+    "bert-BertForPreTraining": "test_masked_lm_folders_load: the other masked-LM folders",
+})
 def test_masked_lm_folders_load(tmp_path, kind, cls):
     """Guards the masked-LM heads each encoder's table sets aside (DistilBERT's ``vocab_transform``,
     ``vocab_layer_norm``, ``vocab_projector``; BERT's ``cls.``; RoBERTa's ``lm_head.``): a folder of

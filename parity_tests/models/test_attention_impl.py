@@ -20,6 +20,7 @@ SPECS = verify.specs()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.family}-{s.name}")
+@pytest.mark.keep_cases("classic-DecoderBlock", "encoder-TransformerEncoderLayer(post-LN)", "encoder-TransformerForSequenceClassification(BERT)", "former-CTransformer(max)", "former-TransformerBlock(wide)", "gpt-GPT2LMHeadModel", "gpt-GPTMHTransformerLayer", "llama-LlamaDecoderLayer(MHA, q/k norm, linear RoPE)", "llama-LlamaDecoderLayer(q/k/v biases, MLP biases, window 3, dynamic RoPE)", "llama-LlamaForCausalLM(tied, Gemma)", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_fused_attention_matches_torch(spec):
     for case in [c for c in spec.cases if c in ("padding", "causal+padding", "fully-masked-row")] or spec.cases[:1]:
         torch_module, args, kwargs = verify.case_inputs(spec, case, 0)
@@ -84,6 +85,7 @@ def _plain_attend(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("case", ["none", "padding+empty-row", "causal", "broadcast-kv", "dropout"])
+@pytest.mark.keep_cases("broadcast-kv", "causal", "dropout", "padding+empty-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_attend_custom_backward_equals_autodiff(case):
     """``attention.attend``'s custom VJPs (fast on XLA CPU) give autodiff's gradients of the same math,
     for the output and the weights, with fully masked rows (zero gradient there, no NaN)."""

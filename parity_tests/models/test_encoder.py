@@ -32,6 +32,7 @@ def config(heads=4, head_dim=6, **kw):
 
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("heads,b,t", [(1, 1, 1), (3, 2, 7), (12, 3, 5)])
+@pytest.mark.keep_cases("1-1-1-fully-masked-row", "12-3-5-causal+padding", "3-2-7-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_multi_head_attention(heads, b, t, case, rng):
     cfg = config(heads)
     mask, causal = _mask_for(case, rng, b, t)
@@ -61,6 +62,7 @@ def test_scaled_dot_product_attention_function(rng):
 
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.keep_cases("False-causal+padding", "True-fully-masked-row", "True-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_encoder_layer(norm_first, case, rng):
     cfg = config(norm_first=norm_first, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)
     mask, causal = _mask_for(case, rng, 3, 7)
@@ -77,6 +79,7 @@ def test_feed_forward_and_embeddings(rng):
 
 @pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
 @pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.keep_cases("False-fully-masked-row", "False-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_models(norm_first, case, rng):
     cfg = config(norm_first=norm_first)
     mask, _ = _mask_for(case, rng, 3, 9)
@@ -87,6 +90,7 @@ def test_models(norm_first, case, rng):
 
 @pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.keep_cases("cls-padding", "mean-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_bert_classifier_heads(pooling, case, rng):
     """HF's BertForSequenceClassification ([CLS] through the pooler) and mean pooling over real
     tokens: forward both directions, and every parameter's gradient (a fully masked row pools to zeros)."""
@@ -108,6 +112,7 @@ def test_bert_classifier_heads(pooling, case, rng):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow(reason="test_text_length's attention map, test_llama_cli's attention maps")
 def test_returned_attentions_match(rng):
     cfg = config()
     model = te.TransformerEncoder(cfg).eval()
@@ -133,6 +138,7 @@ def test_parameter_gradients(rng):
     assert_parameter_gradients_match(te.TransformerForSequenceClassification(cfg), (ids, mask), rng)
 
 
+@pytest.mark.slow(reason="test_former::test_jit_matches_eager, test_gpt's eager model rows")
 def test_jit_matches_eager(rng):
     model = fe.TransformerForSequenceClassification(config(), rngs=nnx.Rngs(1))
     model.eval()
@@ -159,6 +165,7 @@ def test_dropout_follows_train_and_eval(rng):
 # ------------------------------------------------------- notebook checkpoints
 
 
+@pytest.mark.slow(reason="test_encoder's parity tests; notebooks 000 and 002's checkpoint tests")
 def test_notebook_001_classifier_checkpoint(rng):
     """A notebook-001 model built from a BERT-style namespace loads strictly and agrees."""
     torch.manual_seed(5)
@@ -211,6 +218,7 @@ def test_config_accepts_duck_types():
 @settings(max_examples=4, deadline=None)
 @given(heads=st.integers(1, 5), head_dim=st.integers(1, 5), layers=st.integers(1, 2), b=st.integers(1, 3),
        t=st.integers(1, 8), norm_first=st.booleans(), seed=st.integers(0, 2**16))
+@pytest.mark.slow(reason="test_encoder's parametrised parity tests")
 def test_random_configurations(heads, head_dim, layers, b, t, norm_first, seed):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)

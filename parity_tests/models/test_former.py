@@ -29,6 +29,7 @@ SHAPES = [("narrow", 1, 1, 1), ("narrow", 3, 2, 7), ("narrow", 4, 1, 9), ("narro
 
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("variant,heads,b,t", SHAPES)
+@pytest.mark.keep_cases("narrow-1-1-1-none", "narrow-3-2-7-causal+padding", "narrow-3-2-7-fully-masked-row", "wide-1-2-5-padding", "wide-6-1-3-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_attention(variant, heads, b, t, case, rng):
     emb = 4 * heads if variant == "narrow" else 8
     mask, causal = _mask_for(case, rng, b, t)
@@ -47,6 +48,7 @@ def test_attention_per_head_scale(case, rng):
 
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("variant", ["narrow", "wide"])
+@pytest.mark.keep_cases("narrow-causal+padding", "narrow-padding", "wide-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_block(variant, case, rng):
     mask, causal = _mask_for(case, rng, 3, 7)
     block = tf.TransformerBlock(16, 4, causal, 20, ff_hidden_mult=3, dropout=0.3, attention=variant)
@@ -59,6 +61,7 @@ MODEL_CASES = ("none", "padding", "fully-masked-row")
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 @pytest.mark.parametrize("max_pool", [True, False])
+@pytest.mark.keep_cases("False-none", "False-padding", "True-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_ctransformer(max_pool, case, rng):
     mask, _ = _mask_for(case, rng, 3, 9)
     model = tf.CTransformer(16, 4, 2, 12, 40, 3, max_pool=max_pool, dropout=0.2, attention=["wide", "narrow"])
@@ -67,6 +70,7 @@ def test_ctransformer(max_pool, case, rng):
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
+@pytest.mark.keep_cases("fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_gtransformer(case, rng):
     mask, _ = _mask_for(case, rng, 2, 11)
     model = tf.GTransformer(12, 3, 3, 11, 30, scale="head")
@@ -100,6 +104,7 @@ def test_parameter_gradients(which, rng):
 
 
 @pytest.mark.parametrize("variant", ["narrow", "wide"])
+@pytest.mark.keep_cases("wide", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_input_gradients_with_fully_masked_row(variant, rng):
     """The gradient through a fully masked row is finite and the same in both frameworks."""
     module = tf.TransformerBlock(16, 4, True, 10, attention=variant).eval()
@@ -178,6 +183,9 @@ def _roundtrip_file(module):
 
 
 @pytest.mark.parametrize("max_pool", [True, False])
+@pytest.mark.slow_cases({
+    "True": "test_notebook_000_ctransformer_checkpoint[False]",
+})
 def test_notebook_000_ctransformer_checkpoint(max_pool, rng):
     torch.manual_seed(3)
     args = dict(emb=20, heads=5, depth=2, seq_length=13, num_tokens=97, num_classes=3, max_pool=max_pool, dropout=0.2)
@@ -219,6 +227,7 @@ def test_notebook_000_attention_and_004_self_attention_checkpoints(rng):
     scale=st.sampled_from(["emb", "head"]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow(reason="test_former's parametrised parity tests (every attention, scale, pooling)")
 def test_random_configurations(heads, head_width, depth, b, t, max_pool, variants, scale, seed):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)

@@ -110,6 +110,11 @@ def _grads(model, args, weights) -> tuple[np.ndarray, dict]:
     return logits.detach().numpy(), {k: p.grad.numpy() for k, p in model.named_parameters()}
 
 
+@pytest.mark.slow_cases({
+    "linear-mha-biases-gelu": "test_attention_impl's llama blocks",
+    "mistral-window-dynamic-mqa": "test_attention_impl's llama blocks",
+    "qwen3-qk-norm": "test_attention_impl's llama blocks",
+})
 def test_forward_and_gradients(variant):
     """Logits and every parameter's gradient, at positions up to 16,388: torch_reference against
     transformers (same keys), Flax against transformers (``compare``, with its float64 budget),
@@ -167,6 +172,9 @@ def test_block_both_ways(rng):
 
 @pytest.mark.parametrize("rope", [LLAMA3, LINEAR, DYNAMIC, dict(rope_type="default", rope_theta=10000.0)],
                          ids=lambda rope: rope["rope_type"])
+@pytest.mark.slow_cases({
+    "dynamic": "test_rope_against_transformers_at_long_positions: the llama3, linear, default RoPE",
+})
 def test_rope_against_transformers_at_long_positions(rope):
     """Every RoPE type at positions 0 to 16,388, head_dim 128. The inverse frequencies lie within one
     ulp of transformers' (its float32 pow is not correctly rounded: ``rope_inverse_frequencies``),

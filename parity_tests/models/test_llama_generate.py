@@ -82,6 +82,7 @@ def _first_eos(tokens, eos):
     return [int(np.argmax(row == eos)) if (row == eos).any() else NEW for row in tokens]
 
 
+@pytest.mark.keep_cases("Qwen3", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_ragged_batch_with_eos_equals_transformers(family):
     """A right-padded batch of prompts 9, 4 and 6 long, with an eos that row 1 produces early and row 0
     never: each row's tokens and log-probabilities up to its eos equal transformers' (left-padded,
@@ -112,6 +113,7 @@ def test_ragged_batch_with_eos_equals_transformers(family):
 
 
 @pytest.mark.usefixtures("no_persistent_cache")  # count this process's compilations
+@pytest.mark.keep_cases("Llama", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_one_prompt_equals_transformers_in_one_compiled_loop(family):
     """One prompt, 64 new tokens: transformers' tokens and log-probabilities. The loop compiles once
     for its bucket (1, 16): a prompt of another length in it compiles nothing and gives what that

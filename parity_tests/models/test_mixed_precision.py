@@ -21,6 +21,19 @@ BOUND = 3e-2
 
 
 @pytest.mark.parametrize("spec", MODEL_SPECS, ids=lambda s: f"{s.family}-{s.name}")
+@pytest.mark.slow_cases({
+    "former-CTransformer(max)": "test_bf16_compute_stays_within_the_bound: the same bound on CTransformer(mean)",
+    "former-GTransformer": "test_bf16_compute_stays_within_the_bound: the same bound on CTransformer(mean)",
+    "classic-Transformer": "test_bf16_compute_stays_within_the_bound: the same bound on the classic TransformerEncoder",
+    "gpt-GPT2LMHeadModel": "test_bf16_compute_stays_within_the_bound[gpt-GPTTransformer]: the same bound on GPTTransformer",
+    "llama-LlamaForCausalLM(tied, Gemma)": "test_bf16_compute_stays_within_the_bound: the same bound on the untied GQA llama",
+    "former-CTransformer(mean)": "test_bf16_compute_stays_within_the_bound: the same bound on the encoder and gpt models",
+    "llama-LlamaForCausalLM(untied, GQA, llama3 RoPE)": "test_llama_hf's bf16 folders, the same bound on gpt",
+    "encoder-TransformerEncoder": "test_bf16_compute_stays_within_the_bound: the same bound on TransformerForSequenceClassification",
+    "classic-TransformerEncoder": "test_bf16_compute_stays_within_the_bound: the same bound on the encoder family's TransformerEncoder(BERT)",
+    "encoder-TransformerForSequenceClassification(BERT)": "test_bf16_compute_stays_within_the_bound: the same bound on TransformerForSequenceClassification",
+    "encoder-TransformerForSequenceClassification(BERT, mean)": "test_bf16_compute_stays_within_the_bound: the same bound on TransformerForSequenceClassification",
+})
 def test_bf16_compute_stays_within_the_bound(spec):
     case = "padding" if "padding" in spec.cases else spec.cases[0]
     torch_module, args, kwargs = verify.case_inputs(spec, case, 0)

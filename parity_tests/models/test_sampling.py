@@ -89,6 +89,9 @@ def _flax_generate(flax_model, how, **kw):
 
 
 @pytest.mark.parametrize("how", SAMPLING)
+@pytest.mark.slow_cases({
+    "top_k=1": "test_generate::test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus",
+})
 def test_generation_with_eos_on_ragged_prompts_matches_torch(gpt_pair, how, monkeypatch):
     from parity_tests.conftest import TOL
 

@@ -212,6 +212,12 @@ def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("path", PYTHON_DOCS, ids=_rel)
+@pytest.mark.slow_cases({
+    "docs/porting.md": "test_porting, test_hf, test_commands' port tests run the same calls",
+    "docs/verification.md": "test_verdicts, test_bisect, test_certificate",
+    "docs/generation.md": "test_generate, test_generate_hf",
+    "docs/training.md": "test_runs, test_torch_state",
+})
 def test_python_blocks_run(path, tmp_path, monkeypatch):
     """Every Python block runs on its own: its own imports, and the files it names."""
     run_blocks(path, tmp_path, monkeypatch)

@@ -56,6 +56,7 @@ def tiny_bert(tmp_path_factory):
     return make_tiny_bert(tmp_path_factory.mktemp("bert") / "tiny-bert")
 
 
+@pytest.mark.slow(reason="test_hf's MiniLM parity, test_finetune's other cases")
 def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, tmp_path, capsys):
     """A few steps on 64 reviews with the real MiniLM; the export loads in transformers with no missing
     or unexpected keys, AutoTokenizer gives our ids, and the logits are the Flax model's within 1e-5."""
@@ -93,6 +94,7 @@ def test_minilm_fine_tune_end_to_end_and_the_export_in_transformers(fake_data, t
     assert np.abs(np.asarray(forward(before, batch["input_ids"].numpy(), batch["attention_mask"].numpy())) - got).max() > 1e-4
 
 
+@pytest.mark.slow(reason="test_runs' resume tests")
 def test_fine_tune_resume_equals_an_uninterrupted_run(tiny_bert, fake_data, tmp_path, monkeypatch):
     """A real SIGINT at step 5 of 10, then resume: bit-identical parameters (dropout on) and logs."""
     config = classify.ClassifyConfig.hf_tiny(init=str(tiny_bert), steps=10, checkpoint_every=4, eval_every=4)
@@ -119,6 +121,7 @@ def test_fine_tune_resume_equals_an_uninterrupted_run(tiny_bert, fake_data, tmp_
     assert strip(rundir.read_metrics(tmp_path / "whole")) == strip(rundir.read_metrics(tmp_path / "split"))
 
 
+@pytest.mark.slow(reason="test_runs' resume tests")
 def test_frozen_encoder_caches_features_trains_the_head_and_resumes(tiny_bert, fake_data, tmp_path, monkeypatch):
     config = classify.ClassifyConfig.frozen_tiny(init=str(tiny_bert), steps=12, checkpoint_every=4, eval_every=4)
     run = tmp_path / "run"
@@ -239,6 +242,7 @@ def test_a_max_length_beyond_the_positions_is_refused(tiny_bert, tmp_path, fake_
     assert "exceeds the model's 128 positions" in err
 
 
+@pytest.mark.slow(reason="test_hf_encoder_folders::test_sequence_classifier_heads")
 def test_classifier_from_pretrained_reads_its_own_export_and_a_wrong_head(tiny_bert, tmp_path):
     model = hf.classifier_from_pretrained(tiny_bert, num_labels=3, seed=1)
     export.save_pretrained(model, tmp_path / "three", tokenizer_from=tiny_bert)
@@ -257,6 +261,7 @@ def test_classifier_from_pretrained_reads_its_own_export_and_a_wrong_head(tiny_b
     assert dataclasses.asdict(again.init_kwargs()["config"])["num_labels"] == 3
 
 
+@pytest.mark.slow(reason="test_torch_state::test_bf16_run_exported_and_imported_continues_bit_for_bit")
 def test_bf16_fine_tune_runs_with_fp32_parameters(tiny_bert, fake_data, tmp_path):
     config = classify.ClassifyConfig.hf_tiny(init=str(tiny_bert), steps=3, dtype="bf16", checkpoint_every=3)
     metrics = classify.train_and_evaluate(config, tmp_path / "run", data_dir=fake_data, progress=False)

@@ -106,6 +106,7 @@ def test_presets_match_the_gpt_presets_parameter_counts():
     assert (count(lm.PRESETS["small"]()), count(lm.presets("llama")["small"]())) == (759_105, 755_072)
 
 
+@pytest.mark.slow(reason="test_runs' resume test")
 def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     """The run as a process killed after its step-4 checkpoint leaves it (the checkpoint at 8 never
     written, its logs past step 4 cut back on resume), continued by ``--resume`` with no other flag
@@ -127,6 +128,7 @@ def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     assert (split / "sample.txt").read_text() == (folder / "whole" / "sample.txt").read_text()
 
 
+@pytest.mark.slow(reason="test_torch_state's exports")
 def test_the_torch_export_gives_the_same_logits(whole):
     from safetensors.torch import load_file
 

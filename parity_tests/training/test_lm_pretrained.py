@@ -157,6 +157,7 @@ def test_the_stream_has_no_special_tokens_and_the_prompt_starts_as_the_template_
     assert lm_pretrained.encode(tokenizer, TEXT).tolist() == stream.tolist()
 
 
+@pytest.mark.slow(reason="test_runs' resume test, test_fit_wrt's (the same fit and checkpoints)")
 def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     """The run as a process killed after its step-4 checkpoint leaves it, continued by ``--resume`` alone (the
     model rebuilt from the init folder, then the checkpoint restored): every saved array and the logs equal."""

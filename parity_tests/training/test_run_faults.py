@@ -306,6 +306,7 @@ def test_flag_errors_exit_2_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow(reason="test_writers' full-disk cases (the same atomic writes), test_run_faults' corrupted-checkpoint test")
 def test_a_full_disk_during_the_first_checkpoint_is_one_line_and_leaves_nothing(tmp_path):
     """RLIMIT_FSIZE: the kernel refuses the checkpoint's larger writes (EFBIG), as a full disk does (ENOSPC)."""
     out = tmp_path / "run"

@@ -131,6 +131,7 @@ def test_buckets_bound_shapes_and_cover_every_example_once():
         Bucketed([np.zeros(9)], batch_size=4, buckets=(8,))
 
 
+@pytest.mark.slow(reason="test_filler_rows' tests: padding changes no loss, metric or gradient")
 def test_bucket_padding_does_not_change_the_classifier_output():
     """Padding is masked in attention and in pooling: a review gives the same log-probs in every bucket."""
     from flax_transformer.models.former import CTransformer
@@ -174,6 +175,7 @@ def _assert_run_files(run_dir):
     assert checkpointing.Checkpoints(run_dir).steps()
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end and test_seq2seq_tiny_end_to_end (the same CLI and loop), test_filler_rows' classify steps, test_certificate's exports")
 def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, capsys):
     run, export = tmp_path / "run", tmp_path / "model.safetensors"
     assert _main("classify", ["--preset", "tiny", "--out", run, "--data-dir", fake_data, "--no-progress",
@@ -219,6 +221,7 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow(reason="test_filler_rows_change_no_classify_loss_metric_or_gradient[encoder-mean], test_encoder")
 def test_classify_encoder_model(fake_data, tmp_path):
     config = classify.ClassifyConfig.tiny(model="encoder", lr=3e-3, eval_every=None)
     metrics = classify.train_and_evaluate(config, tmp_path / "run", data_dir=fake_data, progress=False)
@@ -229,6 +232,7 @@ def test_classify_encoder_model(fake_data, tmp_path):
 
 
 @pytest.mark.skipif(not (SHARED / "imdb").is_dir(), reason="needs ../shared/data/imdb")
+@pytest.mark.slow(reason="test_classify_tiny_end_to_end_then_predict_and_export, fake data")
 def test_classify_tiny_on_the_real_imdb(tmp_path):
     metrics = classify.train_and_evaluate(classify.ClassifyConfig.tiny(), tmp_path / "run", progress=False)
     train = records(tmp_path / "run", "train")
@@ -266,6 +270,7 @@ def test_lm_tiny_end_to_end(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end")
 def test_lm_former_at_word_level(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat . the dog sat on the log .\n" * 200)
@@ -356,6 +361,7 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     assert strip(rundir.read_metrics(tmp_path / "whole")) == strip(rundir.read_metrics(tmp_path / "split"))
 
 
+@pytest.mark.slow(reason="test_interrupt_and_resume_equals_an_uninterrupted_run (a real SIGINT in-process: the checkpoint, the resume), test_finetune's SIGINT cases, test_run_faults' killed runs")
 def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
     """A real Ctrl-C (SIGINT) to `python -m train.seq2seq`: exit 130, a checkpoint, and --resume finishes it."""
     run = tmp_path / "run"
@@ -444,6 +450,7 @@ def test_resume_with_another_configuration_changes_nothing(tmp_path, capsys):
     assert digest(run) == before
 
 
+@pytest.mark.slow(reason="test_run_faults::test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before")
 def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     """A checkpoint that cannot be read is named; when none can, --resume changes nothing. (With an intact
     earlier one, --resume falls back to it: test_run_faults.py.)"""
@@ -467,6 +474,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert digest(run) == before
 
 
+@pytest.mark.slow(reason="test_torch_state::test_bf16_run_exported_and_imported_continues_bit_for_bit (a bf16 run), test_attention_impl (the fused attention), test_mixed_precision")
 def test_bf16_and_fused_attention_runs(tmp_path, capsys):
     """``--dtype bf16 --attention xla``: the run trains in mixed precision with JAX's fused attention."""
     run = tmp_path / "run"
@@ -480,6 +488,7 @@ def test_bf16_and_fused_attention_runs(tmp_path, capsys):
     assert all(v.dtype != np.dtype("bfloat16") for v in params.values())  # parameters (and Adam moments) stay fp32
 
 
+@pytest.mark.slow(reason="test_sharded")
 def test_sharded_run_on_8_host_devices_equals_one_device(tmp_path):
     """``--mesh data=4,fsdp=2`` on 8 CPU devices (a subprocess: the device count is fixed at JAX start-up)
     gives the losses and parameters of the one-device run, up to float rounding."""
@@ -514,6 +523,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow(reason="test_sharded")
 def test_two_processes_equal_one_process(tmp_path):
     """Two processes on localhost (``--coordinator``: jax.distributed, CPU collectives over gloo), each with
     one CPU device, ``--mesh data=2``: exactly the losses, parameters and exact match of one process with 2

@@ -236,6 +236,7 @@ def _steps(run) -> list[int]:
     return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow(reason="test_port_refuses_to_write_a_run_whose_moment_is_inf, test_save_torch_state_refuses_a_bad_moment")
 def test_verify_fails_on_a_bad_moment_naming_it(trained_run, tmp_path):
     """``port --to torch-state --verify``'s check: a file whose exp_avg_sq went below 0 fails, and says so."""
     from flax_transformer.training.torch_export import check_export, export_run

@@ -80,6 +80,9 @@ def test_a_correct_bf16_port_passes_bisect_and_fails_float32s_rule():
 
 
 @pytest.mark.parametrize("bug", ["q-norm-after-rope", "window+1"])
+@pytest.mark.slow_cases({
+    "window+1": "test_a_bug_in_a_bf16_model_is_named[q-norm-after-rope] (nearer its budget)",
+})
 def test_a_bug_in_a_bf16_model_is_named(bug):
     """Qwen3's norms after RoPE is the bug nearest bf16's budget (2.2 times it at the attention);
     the sliding window one key too wide is 27 times it."""

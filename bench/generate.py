@@ -48,9 +48,9 @@ from speed import settings
 
 import torch_reference.llama as tl
 from flax_transformer.interop import hf, porting
-from flax_transformer.models._shared import input_spec
 from flax_transformer.models.generate import bucket_shape, count_compiles
 from flax_transformer.models.generate import generate as flax_generate
+from flax_transformer.models.input_specs import input_spec
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.training.malloc import keep_freed_memory
 from torch_reference.generate import generate as torch_generate

@@ -12,11 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import (
-    RecordsInit,
-    StateDictError,
-    check_state_dict_mapping,
-)
+from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.state_dict_errors import StateDictError, check_state_dict_mapping
 
 
 class TorchStateDictError(StateDictError, RuntimeError):

@@ -26,8 +26,10 @@ import math
 import torch
 from torch import nn
 
-from flax_transformer.models._shared import InputSpec, TensorLoggingLevels, check_length
-from flax_transformer.models._shared import log_size as _log_size
+from flax_transformer.models.arg_checks import check_length
+from flax_transformer.models.input_specs import InputSpec
+from flax_transformer.models.shape_logging import TensorLoggingLevels
+from flax_transformer.models.shape_logging import log_size as _log_size
 
 from ._common import Module, attend, check_features, check_token_ids, check_values, stacked_heads
 

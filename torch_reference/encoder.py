@@ -20,8 +20,9 @@ import math
 import torch
 from torch import nn
 
-from flax_transformer.models._shared import InputSpec, check_length
+from flax_transformer.models.arg_checks import check_length
 from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.input_specs import InputSpec
 
 from ._common import Module, attend, check_features, check_token_ids, masked_mean, normalize_mask, stacked_heads
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import InputSpec, attention_variants, check_divisible, check_length
+from flax_transformer.models.arg_checks import attention_variants, check_divisible, check_length
+from flax_transformer.models.input_specs import InputSpec
 
 from ._common import (
     Module,

@@ -11,14 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flax_transformer.models._shared import (
-    check_generate_args,
-    check_length,
-    check_padding_mask,
-    input_spec,
-    is_greedy,
-    prompt_lengths,
-)
+from flax_transformer.models.arg_checks import check_length
+from flax_transformer.models.generation_args import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
+from flax_transformer.models.input_specs import input_spec
 
 from ._common import check_token_ids
 

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import InputSpec, check_divisible, check_length
+from flax_transformer.models.arg_checks import check_divisible, check_length
 from flax_transformer.models.configs import GPTConfig
+from flax_transformer.models.input_specs import InputSpec
 
 from ._common import Module, attend, check_features, check_token_ids, check_values
 

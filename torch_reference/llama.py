@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flax_transformer.models._shared import InputSpec
+from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
 
 from ._common import Module, attend, check_features, check_token_ids, check_values, normalize_mask

@@ -48,7 +48,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
     """(ids, mask) of the texts through the checkpoint's own tokenizer.json, right-padded to one length."""
     from tokenizers import Tokenizer
 
-    from flax_transformer.models._shared import input_spec
+    from flax_transformer.models.input_specs import input_spec
 
     tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
     tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 
 PLACEHOLDERS = {"i": r"\d+", "e": r"\d+", "h": r"\d+", "s": r"\d+", "p": "weight|bias", "emb": "wte|wpe",
                 "ln": "ln_1|ln_2", "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj",

@@ -52,7 +52,7 @@ from flax_transformer.interop import files, meta_llama, porting, safetensors_io
 from flax_transformer.interop.converter import convert, pattern
 from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, ours_to_hf
 from flax_transformer.interop.safetensors_io import open_weights, read
-from flax_transformer.models._shared import check_positive_float
+from flax_transformer.models.arg_checks import check_positive_float
 
 # bf16 weights against the fp32 model they were rounded from (``port --dtype bf16 --verify``):
 # each weight moves by up to 2**-9 of itself, and the outputs of a small random model by

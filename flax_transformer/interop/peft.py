@@ -37,7 +37,7 @@ from flax_transformer.interop import converter, files, hf, porting, safetensors_
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
-from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 
 __all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "check_base", "hf_module_paths", "load_peft", "read_config",
            "save_peft"]

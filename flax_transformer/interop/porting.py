@@ -71,7 +71,7 @@ from flax_transformer.interop.ties import (
 from flax_transformer.interop.values import check_value as _check_value
 from flax_transformer.interop.values import nonfinite
 from flax_transformer.interop.values import to_numpy as _to_numpy
-from flax_transformer.models._shared import StateDictError, check_state_dict_mapping
+from flax_transformer.models.state_dict_errors import StateDictError, check_state_dict_mapping
 
 __all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
            "flax_class", "flax_to_torch", "load_state_dict", "nonfinite", "state_dict", "tied_keys", "torch_class",

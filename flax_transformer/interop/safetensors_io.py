@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 
 # safetensors' dtype codes <-> numpy (bfloat16 and the float8s are ml_dtypes')
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",

@@ -9,7 +9,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flax_transformer.models._shared import MAX_LAYERS, check_flag, check_positive_float, check_probability, check_size
+from flax_transformer.models.arg_checks import (
+    MAX_LAYERS,
+    check_flag,
+    check_positive_float,
+    check_probability,
+    check_size,
+)
 
 
 def _set(config, name, value):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_transformer.models._shared import InputSpec, RecordsInit, attention_variants, check_divisible, check_length
+from flax_transformer.models.arg_checks import attention_variants, check_divisible, check_length
 from flax_transformer.models.attention import (
     attend,
     cache_mask,
@@ -29,6 +29,8 @@ from flax_transformer.models.attention import (
     update_cache,
 )
 from flax_transformer.models.checks import check_features, check_token_ids
+from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, masked_mean
 
 _SCALES = ("emb", "head")

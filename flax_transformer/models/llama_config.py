@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flax_transformer.models._shared import _shown, check_positive_float, check_size
+from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -78,7 +78,7 @@ class RopeScaling:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"rope_scaling must be None or a dict with 'rope_type', got {_shown(value)}")
+            raise ValueError(f"rope_scaling must be None or a dict with 'rope_type', got {shown(value)}")
         kind = value.get("rope_type", value.get("type", "default"))
         if kind == "default":
             return None
@@ -188,7 +188,7 @@ class LlamaConfig:
             kinds = tuple(self.layer_types) if isinstance(self.layer_types, (list, tuple)) else None
             if kinds is None or len(kinds) != self.num_hidden_layers or not set(kinds) <= set(LAYER_TYPES):
                 raise ValueError(f"layer_types must list {self.num_hidden_layers} of {LAYER_TYPES}, one per layer, "
-                                 f"got {_shown(self.layer_types)}")
+                                 f"got {shown(self.layer_types)}")
             if "sliding_attention" in kinds and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
             _set(self, "layer_types", kinds)
@@ -205,7 +205,7 @@ class LlamaConfig:
         if not isinstance(self.hidden_act, str) or self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"LlamaConfig.hidden_act {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"LlamaConfig.model_type must be one of {MODEL_TYPES}, got {_shown(self.model_type)}")
+            raise ValueError(f"LlamaConfig.model_type must be one of {MODEL_TYPES}, got {shown(self.model_type)}")
 
     @property
     def num_key_value_groups(self) -> int:

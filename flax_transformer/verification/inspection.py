@@ -109,7 +109,7 @@ def attentions(path, text: str, text_b: str | None = None, *, load=None, bert_on
     from tokenizers import Tokenizer
 
     from flax_transformer.interop import hf
-    from flax_transformer.models._shared import input_spec
+    from flax_transformer.models.input_specs import input_spec
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file(path)))
     tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length (MiniLM's pads to 128)

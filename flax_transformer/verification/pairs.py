@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.models._shared import input_spec
+from flax_transformer.models.input_specs import input_spec
 
 
 def load_pair(src, family: str | None = None, cls: str | None = None, config: str | dict | None = None, *,

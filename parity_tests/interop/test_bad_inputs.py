@@ -260,7 +260,7 @@ def test_metadata_can_name_only_the_library_model_classes_and_configs(tmp_path, 
 def test_model_class_table_lists_every_model_class_of_both_packages():
     import inspect
 
-    from flax_transformer.models._shared import RecordsInit
+    from flax_transformer.models.constructor_records import RecordsInit
 
     for family, names in checkpoints.MODEL_CLASSES.items():
         for package in PACKAGES.values():

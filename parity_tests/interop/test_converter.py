@@ -21,7 +21,7 @@ from flax_transformer.interop.converter_ops import (
     mxfp4_quantise,
 )
 from flax_transformer.interop.layer_kinds import AS_IS, CONV, TRANSPOSE, Layout, to_flax, to_torch, torch_shape
-from flax_transformer.models._shared import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")
 

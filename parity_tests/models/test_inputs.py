@@ -152,7 +152,7 @@ def test_out_of_range_ids_under_jit_give_nan_not_a_clamped_row():
 def test_package_boundaries():
     """torch_reference never imports JAX; flax_transformer's models never import torch."""
     code = ("import sys, torch_reference.former, torch_reference.encoder, torch_reference.gpt, "
-            "torch_reference.classic, torch_reference.generate; "
+            "torch_reference.classic, torch_reference.llama, torch_reference.generate; "
             "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'torch_reference imported jax'")
     subprocess.run([sys.executable, "-c", code], check=True)
     code = ("import sys, flax_transformer.models.former, flax_transformer.models.encoder, flax_transformer.models.gpt, "

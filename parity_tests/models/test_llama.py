@@ -24,8 +24,8 @@ from flax import nnx
 import flax_transformer.models.llama as fl
 import torch_reference.llama as tl
 from flax_transformer.interop import porting
-from flax_transformer.models._shared import InputSpec
 from flax_transformer.models.attention import set_attention
+from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.verification import frameworks
 from flax_transformer.verification.compare import compare

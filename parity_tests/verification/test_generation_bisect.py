@@ -145,7 +145,7 @@ def test_inputs_are_refused_before_anything_runs(prompt, new, message):
 
 
 def test_a_model_without_a_cache_is_refused():
-    from flax_transformer.models._shared import InputSpec
+    from flax_transformer.models.input_specs import InputSpec
 
     class Classifier:  # reads ids, generates nothing (as CTransformer)
         def input_spec(self):

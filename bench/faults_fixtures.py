@@ -140,7 +140,7 @@ import jax
 import numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
-from flax_transformer.training.checkpointing import Checkpoints
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.torch_export import restore_run
 from flax_transformer.training.torch_state import _field_and_param
 

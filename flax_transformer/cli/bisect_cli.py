@@ -14,8 +14,8 @@ from flax_transformer.verification.pairs import call_factory
 
 
 def load_model(path):
-    """``training.runs.load_model``, imported when first needed (the CLI starts without JAX)."""
-    from flax_transformer.training.runs import load_model as load
+    """``training.run_loading.load_model``, imported when first needed (the CLI starts without JAX)."""
+    from flax_transformer.training.run_loading import load_model as load
 
     return load(path)
 

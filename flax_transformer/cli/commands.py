@@ -339,7 +339,7 @@ def _attention_map(args) -> int:
 def _generate(args) -> int:
     """Continue a prompt with a ``train.lm`` run's model and tokenizer."""
     from flax_transformer.training import lm
-    from flax_transformer.training.runs import load_run
+    from flax_transformer.training.run_loading import load_run
 
     _check_text("--prompt", args.prompt)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

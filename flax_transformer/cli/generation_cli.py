@@ -27,7 +27,7 @@ def prompt_ids(folder, text: str) -> list[int]:
 
 def run(args) -> int:
     from flax_transformer.interop import files
-    from flax_transformer.training.runs import load_model  # as bisect_cli.load_model: run directories too
+    from flax_transformer.training.run_loading import load_model  # as bisect_cli.load_model: run directories too
     from flax_transformer.verification import bisect, pairs
     from flax_transformer.verification.generation_bisect import bisect_generation, check_inputs
 

@@ -47,7 +47,7 @@ def port_peft(args, dst: Path) -> int:
     certificate of its check in ``peft`` (``export.save_peft``) unless ``--no-certify``."""
     from flax_transformer.interop import files
     from flax_transformer.models import lora
-    from flax_transformer.training import lora_runs, runs
+    from flax_transformer.training import lora_runs, run_loading
     from flax_transformer.verification import certificate_peft, export
 
     extra = [flag for flag, given in (("--family/--class/--config", args.family or args.cls or args.config),
@@ -61,7 +61,7 @@ def port_peft(args, dst: Path) -> int:
         raise ValueError(f"--to peft reads a LoRA training run directory (python -m train.classify/train.lm "
                          f"--lora-rank R); {src} is not one")
     files.check_target(dst, kind="dir", overwrite=args.overwrite)
-    run = runs.load_run(src)
+    run = run_loading.load_run(src)
     if lora.config_of(run.model) is None:
         raise ValueError(f"{src} trained no LoRA adapter (train with --lora-rank R): nothing for --to peft")
     base = _base_of(src)

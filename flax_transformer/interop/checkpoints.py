@@ -247,7 +247,7 @@ def jax_tree_cast(tree, like):
 def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
     """A Flax model (eval mode) from any checkpoint that describes itself: an HF folder, an
     orbax folder from ``save_orbax`` or a ``save_safetensors`` file. A training run directory is
-    the training layer's to read: ``flax_transformer.training.runs.load_run(RUN_DIR)``."""
+    the training layer's to read: ``flax_transformer.training.run_loading.load_run(RUN_DIR)``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such checkpoint file or folder: {path}")
@@ -256,7 +256,7 @@ def load(path, *, dtype=jnp.float32, param_dtype=jnp.float32):
             return load_orbax(path, dtype=dtype, param_dtype=param_dtype)
         if (path / "run.json").is_file():  # a training run: its model is built by its task's code
             raise ValueError(f"{path} is a training run directory: load it with "
-                             "flax_transformer.training.runs.load_run(RUN_DIR) (its .model), or runs.load_model(RUN_DIR)")
+                             "flax_transformer.training.run_loading.load_run(RUN_DIR) (its .model), or run_loading.load_model(RUN_DIR)")
         from flax_transformer.interop import hf
 
         return hf.from_pretrained(path, dtype=dtype, param_dtype=param_dtype)

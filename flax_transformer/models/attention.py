@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.models.checks import _is_array, is_concrete
 from flax_transformer.models.fast_backward import _attention, _attention_weights, _scores_matmul, _values_matmul
+from flax_transformer.models.input_checks import _is_array, is_concrete
 
 
 def make_padding_mask(attention_mask: jax.Array) -> jax.Array:

@@ -17,8 +17,8 @@ from flax import nnx
 
 from flax_transformer.models.arg_checks import check_length
 from flax_transformer.models.attention import attend, cache_mask, empty_cache, update_cache
-from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, stacked_projection
 from flax_transformer.models.shape_logging import TensorLoggingLevels, log_size

@@ -16,9 +16,9 @@ from flax import nnx
 
 from flax_transformer.models.arg_checks import check_length
 from flax_transformer.models.attention import attend, normalize_mask
-from flax_transformer.models.checks import check_features, check_token_ids
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_checks import check_features, check_token_ids
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import (
     ACTIVATIONS,

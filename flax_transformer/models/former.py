@@ -28,8 +28,8 @@ from flax_transformer.models.attention import (
     normalize_mask,
     update_cache,
 )
-from flax_transformer.models.checks import check_features, check_token_ids
 from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_checks import check_features, check_token_ids
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import Embed, LayerNorm, Linear, ReLU, Sequential, lookup, masked_mean
 

@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.models.arg_checks import check_flag, check_length
-from flax_transformer.models.checks import check_token_ids, is_concrete
 from flax_transformer.models.generation_args import check_generate_args, check_padding_mask, is_greedy, prompt_lengths
+from flax_transformer.models.input_checks import check_token_ids, is_concrete
 from flax_transformer.models.input_specs import InputSpec, input_spec
 
 

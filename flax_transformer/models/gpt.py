@@ -17,9 +17,9 @@ from flax import nnx
 
 from flax_transformer.models.arg_checks import check_divisible, check_length
 from flax_transformer.models.attention import attend, cache_mask, empty_cache, fused_attention, update_cache
-from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.configs import GPTConfig
 from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, gather_rows, lookup
 from flax_transformer.models.layers import LayerNorm as TorchLayerNorm

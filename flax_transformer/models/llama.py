@@ -31,8 +31,8 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.models.attention import attend, cache_mask, empty_cache, normalize_mask, update_cache
-from flax_transformer.models.checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.input_checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies

@@ -8,23 +8,23 @@ command-line entry points.
 The modules import one way, each only from the lines above it (and from ``models``,
 ``interop``, ``verification``; never from ``cli``)::
 
-    errors, bounds, batching, data, tokenizers, step, malloc   # import nothing of this package
-    optim, limits, distributed, torch_state                    # the optimizer; memory/output checks; the mesh; torch's optimizer state
+    errors, config_bounds, batching, data, tokenizers, step, malloc   # import nothing of this package
+    optim, preflight, distributed, torch_state                 # the optimizer; memory/output checks; the mesh; torch's optimizer state
     run_config                                                 # RunConfig, and the task configs' nesting
     rundir                                                     # the run directory: run.json, lock, logs, curves
-    checkpointing                                              # the run's orbax checkpoints
+    run_checkpoints                                            # the run's orbax checkpoints
     loop, torch_write                                          # fit; a model and its optimizer as a torch checkpoint
     lm, seq2seq, pretrained, parity                            # the tasks; the hf classifier's parts; optimizer parity
     classify                                                   # the classifier task (uses pretrained)
-    runs                                                       # a run directory back as a model (the task named in run.json)
+    run_loading                                                # a run directory back as a model (the task named in run.json)
     torch_export                                               # a run directory, by its path, as a torch checkpoint
 """
 
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
-from flax_transformer.training.checkpointing import Checkpoints
 from flax_transformer.training.errors import NonFiniteLoss, RunError
 from flax_transformer.training.loop import FitResult, batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.rundir import create_run_dir, plot_curves, prepare_run_dir
 from flax_transformer.training.step import cross_entropy, make_steps
 

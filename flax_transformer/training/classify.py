@@ -32,13 +32,12 @@ from flax_transformer.interop import files
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.training import data, lora_runs, tokenizers, torch_write
 from flax_transformer.training.batching import Bucketed, Rows, default_buckets
-from flax_transformer.training.bounds import BIG, check_config
-from flax_transformer.training.checkpointing import Checkpoints
+from flax_transformer.training.config_bounds import BIG, check_config
 from flax_transformer.training.distributed import check_batch_size
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.limits import check_memory, check_output, step_bytes
 from flax_transformer.training.loop import batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.preflight import check_memory, check_output, step_bytes
 from flax_transformer.training.pretrained import (
     Probe,
     _check_export_target,
@@ -49,6 +48,7 @@ from flax_transformer.training.pretrained import (
     pooled_features,
     pretrained_tokenizer,
 )
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import (
     append_metrics,

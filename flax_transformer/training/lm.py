@@ -32,13 +32,13 @@ from flax import nnx
 from flax_transformer.interop import files
 from flax_transformer.training import data, lm_pretrained, lora_runs, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
-from flax_transformer.training.bounds import check_config
-from flax_transformer.training.checkpointing import Checkpoints
+from flax_transformer.training.config_bounds import check_config
 from flax_transformer.training.distributed import check_batch_size
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.limits import check_memory, check_output, step_bytes
 from flax_transformer.training.loop import batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.preflight import check_memory, check_output, step_bytes
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import config_of_run, is_main_process, open_run, prepare_run_dir, read_tokenizer
 from flax_transformer.training.step import cross_entropy

@@ -26,8 +26,8 @@ from flax import nnx
 
 from flax_transformer.interop import files
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import compute_dtype
+from flax_transformer.training.preflight import check_output
 
 # what the run directory keeps of the init folder: its config.json, to rebuild the same model
 INIT_CONFIG = "init_config.json"
@@ -137,7 +137,7 @@ def decode(tokenizer, ids) -> str:
 
 
 def step_sizes(folder: Path) -> dict:
-    """The model's sizes for ``limits.step_bytes`` (width, heads, layers, vocab), from its config.json."""
+    """The model's sizes for ``preflight.step_bytes`` (width, heads, layers, vocab), from its config.json."""
     _, kind, c = _model_config(folder)
     if kind == "gpt2":
         return dict(width=c.n_embd, heads=c.n_head, layers=c.n_layer, vocab=c.vocab_size)

@@ -44,10 +44,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from flax_transformer.interop.checkpoints import describe
-from flax_transformer.training.checkpointing import Checkpoints, check_disk_space, saved_filter
 from flax_transformer.training.distributed import place_state, put_batch
 from flax_transformer.training.errors import NonFiniteLoss, RunError
 from flax_transformer.training.optim import OptimConfig, make_optimizer, schedule
+from flax_transformer.training.run_checkpoints import Checkpoints, check_disk_space, saved_filter
 from flax_transformer.training.rundir import MetricsLog, _NoLog, is_main_process, lock_run_dir, plot_curves
 from flax_transformer.training.step import compiled_train_step, eval_step
 
@@ -141,7 +141,7 @@ def _restore(checkpoints, run_dir, model_state, opt_state, kept=None) -> tuple[i
     """Fill the states in place from the latest intact checkpoint; (its step, its metadata).
 
     Restored straight into the states' shardings: each process reads the shards it holds. With
-    ``kept`` (``checkpointing.saved_filter``), the model's variables it leaves out (a frozen base)
+    ``kept`` (``run_checkpoints.saved_filter``), the model's variables it leaves out (a frozen base)
     are not read: they stay as built."""
     held = model_state if kept is None else nnx.filter_state(model_state, kept)
     like = {"model": nnx.to_pure_dict(held), "optimizer": nnx.to_pure_dict(opt_state)}

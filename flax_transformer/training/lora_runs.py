@@ -12,7 +12,7 @@ A LoRA run fine-tunes low-rank adapters (``models.lora``) on a pretrained base a
   ``classifier``). Those train here, exactly (checked against ``get_peft_model``); the pooler stays frozen.
 * ``fit(..., wrt=...)`` trains only those; its checkpoints hold everything but the frozen base (the
   adapters, the head, RNG streams, the optimizer state). The run directory's ``lora.json`` records
-  the LoRA settings and a checksum of every frozen tensor (``checkpointing.array_checksums``), written
+  the LoRA settings and a checksum of every frozen tensor (``run_checkpoints.array_checksums``), written
   once at the start: a resume or ``load_run`` rebuilds the base from the init folder, adds LoRA with
   the recorded settings, refuses a folder whose weights changed, and restores the checkpoint.
 * ``--init-adapter FOLDER`` starts from a PEFT adapter (``interop.peft.load_peft``), whose
@@ -33,9 +33,9 @@ from flax import nnx
 
 from flax_transformer.interop import files
 from flax_transformer.models import lora
-from flax_transformer.training.checkpointing import array_checksums
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.limits import check_output
+from flax_transformer.training.preflight import check_output
+from flax_transformer.training.run_checkpoints import array_checksums
 from flax_transformer.training.rundir import is_main_process
 
 RECORD = "lora.json"

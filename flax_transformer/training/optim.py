@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import jax
 import optax
 
-from flax_transformer.training.bounds import check_config
+from flax_transformer.training.config_bounds import check_config
 
 _DECAYED = ("kernel", "matrix")
 

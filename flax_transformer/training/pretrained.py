@@ -20,8 +20,8 @@ from flax_transformer.interop import files
 from flax_transformer.training import tokenizers
 from flax_transformer.training.batching import Bucketed
 from flax_transformer.training.errors import RunError
-from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import compute_dtype
+from flax_transformer.training.preflight import check_output
 from flax_transformer.training.rundir import is_main_process
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flax_transformer.training.bounds import check_config, flag
+from flax_transformer.training.config_bounds import check_config, flag
 from flax_transformer.training.optim import OptimConfig, check_precision
 
 # the sub-configs a task config nests, by field name

@@ -1,4 +1,4 @@
-"""The run directory: ``run.json``, its lock, the logs and curves (the checkpoints: ``checkpointing``).
+"""The run directory: ``run.json``, its lock, the logs and curves (the checkpoints: ``run_checkpoints``).
 
 * ``open_run`` checks ``--out`` and the configuration, creates the folder and ``run.json``
   (a new run) and holds an exclusive lock on it (``.lock``, ``fcntl.flock``) while the run
@@ -8,7 +8,7 @@
   lock. With several processes, process 0 holds it for all of them.
 * A new run that fails before its first checkpoint (a bad flag found late, no memory, a
   full disk, a second Ctrl-C) removes what it made, so the same ``--out`` can be used again.
-* ``checkpoints/``: see ``checkpointing.Checkpoints`` (with a checksum of every array).
+* ``checkpoints/``: see ``run_checkpoints.Checkpoints`` (with a checksum of every array).
 * ``metrics.jsonl`` holds each (step, split) once: a resumed run cuts it back to the lines
   its checkpoint had seen, and a line written again replaces the old one.
 """

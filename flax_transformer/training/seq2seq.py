@@ -19,11 +19,11 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.training import torch_write
-from flax_transformer.training.bounds import check_config
+from flax_transformer.training.config_bounds import check_config
 from flax_transformer.training.distributed import check_batch_size
-from flax_transformer.training.limits import check_memory, check_output, step_bytes
 from flax_transformer.training.loop import batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
+from flax_transformer.training.preflight import check_memory, check_output, step_bytes
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.rundir import is_main_process, open_run, prepare_run_dir
 from flax_transformer.training.step import cross_entropy

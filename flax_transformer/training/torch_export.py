@@ -10,7 +10,7 @@ carries its dropout streams (``"jax"``), so importing it again continues exactly
 
 The writing itself (``torch_training_state``, ``save_torch_state``, ``check_entry_flags``, ...)
 is ``torch_write``'s, below the tasks, and given here too. This module sits above the tasks:
-``restore_run`` asks ``runs.load_run`` for the run's model (the task named in ``run.json``).
+``restore_run`` asks ``run_loading.load_run`` for the run's model (the task named in ``run.json``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from flax import nnx
 
 from flax_transformer.interop import files, porting
 from flax_transformer.training.optim import OptimConfig
-from flax_transformer.training.runs import load_run
+from flax_transformer.training.run_loading import load_run
 from flax_transformer.training.torch_state import import_torch_state, load_torch_state, torch_optimizer
 from flax_transformer.training.torch_state_checks import TorchStateError
 from flax_transformer.training.torch_write import (

@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files, porting
-from flax_transformer.training.checkpointing import Checkpoints
-from flax_transformer.training.limits import check_output
 from flax_transformer.training.optim import OptimConfig, from_task, make_optimizer
+from flax_transformer.training.preflight import check_output
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.torch_state import (
     _config_json,
     _dotted,

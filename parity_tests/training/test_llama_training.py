@@ -17,8 +17,8 @@ import pytest
 import torch
 from flax import nnx
 
-from flax_transformer.training import checkpointing, lm, rundir
-from flax_transformer.training.runs import load_model, load_run
+from flax_transformer.training import lm, run_checkpoints, rundir
+from flax_transformer.training.run_loading import load_model, load_run
 
 TEXT = "ROMEO: but soft, what light through yonder window breaks?\n" * 300
 STEPS = 8
@@ -40,7 +40,7 @@ def _saved_state(run_dir, step=None) -> dict:
     """{path: array} of a run's checkpoint (default: the latest): model, optimizer, RNG streams, step."""
     import orbax.checkpoint as ocp
 
-    checkpoints = checkpointing.Checkpoints(run_dir, read_only=True)
+    checkpoints = run_checkpoints.Checkpoints(run_dir, read_only=True)
     try:
         path = checkpoints.directory / str(checkpoints.latest() if step is None else step) / "state"
         with ocp.PyTreeCheckpointer() as reader:
@@ -118,7 +118,7 @@ def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     shutil.copytree(folder / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
     (split / "sample.txt").unlink()
-    assert checkpointing.Checkpoints(split, read_only=True).latest() == 4
+    assert run_checkpoints.Checkpoints(split, read_only=True).latest() == 4
     assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
     _assert_same_state(folder / "whole", split)
 

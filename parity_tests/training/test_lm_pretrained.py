@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer.training import checkpointing, errors, lm, rundir
-from flax_transformer.training.runs import load_model, load_run
+from flax_transformer.training import errors, lm, run_checkpoints, rundir
+from flax_transformer.training.run_loading import load_model, load_run
 
 LINES = ["ROMEO: but soft, what light through yonder window breaks?",
          "JULIET: O Romeo, Romeo! wherefore art thou Romeo?",
@@ -170,7 +170,7 @@ def test_resume_equals_the_uninterrupted_run(whole, tmp_path):
     shutil.copytree(tmp / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
     (split / "sample.txt").unlink()
-    assert checkpointing.Checkpoints(split, read_only=True).latest() == 4
+    assert run_checkpoints.Checkpoints(split, read_only=True).latest() == 4
     assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
     _assert_same_state(tmp / "whole", split)
 

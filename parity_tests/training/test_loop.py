@@ -52,7 +52,7 @@ def _linear_loss(model, batch):
 
 
 def test_fit_logs_what_happened_and_ends_with_a_checkpoint_and_an_eval_mode_model(tmp_path):
-    from flax_transformer.training import loop
+    from flax_transformer.training import loop, run_checkpoints, rundir
     from flax_transformer.training.optim import OptimConfig, schedule
 
     modes = []
@@ -62,7 +62,7 @@ def test_fit_logs_what_happened_and_ends_with_a_checkpoint_and_an_eval_mode_mode
         return {"loss": 0.0, "count": 1.0}
 
     config = OptimConfig(lr=0.1, warmup_steps=4)
-    loop.create_run_dir(tmp_path, {"x": 1})
+    rundir.create_run_dir(tmp_path, {"x": 1})
     with jax.numpy_dtype_promotion("standard"):  # optax's step count (see test_training.py)
         result = loop.fit(_tiny_model(), config, _linear_loss, _Linear(), run_dir=tmp_path, steps=6,
                           run_config={"x": 1}, evaluate=evaluate, eval_every=3, checkpoint_every=4, log_every=2,
@@ -70,7 +70,7 @@ def test_fit_logs_what_happened_and_ends_with_a_checkpoint_and_an_eval_mode_mode
     assert result.step == 6 and not result.interrupted
     assert result.model.dropout.deterministic, "fit returns its model in eval mode"
     assert modes == [True, True], "evaluation runs in eval mode, at step 3 and once at the end"
-    records = loop.read_metrics(tmp_path)
+    records = rundir.read_metrics(tmp_path)
     assert [(r["step"], r["split"]) for r in records if r["split"] == "eval"] == [(3, "eval"), (6, "eval")]
     train = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6]
@@ -81,7 +81,7 @@ def test_fit_logs_what_happened_and_ends_with_a_checkpoint_and_an_eval_mode_mode
         assert r["train_mode"] == 1.0, "the train step runs in train mode"
         assert r["grad_norm"] == pytest.approx((norms[s - 2] + norms[s - 1]) / 2, rel=1e-5)
         assert r["lr"] == pytest.approx(float(schedule(config)(s - 1)), rel=1e-6), "lr of the step's update"
-    checkpoints = loop.Checkpoints(tmp_path)
+    checkpoints = run_checkpoints.Checkpoints(tmp_path)
     try:
         assert checkpoints.steps()[-1] == 6, "the last step is saved"
     finally:
@@ -89,11 +89,11 @@ def test_fit_logs_what_happened_and_ends_with_a_checkpoint_and_an_eval_mode_mode
 
 
 def test_an_infinite_loss_stops_the_run(tmp_path):
-    from flax_transformer.training import loop
+    from flax_transformer.training import errors, loop, rundir
     from flax_transformer.training.optim import OptimConfig
 
-    loop.create_run_dir(tmp_path, {"x": 1})
-    with jax.numpy_dtype_promotion("standard"), pytest.raises(loop.NonFiniteLoss, match="loss is inf at step 3"):
+    rundir.create_run_dir(tmp_path, {"x": 1})
+    with jax.numpy_dtype_promotion("standard"), pytest.raises(errors.NonFiniteLoss, match="loss is inf at step 3"):
         loop.fit(_tiny_model(), OptimConfig(lr=0.1), _linear_loss, _Linear(poison_at=2), run_dir=tmp_path, steps=6,
                  run_config={"x": 1}, checkpoint_every=10, progress=False, tensorboard=False)
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from flax_transformer.models import lora
-from flax_transformer.training import checkpointing, classify, errors, lm, rundir
+from flax_transformer.training import classify, errors, lm, run_checkpoints, rundir
 
 from .test_run_faults import _raw_restore
 from .test_runs import _main, tree_of, write_fake_imdb
@@ -149,7 +149,7 @@ def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys)
     split = tmp_path / "split"
     shutil.copytree(tmp / "whole", split)
     shutil.rmtree(split / "checkpoints" / str(STEPS))
-    assert checkpointing.Checkpoints(split, read_only=True).latest() == 2
+    assert run_checkpoints.Checkpoints(split, read_only=True).latest() == 2
     capsys.readouterr()
     assert _main("classify", ["--out", split, "--resume", "--lora-rank", 8, "--data-dir", tmp / "data"]) == 2
     err = capsys.readouterr().err

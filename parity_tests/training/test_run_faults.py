@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer.training import checkpointing, data, loop, rundir, seq2seq
+from flax_transformer.training import data, loop, run_checkpoints, rundir, seq2seq
 from flax_transformer.training.errors import RunError
 from flax_transformer.training.loop import fit
 from flax_transformer.training.optim import OptimConfig
@@ -129,10 +129,10 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
     whole = _tiny_fit(tmp_path / "whole")
     create_run_dir(tmp_path / "run", {"x": 1})
     _tiny_fit(tmp_path / "run")
-    assert checkpointing.Checkpoints(tmp_path / "run").steps() == [5, 10]
+    assert run_checkpoints.Checkpoints(tmp_path / "run").steps() == [5, 10]
     _flip_bytes_silently(tmp_path / "run" / "checkpoints" / "10")
 
-    checkpoints = checkpointing.Checkpoints(tmp_path / "run")
+    checkpoints = run_checkpoints.Checkpoints(tmp_path / "run")
     from flax_transformer.models.former import CTransformer
 
     with pytest.raises(RunError, match=r"checkpoints/10 is corrupt: .* of its arrays \(\['model'\]"):
@@ -143,7 +143,7 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
     err = capsys.readouterr().err
     assert "checkpoints/10 is corrupt" in err and "resuming from the previous checkpoint, step 5" in err
     assert (tmp_path / "run" / "broken-checkpoints" / "10").is_dir()  # kept, out of the way
-    assert checkpointing.Checkpoints(tmp_path / "run").steps() == [5, 10]  # step 10 written again, intact
+    assert run_checkpoints.Checkpoints(tmp_path / "run").steps() == [5, 10]  # step 10 written again, intact
     a, b = _params(whole), _params(resumed)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # no NaN, no garbage: the real run

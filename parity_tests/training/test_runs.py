@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_transformer.training import checkpointing, classify, lm, rundir, seq2seq
+from flax_transformer.training import classify, lm, run_checkpoints, rundir, seq2seq
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets
 from flax_transformer.training.errors import NonFiniteLoss, RunError
 from flax_transformer.training.loop import fit
 from flax_transformer.training.optim import OptimConfig
+from flax_transformer.training.run_loading import load_model, load_run
 from flax_transformer.training.rundir import create_run_dir
-from flax_transformer.training.runs import load_model, load_run
 from flax_transformer.verification import certificate_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def tree_of(run_dir, step=None):
     """The saved state of a run's checkpoint (default latest) as {path: numpy array}, whatever its sharding."""
     import orbax.checkpoint as ocp
 
-    checkpoints = checkpointing.Checkpoints(run_dir)
+    checkpoints = run_checkpoints.Checkpoints(run_dir)
     try:
         step = checkpoints.latest() if step is None else step
         path = checkpoints.directory / str(step) / "state"
@@ -172,7 +172,7 @@ def _assert_run_files(run_dir):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert checkpointing.Checkpoints(run_dir).steps()
+    assert run_checkpoints.Checkpoints(run_dir).steps()
 
 
 @pytest.mark.slow(reason="test_lm_tiny_end_to_end and test_seq2seq_tiny_end_to_end (the same CLI and loop), test_filler_rows' classify steps, test_certificate's exports")
@@ -257,7 +257,7 @@ def test_lm_tiny_end_to_end(tmp_path, capsys):
 
     loaded = load_run(run)
     assert loaded.task == "lm" and type(load_model(run)).__name__ == type(loaded.model).__name__
-    with pytest.raises(ValueError, match=r"training run directory.*training.runs.load_run"):
+    with pytest.raises(ValueError, match=r"training run directory.*training.run_loading.load_run"):
         checkpoints.load(run)  # the I/O layer does not rebuild runs: it names the function that does
     expected = lm.continue_text(loaded.config, loaded.model, loaded.tokenizer, "ROMEO: but", max_new_tokens=12,
                                 greedy=True)
@@ -339,7 +339,7 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     monkeypatch.setattr(seq2seq, "Examples", lambda c: _interrupt_at(real_examples(c), 17))
     first = seq2seq.train_and_evaluate(config, tmp_path / "split", progress=False)
     assert first["interrupted"] and first["step"] == 18  # stopped after the step in flight, and saved
-    assert checkpointing.Checkpoints(tmp_path / "split").latest() == 18
+    assert run_checkpoints.Checkpoints(tmp_path / "split").latest() == 18
     monkeypatch.setattr(seq2seq, "Examples", real_examples)
     # a run.json written before the task configs nested run/optim (flat fields) still resumes, exactly
     saved = json.loads((tmp_path / "split" / "run.json").read_text())
@@ -377,7 +377,7 @@ def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "Saved a checkpoint at step" in err
-    step = checkpointing.Checkpoints(run).latest()
+    step = run_checkpoints.Checkpoints(run).latest()
     assert step is not None and step >= 10
     assert json.loads((run / "run.json").read_text())["run"]["steps"] == 100000
 
@@ -405,7 +405,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 14.*checkpoints/10"):
         fit(model, OptimConfig(lr=1e-3), loss_fn, Poisoned(), run_dir=tmp_path, steps=30, run_config={"x": 1},
             checkpoint_every=5, progress=False, tensorboard=False)
-    assert checkpointing.Checkpoints(tmp_path).steps() == [5, 10]
+    assert run_checkpoints.Checkpoints(tmp_path).steps() == [5, 10]
     assert all(np.isfinite(v).all() for k, v in tree_of(tmp_path).items() if v.dtype.kind == "f")
 
 
@@ -464,7 +464,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
             p.write_bytes(b"\0" * 7)
         if step == 80:
             with pytest.raises(RunError, match="checkpoints/80 is unreadable"):
-                checkpointing.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
+                run_checkpoints.Checkpoints(run).restore_model(seq2seq.build_model(seq2seq.Seq2SeqConfig.tiny()))
     before = digest(run)
     capsys.readouterr()
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--resume", "--no-progress", "--steps", 80]) == 2

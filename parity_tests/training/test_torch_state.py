@@ -342,7 +342,7 @@ def _saved_state(run_dir, step=None) -> dict:
     """{path: array} of a run's checkpoint (default: the latest)."""
     import orbax.checkpoint as ocp
 
-    from flax_transformer.training.checkpointing import Checkpoints
+    from flax_transformer.training.run_checkpoints import Checkpoints
 
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:

@@ -256,7 +256,7 @@ def test_port_refuses_to_write_a_run_whose_moment_is_inf(trained_run, tmp_path, 
     """The fault sweep's run: an inf exp_avg_sq in the run's checkpoint. ``port --to torch-state --verify``
     refuses to write it (one line naming the moment, exit 2) instead of passing."""
     from flax_transformer.cli import commands as cli
-    from flax_transformer.training.checkpointing import Checkpoints
+    from flax_transformer.training.run_checkpoints import Checkpoints
     from flax_transformer.training.torch_export import restore_run
 
     run = tmp_path / "run"
@@ -307,7 +307,7 @@ def training_run(trained_run, tmp_path, monkeypatch):
 
 def test_a_reader_reads_the_newer_checkpoint_when_the_trainer_removes_the_one_it_reads(training_run, trained_run):
     from flax_transformer.training import seq2seq
-    from flax_transformer.training.checkpointing import Checkpoints
+    from flax_transformer.training.run_checkpoints import Checkpoints
 
     run, events = training_run
     reader = Checkpoints(run, read_only=True)
@@ -323,7 +323,7 @@ def test_a_reader_reads_the_newer_checkpoint_when_the_trainer_removes_the_one_it
 
 
 def test_load_run_reads_the_newer_checkpoint(training_run, trained_run):
-    from flax_transformer.training.runs import load_run
+    from flax_transformer.training.run_loading import load_run
 
     run, events = training_run
     got, want = load_run(run).model, load_run(trained_run).model
@@ -347,8 +347,8 @@ def test_a_checkpoint_removed_twice_is_one_clear_error(trained_run, tmp_path, mo
     import orbax.checkpoint as ocp
 
     from flax_transformer.training import seq2seq
-    from flax_transformer.training.checkpointing import Checkpoints
     from flax_transformer.training.errors import RunError
+    from flax_transformer.training.run_checkpoints import Checkpoints
 
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)

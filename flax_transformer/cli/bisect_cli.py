@@ -1,7 +1,7 @@
 """``flax-transformer verify --pair MODULE:FACTORY`` and ``verify --checkpoint PATH --bisect``.
 
 Loading what the user names (a factory of their own, or a checkpoint and its tokenizer) and
-printing ``verify.compare``'s or ``bisect.bisect``'s report; ``cli.py`` only parses flags.
+printing ``compare.compare``'s or ``bisect.bisect``'s report; ``cli.py`` only parses flags.
 """
 
 from __future__ import annotations
@@ -72,7 +72,15 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
     from flax_transformer.interop import files
-    from flax_transformer.verification import bisect, certificate, pairs, verify
+    from flax_transformer.verification import (
+        bisect,
+        certificate,
+        certificate_subjects,
+        compare,
+        measure,
+        pairs,
+        reports,
+    )
 
     if getattr(args, "bisect_generate", False):
         from flax_transformer.cli import generation_cli
@@ -107,13 +115,13 @@ def run(args) -> int:
             raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; "
                              f"{args.checkpoint} is a {'training run' if not bare else 'bare state_dict'} "
                              "(port it first: flax-transformer port SRC DST)")
-        flax_model, torch_model = (certificate.load_pair(args.checkpoint)
+        flax_model, torch_model = (certificate_subjects.load_pair(args.checkpoint)
                                    if bare and certificate.find(args.checkpoint) else
                                    pairs.load_pair(args.checkpoint, load=load_model, dtype=dtype))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
                      else pairs.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}
-    call_args, call_kwargs = bisect.fp32_inputs(tuple(call_args)), bisect.fp32_inputs(call_kwargs)
+    call_args, call_kwargs = measure.fp32_inputs(tuple(call_args)), measure.fp32_inputs(call_kwargs)
     what = args.pair or args.checkpoint
     allow = dict(allow_skipped=args.allow_skipped, allow_nonfinite=args.allow_nonfinite, rename=rename or None)
     try:
@@ -121,7 +129,7 @@ def run(args) -> int:
             report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
                                    use_jit=not args.no_jit, seed=args.seed, **allow)
         else:
-            report = verify.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+            report = compare.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
                                     use_jit=not args.no_jit, seed=args.seed, **allow)
     except SystemExit as stop:  # a model that exits while it is checked: no verdict, never exit 0
         raise ValueError(f"running {what} failed: the model called sys.exit({stop.code!r}) while it was checked; "
@@ -137,7 +145,7 @@ def run(args) -> int:
     else:
         failed = not report.passed  # its summary, printed with it, ends with pass or FAIL and why
     if args.json:
-        text = bisect.json_text(report.to_dict())
+        text = reports.json_text(report.to_dict())
         files.write_text(args.json, text + "\n", overwrite=args.overwrite)
         print(f"wrote {args.json}")
     if ".html" in pictures:

@@ -33,7 +33,7 @@ def _highest_precision():
 
 def _verify(args) -> int:
     _highest_precision()
-    from flax_transformer.verification import verify
+    from flax_transformer.verification import reports, verify
 
     start = time.perf_counter()
     from flax_transformer.models.generate import check_seed
@@ -67,10 +67,10 @@ def _verify(args) -> int:
             progress.update()
     if progress is not None:
         progress.close()
-    print(verify.format_table(rows))
+    print(reports.format_table(rows))
     failed = [r for r in rows if not r.passed]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
-          f"(tolerance {verify.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
+          f"(tolerance {reports.TOLERANCE:g}, {time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
 
 
@@ -79,7 +79,14 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone. ``dtype``
     (``--dtype bf16``): the table of the model computing in bf16, by bf16's budget (the certificate
     is of the weights, re-checked in float32 as it was made)."""
-    from flax_transformer.verification import certificate, certificate_check, certificate_peft, verify
+    from flax_transformer.verification import (
+        certificate,
+        certificate_check,
+        certificate_peft,
+        certificate_schema,
+        reports,
+        verify,
+    )
 
     if certificate_peft.is_adapter(path):  # a PEFT adapter folder: its certificate, measured through peft again
         if pair is not None or dtype != "fp32":
@@ -99,15 +106,15 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
         if report is None or report.passed:
             raise
         rows, agreements = [], []  # a changed tensor can make the weights unloadable: the certificate names it
-        print(f"cannot load {path} for the table: {certificate._brief(error)}")
+        print(f"cannot load {path} for the table: {certificate_schema.brief(error)}")
     if rows:
-        print(verify.format_table(rows))
+        print(reports.format_table(rows))
     for what, agreement in agreements:  # a language model: its next-token distributions, beside the max abs err
         print(f"\n{what}:\n" + "\n".join(f"  {line}" for line in agreement.lines()))
     failed = [r for r in rows if not r.passed] + [a for _, a in agreements if not a.passed]
     print(f"\n{len(rows) + len(agreements) - len(failed)} passed, {len(failed)} failed" if rows else
           "\nnothing compared: the table has no rows (a failure)", end="")
-    judged = f"tolerance {verify.TOLERANCE:g}" if dtype == "fp32" else "bf16: each row by bf16's float64 budget"
+    judged = f"tolerance {reports.TOLERANCE:g}" if dtype == "fp32" else "bf16: each row by bf16's float64 budget"
     print(f" ({judged}, {time.perf_counter() - start:.1f} s)")
     if report is not None:
         print("\n" + report.format())
@@ -117,7 +124,7 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
 def _verify_training(args, start) -> int:
     """``verify --train-steps K``: K optimizer steps in torch and in JAX, losses side by side."""
     from flax_transformer.training import parity
-    from flax_transformer.verification import verify
+    from flax_transformer.verification import reports
 
     if args.through_torch_state:
         return _verify_through_torch_state(args, start)
@@ -129,7 +136,7 @@ def _verify_training(args, start) -> int:
             failed += not ok
             print(parity.format_trajectory(result))
             print(f"  -> {'pass' if ok else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
-    print(f"{failed} failed (tolerance {verify.TOLERANCE:g} on losses and relative on parameters, "
+    print(f"{failed} failed (tolerance {reports.TOLERANCE:g} on losses and relative on parameters, "
           f"{time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
 
@@ -154,7 +161,7 @@ def _verify_through_torch_state(args, start) -> int:
 def _port(args) -> int:
     _highest_precision()
     from flax_transformer.interop import checkpoints, files, hf
-    from flax_transformer.verification import certificate, export, pairs, verify
+    from flax_transformer.verification import certificate, compare, export, pairs, reports
 
     dst = Path(args.dst)
     if args.to == "torch-state":
@@ -201,13 +208,13 @@ def _port(args) -> int:
 
         reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
-        err, finite = verify.compare(reloaded.eval(), flax_model, pairs.example_inputs(flax_model))
+        err, finite = compare.compare(reloaded.eval(), flax_model, pairs.example_inputs(flax_model))
     else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
         reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf._kind_of(flax_model)[2]
                     else checkpoints.load(dst))
-        err, finite = verify.compare(torch_model, reloaded, pairs.example_inputs(reloaded))
+        err, finite = compare.compare(torch_model, reloaded, pairs.example_inputs(reloaded))
     # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
-    tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (verify.TOLERANCE, "")
+    tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (reports.TOLERANCE, "")
     ok = finite and err <= tolerance
     print(f"verify: max abs err {err:.2e}{'' if finite else ' (NaN/inf)'} between {args.src} (torch) and "
           f"{dst}{what} (reloaded) -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")

@@ -28,7 +28,7 @@ def prompt_ids(folder, text: str) -> list[int]:
 def run(args) -> int:
     from flax_transformer.interop import files
     from flax_transformer.training.run_loading import load_model  # as bisect_cli.load_model: run directories too
-    from flax_transformer.verification import bisect, pairs
+    from flax_transformer.verification import pairs, reports
     from flax_transformer.verification.generation_bisect import bisect_generation, check_inputs
 
     if not args.checkpoint:
@@ -57,6 +57,6 @@ def run(args) -> int:
         raise ValueError(f"running {args.checkpoint} failed: {type(error).__name__}: {message}") from None
     print(report)
     if args.json:
-        files.write_text(args.json, bisect.json_text(report.to_dict()) + "\n", overwrite=args.overwrite)
+        files.write_text(args.json, reports.json_text(report.to_dict()) + "\n", overwrite=args.overwrite)
         print(f"wrote {args.json}")
     return 0 if report.passed else 1

@@ -71,7 +71,7 @@ def port_peft(args, dst: Path) -> int:
           ("without a certificate (--no-certify)" if args.no_certify else f"and its certificate {dst / 'verification.json'}"))
     if not args.verify:
         return 0
-    report = certificate_peft.Report(dst)
+    report = certificate_peft.AdapterReport(dst)
     report.measured = certificate_peft.measure(run.model, dst, base)
     if not certificate_peft._passed(report.measured):
         report.failures.append("the adapter through peft does not compute the run's model")

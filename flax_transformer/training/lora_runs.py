@@ -257,13 +257,18 @@ def check_peft(path, folder, model, *, task: str, texts=None, ids=None, num_labe
 
 def _float32_twin(model, base):
     """``base`` (the run's base model built to compute in float32) with ``model``'s LoRA and parameters: what a
-    bf16 run's model computes, in float32, to compare with peft's float32 model."""
-    applied = lora.config_of(model)
-    lora.apply(base, rank=applied.rank, alpha=applied.alpha, dropout=applied.dropout, targets=applied.targets,
-               use_rslora=applied.use_rslora, rngs=nnx.Rngs(0))
-    nnx.update(base, nnx.state(model, nnx.Param))  # float32 storage either way: the same values
-    base.eval()
-    return base
+    bf16 run's model computes, in float32, to compare with peft's float32 model (``measure.fp32_twin``)."""
+    from flax_transformer.verification import measure
+
+    def adapted():
+        applied = lora.config_of(model)
+        lora.apply(base, rank=applied.rank, alpha=applied.alpha, dropout=applied.dropout, targets=applied.targets,
+                   use_rslora=applied.use_rslora, rngs=nnx.Rngs(0))
+        return base
+
+    # float32 storage either way: the same values
+    return measure.fp32_twin(model, build=adapted, fill=lambda twin: nnx.update(twin, nnx.state(model, nnx.Param)),
+                             values_differ=True)
 
 
 def peft_options(task: str, folder) -> dict:

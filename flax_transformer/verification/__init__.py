@@ -4,5 +4,10 @@ against float64 torch), ``certificate`` and ``certificate_check`` (what an expor
 re-check), ``export`` (certified writers), ``pairs`` (a checkpoint as a pair, example inputs),
 ``inspection`` (``summary``, attention maps).
 
+One measuring core (``measure``: the float64 reference, torch at a lower precision, the fp32 twin,
+gradients, the distances), one budget rule (``precision``), one report protocol (``reports.Report``)
+and one certificate flow (``certificate``, with its subjects in ``certificate_subjects`` and
+``certificate_peft``) serve all of them.
+
 Imports ``models`` and ``interop`` only; torch lazily.
 """

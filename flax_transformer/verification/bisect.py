@@ -22,7 +22,7 @@ innermost module where it appears (its parents contain it and return later). Whe
 introduced one but some diverged (an error built up gradually), it is the first diverged call.
 
 With ``grads=True`` the same three models also give every parameter's gradient of
-``sum_i <output_i, W_i>`` (fixed random W, as ``verify.compare``), each judged by the same
+``sum_i <output_i, W_i>`` (fixed random W, as ``compare.compare``), each judged by the same
 budget, taken over the whole model (``grad_budget``: torch's largest gradient error and the
 largest fp64 gradient; a gradient that is a small residue of cancelling terms, such as an
 attention key bias's, exactly zero, has rounding that follows the terms, not its own size). ``first_divergent_grad`` names a parameter: when the
@@ -54,42 +54,35 @@ torch is imported lazily (this is a verification module).
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
-from flax_transformer.verification import capture, frameworks, positions
+from flax_transformer.verification import capture, frameworks, measure
 from flax_transformer.verification import precision as _precision
-from flax_transformer.verification.bisect_report import (  # noqa: F401  (bisect.X: the public names)
+from flax_transformer.verification.bisect_report import (
     BOTH_NONFINITE,
     COVERED_FREE,
     COVERED_READ,
-    DIVERGED,
-    EPS32,
-    FLOOR_ULPS,
-    GRADIENTS,
-    INCOMPLETE,
     MODEL,
-    SLACK,
     TORCH_NONFINITE,
     BisectReport,
     GradRow,
     ModuleRow,
-    _fails,
-    _finite_max,
-    _first_divergent,
-    _path,
-    budget,
-    budget_rule,
+    attach,
     first_divergent_grad,
-    grad_budget,
-    grad_budgets,
-    json_text,
 )
+from flax_transformer.verification.measure import (
+    cast,
+    finite_part_errs,
+    fp32_inputs,
+    nonfinite_counts,
+    torch_copy,
+    torch_grads,
+)
+from flax_transformer.verification.precision import budget, grad_budgets
 
 # ---------------------------------------------------------------- measuring
 
@@ -110,53 +103,6 @@ def _aligned(ref_out, t32_out, jax_out, channels_last: bool):
     if any(j is None for j in js):
         return None
     return [want[t] for t, _ in pairs], [got_t[t] for t, _ in pairs], js
-
-
-def _err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
-    """max |got - want| in float64; equal values (equal infinities too) count as 0, NaN on both
-    sides as 0, NaN on one side as infinite. A distance only: whether non-finite values pass is
-    decided apart (``_nonfinite_counts``), and they never agree."""
-    err = 0.0
-    for a, b in zip(got, want, strict=True):
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        with np.errstate(invalid="ignore"):  # inf - inf
-            d = np.atleast_1d(np.abs(a64 - b64))  # 0-d outputs give a numpy scalar, which takes no assignment
-        d[np.atleast_1d(a64 == b64)] = 0.0  # inf - inf is NaN: equal infinities agree
-        d[np.atleast_1d(np.isnan(a64) & np.isnan(b64))] = 0.0
-        err = max(err, float(np.nan_to_num(d, nan=np.inf, posinf=np.inf).max(initial=0.0)))
-    return err
-
-
-def _scale(arrays: list[np.ndarray]) -> float:
-    """max |finite value|: an infinity in the reference would make the budget infinite."""
-    return max(map(_finite_max, arrays), default=0.0)
-
-
-def _cast(tree, dtype):
-    """Every floating torch tensor in a structure cast to ``dtype`` (ids and masks kept)."""
-    if hasattr(tree, "is_floating_point"):
-        return tree.to(dtype) if tree.is_floating_point() else tree
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_cast(x, dtype) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _cast(v, dtype) for k, v in tree.items()}
-    return tree
-
-
-def fp32_inputs(tree):
-    """Every floating array (numpy, JAX or torch) in a structure as float32, ids and masks kept:
-    the float32 runs take float32 inputs whatever the caller gave (float64 numpy, say)."""
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(fp32_inputs(x) for x in tree)
-    if isinstance(tree, dict):
-        return {k: fp32_inputs(v) for k, v in tree.items()}
-    if frameworks._is_torch(tree):
-        import torch
-
-        return _cast(tree, torch.float32)
-    if isinstance(tree, (np.ndarray, jax.Array)) and jnp.issubdtype(tree.dtype, jnp.floating):
-        return tree.astype(np.float32) if isinstance(tree, np.ndarray) else tree.astype(jnp.float32)
-    return tree
 
 
 def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: bool = False):
@@ -193,34 +139,13 @@ def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None):
         return None, None
     dtype = dtype or torch.float32
     with torch.no_grad():
-        torch_out = torch_module(*_cast(ref_call.args, dtype), **_cast(ref_call.kwargs, dtype))
+        torch_out = torch_module(*cast(ref_call.args, dtype), **cast(ref_call.kwargs, dtype))
     jax_out = jax_call.module(*inputs[0], **inputs[1])
     got_t = _floats(torch_out)
     got_j = [frameworks.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
     if len(got_t) != len(want) or len(got_j) != len(want) or any(a is None for a in got_j):
         return None, None
-    return _err(got_t, want), _err(got_j, want)
-
-
-def _nonfinite_counts(got_t: list, got_j: list) -> tuple[int, int, int]:
-    """(values NaN/inf in JAX only, in torch fp32 only, in both as the same value), over the arrays
-    of one output; different non-finite values at one position count on both sides."""
-    jax_only = torch_only = both = 0
-    for t, j in zip(got_t, got_j, strict=True):
-        only_t, only_j, same, differ = frameworks.nonfinite(t, j)
-        jax_only, torch_only, both = jax_only + only_j + differ, torch_only + only_t + differ, both + same
-    return jax_only, torch_only, both
-
-
-def _finite_part_errs(got_t: list, got_j: list, want: list) -> tuple[float, float]:
-    """(torch err, JAX err) against ``want`` over the positions finite in all three."""
-    torch_err = jax_err = 0.0
-    for t, j, w in zip(got_t, got_j, want, strict=True):
-        t64, j64, w64 = (np.atleast_1d(np.asarray(a, np.float64)) for a in (t, j, w))
-        keep = np.isfinite(t64) & np.isfinite(j64) & np.isfinite(w64)
-        torch_err = max(torch_err, float(np.abs(t64 - w64)[keep].max(initial=0.0)))
-        jax_err = max(jax_err, float(np.abs(j64 - w64)[keep].max(initial=0.0)))
-    return torch_err, jax_err
+    return measure.err(got_t, want), measure.err(got_j, want)
 
 
 def _all_finite(tree) -> bool:
@@ -335,14 +260,14 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
             continue
         want, got_t, got_j = aligned
         moved = channels_last and any(w.ndim >= 3 for w in want)
-        torch_err, jax_err, scale = _err(got_t, want), _err(got_j, want), _scale(want)
-        if measured is not None and not moved and (found := positions.measure(want, got_t, got_j, length)):
+        torch_err, jax_err, scale = measure.err(got_t, want), measure.err(got_j, want), measure.scale(want)
+        if measured is not None and not moved and (found := measure.position_errors(want, got_t, got_j, length)):
             measured[name] = found
-        jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
+        jax_only, torch_only, both = nonfinite_counts(got_t, got_j)
         if jax_only:  # NaN/inf in JAX where torch has another value: never agreement
             jax_err = float("inf")
         elif both and not torch_only:  # the same NaN/inf in both: judge the finite rest by the budget
-            torch_err, jax_err = _finite_part_errs(got_t, got_j, want)
+            torch_err, jax_err = finite_part_errs(got_t, got_j, want)
         local = (None, None)
         if rerun and jax_err > budget(torch_err, scale, precision):  # only a diverged call needs the rerun
             local = _rerun_alone(modules32[ref.path], ref, jx, want, precision.torch_dtype())
@@ -405,24 +330,24 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     rule = _precision.resolve(precision, flax_model)
     torch_model.eval()
     flax_model.eval()
-    reference = copy.deepcopy(torch_model).double()
-    low = torch_model if rule is _precision.FP32 else copy.deepcopy(torch_model).to(rule.torch_dtype())
+    reference = torch_copy(torch_model, torch.float64)
+    low = torch_model if rule is _precision.FP32 else torch_copy(torch_model, rule.torch_dtype())
     args, kwargs = fp32_inputs(tuple(args)), fp32_inputs(kwargs)  # the fp64 reference casts them back up
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     with torch.no_grad():
-        t_out, t32 = capture.torch_calls(low, _cast(t_args, rule.torch_dtype()), _cast(t_kwargs, rule.torch_dtype()))
-        _, ref = capture.torch_calls(reference, _cast(t_args, torch.float64), _cast(t_kwargs, torch.float64))
+        t_out, t32 = capture.torch_calls(low, cast(t_args, rule.torch_dtype()), cast(t_kwargs, rule.torch_dtype()))
+        _, ref = capture.torch_calls(reference, cast(t_args, torch.float64), cast(t_kwargs, torch.float64))
     j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
     modules32, measured = dict(low.named_modules()), {}
     rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
                         _flax_names(flax_model), pairs, _tied(torch_model), measured,
-                        positions.sequence_length((t_args, t_kwargs)), rule)
+                        measure.sequence_length((t_args, t_kwargs)), rule)
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared,
-                          positions=positions.attach(rows, measured), precision=rule.name)
+                          positions=attach(rows, measured), precision=rule.name)
     if grads:
         report.grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule)
         report.first_divergent_grad = first_divergent_grad(report, [call.path for call in t32])
@@ -430,18 +355,6 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 
 
 # ---------------------------------------------------------------- gradients
-
-
-def _torch_grads(model, args, kwargs, weights, loss_fn, dtype) -> dict[str, np.ndarray]:
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    with torch.enable_grad():
-        frameworks.torch_scalar(model(*_cast(args, dtype), **_cast(kwargs, dtype)), weights, loss_fn).backward()
-    grads = {k: frameworks.to_numpy(p.grad if p.grad is not None else torch.zeros_like(p))
-             for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None,
@@ -454,12 +367,12 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
 
     torch_fn, flax_fn = frameworks.split_loss_fn(loss_fn)
     with torch.no_grad():
-        out = torch_model(*_cast(args, rule.torch_dtype()), **_cast(kwargs, rule.torch_dtype()))
-    weights = {} if torch_fn is not None else frameworks.default_weights(out, seed)  # verify.compare's W
+        out = torch_model(*cast(args, rule.torch_dtype()), **cast(kwargs, rule.torch_dtype()))
+    weights = {} if torch_fn is not None else frameworks.default_weights(out, seed)  # compare.compare's W
     if torch_fn is None and not weights:
         raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; give loss_fn=")
-    g32 = _torch_grads(torch_model, args, kwargs, weights, torch_fn, rule.torch_dtype())
-    g64 = _torch_grads(reference, args, kwargs, weights, torch_fn, torch.float64)
+    _, g32 = torch_grads(torch_model, args, kwargs, weights, torch_fn, rule.torch_dtype())
+    _, g64 = torch_grads(reference, args, kwargs, weights, torch_fn, torch.float64)
     j_args = tuple(map(frameworks.to_jax, args))
     j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     t_paths = tuple(p for p, v in frameworks.flatten(out) if v is not None)
@@ -481,12 +394,12 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
                                 + ("" if rename else " (rename=?)"), note=key.note, keys=key.tied))
             continue
         (scale, limit), got_t, got_j = budgets[key.name], [g32[key.name]], [frameworks.sum_grads(gj, key.flax)]
-        torch_err, jax_err = _err(got_t, [want]), _err(got_j, [want])
-        jax_only, torch_only, both = _nonfinite_counts(got_t, got_j)
+        torch_err, jax_err = measure.err(got_t, [want]), measure.err(got_j, [want])
+        jax_only, torch_only, both = nonfinite_counts(got_t, got_j)
         if jax_only:
             jax_err = float("inf")
         elif both and not torch_only:
-            torch_err, jax_err = _finite_part_errs(got_t, got_j, [want])
+            torch_err, jax_err = finite_part_errs(got_t, got_j, [want])
         status = "ok" if jax_err <= limit and not jax_only else "diverged"
         if torch_only and not jax_only:
             status = TORCH_NONFINITE

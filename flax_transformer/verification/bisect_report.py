@@ -1,25 +1,45 @@
-"""What ``bisect`` reports: the budget rule, one row per module call (``ModuleRow``) and per
+"""What ``bisect`` reports: one row per module call (``ModuleRow``) and per
 parameter gradient (``GradRow``), and ``BisectReport`` (verdict, summary, tree, JSON).
 
 ``bisect`` (the measuring) builds these; this module holds no measuring code, so a change to
 how a report reads or judges touches only this file. The module docstring of ``bisect``
 describes the statuses and the verdict.
+
+Error against position (``PositionErrors``, in ``BisectReport.positions``): where along a sequence
+JAX's error leaves the budget.
+
+A position-dependent bug (RoPE scaling ignored, a sliding window off by one, a shifted position
+table) is invisible in one number per module: the error is zero at the first positions and
+grows, or starts at one position. So for every module call whose output is a sequence,
+``bisect`` also keeps the error per position:
+
+* ``jax[p]`` = max over batch and features of |JAX - float64| at position p,
+* ``torch[p]`` = the same for torch fp32 (what float32 costs at p),
+
+and ``onset``, the first position where ``jax[p]`` is above the call's budget (``bisect``'s rule,
+one budget per call: so a call has an onset exactly when it diverged, and a correct port has
+none). NaN or inf in JAX counts as an infinite error at its position, unless the float64 value
+is the same infinity.
+
+A sequence output is one whose floating-point arrays hold positions on axis 1 (``(b, t, ...)``,
+at least 3 dimensions, axis 1 of the input's length: the first input of 2 or more dimensions,
+``(b, t)`` ids or ``(b, t, features)``); arrays of another shape in the same output (an attention
+map, an encoder's output of another length) count in the call's row, not in its positions. A
+layer compared through a layout change (a convolution: axis 1 is channels there) has none.
+
+The report keeps every call's positions; its ``to_dict`` writes the arrays for the first
+divergent call and the model's output only (3 significant digits), and every row's onset.
+``measure.position_errors`` measures, this module prints.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from flax_transformer.verification import positions as _positions
-from flax_transformer.verification.precision import FP32, PRECISIONS, Precision
-
-SLACK = FP32.slack  # JAX may be this many times less accurate than torch fp32 ...
-FLOOR_ULPS = FP32.floor_ulps  # ... or this many float32 steps of the output's largest magnitude
-EPS32 = FP32.eps
-
+from flax_transformer.verification.precision import PRECISIONS, Precision, budget, budget_rule
+from flax_transformer.verification.reports import Report
 
 MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
 GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
@@ -30,57 +50,6 @@ COVERED_READ = "covered: the Flax twin reads this module without calling it (in 
 BOTH_NONFINITE = "not finite in either framework"  # a status: fails unless allow_nonfinite
 TORCH_NONFINITE = "not finite in torch only"  # a status: always fails
 DIVERGED = ("introduced", "inherited", "diverged")
-
-
-def budget(torch_err: float, scale: float, precision: Precision = FP32) -> float:
-    """The largest JAX error (vs fp64) that is still rounding at ``precision`` (``precision.py``;
-    float32: ``max(SLACK * torch_err, FLOOR_ULPS * EPS32 * scale)``)."""
-    return precision.budget(torch_err, scale)
-
-
-def grad_budgets(g32: dict[str, np.ndarray], g64: dict[str, np.ndarray],
-                 precision: Precision = FP32) -> dict[str, tuple[float, float]]:
-    """{parameter: (scale, budget)} of its gradient: one budget for all of a model's gradients,
-    ``grad_budget`` of each one's torch fp32 error (finite values) and largest |fp64| value."""
-    own = {}
-    for name, want in g64.items():
-        err = 0.0
-        if name in g32:
-            t64, w64 = np.atleast_1d(np.asarray(g32[name], np.float64)), np.atleast_1d(np.asarray(want, np.float64))
-            keep = np.isfinite(t64) & np.isfinite(w64)
-            err = float(np.abs(t64 - w64)[keep].max(initial=0.0))
-        own[name] = (err, _finite_max(want))
-    shared = grad_budget(own, precision)
-    return {name: shared for name in own}
-
-
-def grad_budget(own: dict[str, tuple[float, float]], precision: Precision = FP32) -> tuple[float, float]:
-    """(scale, budget) for every gradient of one model, from each parameter's own (torch fp32
-    error, largest |fp64 gradient|): ``budget(torch_err, scale)`` with both the largest over the
-    model. JAX's gradients must be as accurate as torch's, within ``SLACK``, taken over the model.
-
-    Not parameter by parameter: a gradient can be a small residue of large cancelling terms, and
-    its rounding then follows the terms, which torch and XLA sum differently. An attention key
-    bias's gradient is exactly zero, all noise (on all-MiniLM-L6-v2 JAX's error was 17 times
-    torch's); the query and key weights behind a saturated softmax are small residues (the
-    classic Transformer's first attention layers, whose inputs are embeddings times
-    sqrt(d_model): on correct ports JAX's error reached 36 times torch's there, and 0.6 of a
-    budget taken over each module). Over the model, correct ports of every family use at most
-    0.35 of it; a wrong backward (a doubled gradient) is orders of magnitude beyond."""
-    torch_err = max((err for err, _ in own.values()), default=0.0)
-    scale = max((s for _, s in own.values()), default=0.0)
-    return scale, budget(torch_err, scale, precision)
-
-
-def _finite_max(a) -> float:
-    """max |finite value| of an array: an infinity in the reference would make the budget infinite."""
-    a = np.atleast_1d(np.abs(np.asarray(a, np.float64)))
-    return float(a[np.isfinite(a)].max(initial=0.0))
-
-
-def budget_rule(precision: Precision = FP32) -> dict:
-    """The rule's constants, as the reports' ``to_dict()`` record them."""
-    return precision.rule()
 
 
 def _path(name: str) -> str:
@@ -157,7 +126,7 @@ def _fmt(x) -> str:
 
 
 @dataclass
-class BisectReport:
+class BisectReport(Report):
     """``bisect``'s findings; ``str(report)`` is a table, ``report.tree()`` an indented tree.
 
     ``first_divergent`` is None exactly when the report passed; when it failed, a non-empty
@@ -174,7 +143,7 @@ class BisectReport:
     first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
     outputs_differ: list[str] = field(default_factory=list)  # model outputs that are not float arrays and differ
     outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
-    # {row path: positions.PositionErrors}: the error per position of every sequence output
+    # {row path: PositionErrors}: the error per position of every sequence output
     positions: dict = field(default_factory=dict)
     precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
 
@@ -286,7 +255,7 @@ class BisectReport:
             if any(r.status == BOTH_NONFINITE for r in self.rows):
                 line += f" (values {BOTH_NONFINITE} allowed: allow_nonfinite" + (f"; {at})" if at else ")")
         lines.append(line)
-        where = _positions.summary_line(self.positions, None if path is None else _path(path))
+        where = summary_line(self.positions, None if path is None else _path(path))
         lines += [where] if where else []
         if self.grad_rows:
             if self.first_divergent_grad is None:
@@ -348,18 +317,8 @@ class BisectReport:
                 "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
                 "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(self.rule), "modules": rows,
-                "gradients": grads, "positions": _positions.report_dict(
+                "gradients": grads, "positions": report_dict(
                     self.positions, None if self.first_divergent is None else _path(self.first_divergent))}
-
-    def to_json(self, path=None, *, overwrite: bool = False) -> str:
-        """The report as JSON text; also written to ``path`` (through ``files``) when given."""
-        text = json_text(self.to_dict())
-        if path is not None:
-            from flax_transformer.interop import files
-
-            files.check_target(path, kind="file", overwrite=overwrite)
-            files.write_text(path, text + "\n", overwrite=overwrite)
-        return text
 
     def to_html(self, path=None, *, overwrite: bool = False) -> str:
         """The report as one self-contained HTML page (``bisect_picture``: a row per module call on a
@@ -383,22 +342,6 @@ class BisectReport:
         data = bisect_picture.to_png(self)
         files.write_bytes(path, data, overwrite=overwrite)
         return data
-
-
-def json_text(data: dict) -> str:
-    """JSON of a report's ``to_dict()`` (infinities and NaN as strings: JSON has no such numbers)."""
-    return json.dumps(_finite(data), indent=1)
-
-
-def _finite(x):
-    """inf/NaN as strings: JSON has no such numbers."""
-    if isinstance(x, float) and not np.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
 
 
 def _table(header, body) -> str:
@@ -433,3 +376,70 @@ def _first_divergent(rows: list[ModuleRow]) -> str | None:
     introduced = [r.path for r in rows if r.status == "introduced"]
     diverged = [r.path for r in rows if r.status in ("inherited", "diverged")]
     return (introduced or diverged or [None])[0]
+
+
+# ---------------------------------------------------------------- error against position
+
+
+@dataclass(frozen=True)
+class PositionErrors:
+    """One call's error per position against float64, and its budget (``precision.budget``)."""
+
+    torch: np.ndarray  # (t,) max |torch fp32 - fp64| at each position
+    jax: np.ndarray  # (t,) max |JAX - fp64| at each position
+    budget: float
+
+    @property
+    def onset(self) -> int | None:
+        """The first position where JAX's error is above the budget (or not finite); None: none is."""
+        out = ~(self.jax <= self.budget)  # NaN compares False: out
+        return int(np.argmax(out)) if out.any() else None
+
+    @property
+    def peak(self) -> int:
+        """The position of JAX's largest error (the first, on ties)."""
+        return int(np.argmax(np.nan_to_num(self.jax, nan=np.inf)))
+
+    def to_dict(self) -> dict:
+        return {"onset": self.onset, "peak": self.peak, "budget": self.budget, "length": len(self.jax),
+                "jax": _rounded(self.jax), "torch": _rounded(self.torch)}
+
+
+def attach(rows, measured: dict) -> dict[str, PositionErrors]:
+    """{row path: PositionErrors} from ``measure``'s results by row path and each row's budget."""
+    by_path = {r.path: r for r in rows}
+    return {path: PositionErrors(t, j, by_path[path].budget) for path, (t, j) in measured.items()
+            if path in by_path and by_path[path].budget is not None}
+
+
+def summary_line(positions: dict[str, PositionErrors], first: str | None, model_path: str = "") -> str | None:
+    """The report's positions line: where the first divergent call's error starts (``first``: its row
+    path), and where the model's output's does or that it stays within budget; None when neither
+    is a sequence."""
+    at, root = positions.get(first) if first is not None else None, positions.get(model_path)
+    parts = []
+    if at is not None and at.onset is not None:
+        parts.append(f"error starts at position {at.onset} of {len(at.jax)} in {first or '(model)'} "
+                     f"(JAX {_fmt_error(at.jax[at.onset])} there, budget {_fmt_error(at.budget)}; largest at position {at.peak})")
+    if root is not None and root is not at:
+        if root.onset is not None:
+            parts.append(f"the model's output from position {root.onset} (largest at position {root.peak})")
+        else:
+            ratio = float(np.max(root.jax, initial=0.0)) / root.budget if root.budget > 0 else 0.0
+            parts.append(f"the model's output within budget at all {len(root.jax)} positions "
+                         f"(largest error at position {root.peak}, {ratio:.2f} of the budget)")
+    return ("positions: " + "; ".join(parts)) if parts else None
+
+
+def report_dict(positions: dict[str, PositionErrors], first: str | None, model_path: str = "") -> dict:
+    """The arrays the JSON keeps: the first divergent call's and the model output's, by row path."""
+    keep = [p for p in (first, model_path) if p is not None and p in positions]
+    return {p: positions[p].to_dict() for p in dict.fromkeys(keep)}
+
+
+def _rounded(a: np.ndarray) -> list:
+    return [float(f"{x:.3g}") if np.isfinite(x) else float(x) for x in np.asarray(a, np.float64)]
+
+
+def _fmt_error(x) -> str:
+    return f"{x:.2e}" if np.isfinite(x) else str(float(x))

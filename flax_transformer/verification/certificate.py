@@ -18,13 +18,15 @@ second. An interrupted export can therefore leave old weights under a new certif
 new weights without one, and ``recheck`` reports that mismatch (the file's hash is recorded).
 
 ``certificate_check.recheck(path)`` (``flax-transformer verify --checkpoint PATH``) checks the certificate
-field by field (``read``, ``validate``: one line naming the file and the field), recomputes
-the hashes (a changed tensor is named), reruns the measurement on the recorded inputs, and
-compares versions (see its ``Report`` for what fails and what is a note).
+field by field (``read``, ``certificate_schema.validate``: one line naming the file and the field),
+recomputes the hashes (a changed tensor is named), reruns the measurement on the recorded inputs,
+and compares versions (see its ``RecheckReport`` for what fails and what is a note).
 
-This module makes and reads certificates; it writes no file. The writers of ``interop`` take
-its ``sidecar`` hook, and ``export`` puts the two together. A user's own model, certified against
-its torch reference, adds its own fields: ``certificate_user``.
+This module is the flow: it makes (``make``) and reads (``read``) certificates and writes no file.
+The writers of ``interop`` take its ``sidecar`` hook, and ``export`` puts the two together. What a
+certificate is about is its *subject* (``ExportSubject``, in ``certificate_subjects``: a family's
+model, a user's own model against its torch reference; ``certificate_peft``: a PEFT adapter): the
+subject describes itself, reloads what was written and measures it; the flow does the rest.
 """
 
 from __future__ import annotations
@@ -39,21 +41,9 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.interop import files
-from flax_transformer.verification import pairs
-from flax_transformer.verification.certificate_schema import (  # noqa: F401 (re-exported: certificate.X as before)
-    DTYPES,
-    FORMAT,
-    FORMATS,
-    INPUT_BOUNDS,
-    MAX_BYTES,
-    MAX_TOKENS,
-    USER,
-    CertificateError,
-    _brief,
-    _name,
-    validate,
-)
-from flax_transformer.verification.compare import TOLERANCE, compare, grads_row
+from flax_transformer.verification.certificate_schema import FORMAT, MAX_BYTES, CertificateError, brief, validate
+from flax_transformer.verification.precision import FP32
+from flax_transformer.verification.reports import TOLERANCE, grads_row
 
 FOLDER_NAME = "verification.json"  # inside an HF or orbax folder
 FILE_SUFFIX = ".verification.json"  # beside a single file: x.safetensors.verification.json
@@ -90,19 +80,19 @@ def find(path) -> Path | None:
 # ------------------------------------------------------------------ what is recorded
 
 
-def _sha256(data: bytes) -> str:
+def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
     """Every tensor of a written export, under the names it has in the file (numpy; bf16 stays bf16)."""
-    from flax_transformer.interop import checkpoints, hf, orbax_quiet
+    from flax_transformer.interop import checkpoints, hf, orbax_quiet, safetensors_io
 
     path = Path(path)
     if fmt == "safetensors":
         return checkpoints.read_safetensors(path)[0]
     if fmt == "torch":  # by content: the temporary file being checked has no suffix
-        return hf._torch_pickle(path)
+        return safetensors_io.read_torch_pickle(path)
     if fmt == "hf":
         return hf.read_weights(path)
     import jax
@@ -120,7 +110,7 @@ def tensor_hashes(tensors: dict) -> dict[str, dict]:
     out = {}
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        out[name] = {"sha256": _sha256(a.tobytes()), "dtype": str(a.dtype), "shape": list(a.shape)}
+        out[name] = {"sha256": sha256(a.tobytes()), "dtype": str(a.dtype), "shape": list(a.shape)}
     return out
 
 
@@ -145,7 +135,7 @@ def versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
-    if out["torch"] is not None and _torch() is None:
+    if out["torch"] is not None and torch_available() is None:
         out["torch"] = None
     return out
 
@@ -158,7 +148,8 @@ def platform_info() -> dict[str, str]:
             "jax_backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device))}
 
 
-def _torch():
+def torch_available():
+    """torch, if it imports; else None."""
     try:
         import torch
     except ImportError:
@@ -169,129 +160,21 @@ def _torch():
 # ------------------------------------------------------------------------ measuring
 
 
-FLOAT64_RULE = "jax_err <= max(10 x torch_err, 16 x eps32 x max|float64|) (bisect.budget)"
+FLOAT64_RULE = FP32.formula() + " (precision.budget)"  # the rule as a certificate records it
 
 
-def _float64(row) -> dict:
+def float64_entry(row) -> dict:
     """A row's errors against the float64 torch copy, its budget and whether JAX is within it."""
     return {"jax_err": row.jax_err, "torch_err": row.torch_err, "budget": row.budget, "rule": FLOAT64_RULE,
             "passed": row.within_budget is not False and not row.skipped}
 
 
-def _torch_model(path, fmt: str, description: dict, tensors: dict | None = None):
-    """The torch_reference model of what was written at ``path``, built and filled from the file."""
-    from flax_transformer.interop import checkpoints, hf, porting
-
-    if fmt == "hf":
-        if description["class"] == "TransformerForSequenceClassification":
-            return hf.torch_classifier_from_pretrained(path)
-        return hf.torch_from_pretrained(path)
-    if fmt == "orbax":  # torch cannot read orbax: through the library's own reader and port
-        return porting.flax_to_torch(checkpoints.load_orbax(path)).eval()
-    model = checkpoints.build(description, framework="torch")
-    if tensors is None:
-        tensors = read_tensors(path, fmt)
-    model.load_state_dict(hf.torch_state(tensors))
-    return model.eval()
-
-
-def _flax_model(path, fmt: str, description: dict, tensors: dict | None = None):
-    """The Flax model of what was written at ``path`` (for a re-check: the exported model is gone)."""
-    from flax_transformer.interop import checkpoints, hf, porting
-
-    if fmt == "hf":
-        if description["class"] == "TransformerForSequenceClassification":
-            return hf.classifier_from_pretrained(path)
-        return hf.from_pretrained(path)
-    if fmt == "orbax":  # re-homed as the export's twin was, so the check's compiled code is shared
-        return fp32_twin(checkpoints.load_orbax(path))
-    model = checkpoints.build(description)  # as checkpoints.load, whatever the file's suffix
-    porting.load_state_dict(model, tensors if tensors is not None else read_tensors(path, fmt), strict=True)
-    model.eval()
-    return model
-
-
-def load_pair(path):
-    """(Flax model, torch model) of a certified export, each read from the files; a bare torch
-    ``.pt`` needs no ``--family``/``--class``/``--config`` here: its certificate describes it."""
-    record = read(path)
-    if record["model"]["family"] == USER:  # the library cannot build it: the user's factory does
-        model = record["model"]
-        raise CertificateError(f"{path} is an export of your own model ({model['module']}.{model['class']}): the "
-                               "library cannot build it; re-check it with its factory (certificate_check.recheck("
-                               "PATH, pair='MODULE:FACTORY'), flax-transformer verify --checkpoint PATH --pair "
-                               "MODULE:FACTORY), or bisect that pair with --pair")
-    # the Flax model first: built abstract and loaded strictly, it holds the description to the file's
-    # tensors before torch allocates anything from it
-    flax_model = _flax_model(path, record["format"], record["model"])
-    return flax_model, _torch_model(path, record["format"], record["model"])
-
-
-def fp32_twin(model, state: dict | None = None):
-    """The exported model as a Flax model computing in float32 (eval mode), with the same values.
-
-    The certificate is about the weights: a model that computes in bf16 is measured in fp32, so
-    one tolerance holds; bf16 parameters widen to float32 exactly. A float32 model on one device
-    is used as it is, through an eval-mode view (the caller's model keeps its mode; building a
-    twin costs a trace of the whole model). Anything else is rebuilt from the numpy ``state``
-    (torch names; default ``porting.state_dict(model)``), so sharded parameters never enter a
-    computation here; pass ``state`` when the file holds other values (a bf16 export)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from flax_transformer.interop import checkpoints, porting
-
-    if state is None and type(model).__module__.startswith("torch_reference"):
-        twin = porting.torch_to_flax(model)
-        twin.eval()
-        return twin
-    if state is None:
-        dtype = model.init_kwargs().get("dtype")
-        params = jax.tree.leaves(nnx.state(model, nnx.Param))
-        if (dtype is None or jnp.dtype(dtype) == jnp.float32) and all(
-                p.dtype == jnp.float32 and p.is_fully_addressable and len(p.sharding.device_set) == 1 for p in params):
-            return nnx.view(model, deterministic=True, use_running_average=True, raise_if_not_found=False)
-        state = porting.state_dict(model)
-    twin = checkpoints.build(checkpoints.describe(model))
-    porting.load_state_dict(twin, state, strict=True)
-    twin.eval()  # a copy: the caller's model keeps its mode
-    return twin
-
-
-def measure(flax_model, torch_model, *, seed: int = INPUTS["seed"], batch: int = INPUTS["batch"],
-            length: int = INPUTS["length"]) -> dict:
-    """{"inputs", "forward", "backward"}: ``flax_model`` against ``torch_model`` on example inputs.
-
-    forward: the largest |torch - flax| over the outputs (``max_abs_err``), and relative to the
-    outputs' scale ``max(1, max |torch output|)`` (``max_rel_err``, the one held to the tolerance).
-    backward: the largest parameter gradient error relative to the gradient's scale
-    (``verify.compare(..., grads=True)``). Both in fp32 with matmul precision "highest", against
-    ``compare.TOLERANCE`` and ``BACKWARD_TOLERANCE``; and both against a float64 torch copy of
-    the model by ``bisect``'s budget rule (``float64``: JAX's and torch's errors, the budget).
-    Any non-finite value, or anything not compared, fails."""
-    import jax
-
-    if getattr(flax_model, "input_spec", None) is None:  # a sub-module (an attention layer...)
-        reason = f"not measured: {type(flax_model).__name__} is not a whole model (no input_spec() to draw inputs from)"
-        return {"inputs": None, "forward": {"not_measured": reason}, "backward": {"not_measured": reason}}
-    args = pairs.example_inputs(flax_model, seed=seed, batch=batch, length=length)
-    inputs = {"seed": seed, "batch": batch, "length": length,
-              "shapes": [None if a is None else list(np.shape(a)) for a in args],
-              "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
-    lm = flax_model.input_spec().generates  # a language model: its next-token distributions too (lm_agreement)
-    with jax.default_matmul_precision("highest"):  # forward and backward, one compile
-        report = compare(torch_model, flax_model, args, grads=True, seed=seed, lm=lm,
-                         lm_mask=pairs.lm_mask(flax_model, args) if lm else None)
-    return {"inputs": inputs} | _entries(report) | ({"lm": report.lm.to_dict()} if lm else {})
-
-
-def _entries(report) -> dict:
+def entries(report) -> dict:
     """{"forward", "backward"} of a certificate from ``compare(..., grads=True)``'s report."""
     err, finite, scale, rel = float(report.max_abs_err), bool(report.finite), max(1.0, report.scale), report.max_rel_err
     grads = grads_row(report, "", "", "", "grads")
     grad_err, grad_finite = float(report.grad_err), bool(report.grad_finite)
-    forward64, backward64 = _float64(report.rows[0]), _float64(grads)
+    forward64, backward64 = float64_entry(report.rows[0]), float64_entry(grads)
     forward = {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
                "finite": finite, "tolerance": TOLERANCE, "float64": forward64,
                "passed": finite and rel <= TOLERANCE and forward64["passed"] and not report.rows[0].mismatched}
@@ -301,15 +184,15 @@ def _entries(report) -> dict:
     # what was not compared, or differs outright (a user's model: an output leaf, a gradient with no twin)
     for entry, row in ((forward, report.rows[0]), (backward, grads)):
         if row.skipped or row.mismatched:
-            entry["not_compared"] = _brief("; ".join(filter(None, (row.skipped, row.mismatched))), 500)
+            entry["not_compared"] = brief("; ".join(filter(None, (row.skipped, row.mismatched))), 500)
     return {"forward": forward, "backward": backward}
 
 
-def _not_measured(reason: str) -> dict:
+def not_measured(reason: str) -> dict:
     return {"inputs": dict(INPUTS), "forward": {"not_measured": reason}, "backward": {"not_measured": reason}}
 
 
-def _skeleton(written: Path, fmt: str, description: dict, tensors: dict, name: str | None) -> dict:
+def skeleton(written: Path, fmt: str, description: dict, tensors: dict, name: str | None) -> dict:
     """Everything a certificate records but the measurement."""
     return {"certificate": FORMAT, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "format": fmt, "model": description, "files": file_hashes(written, fmt, name),
@@ -318,9 +201,9 @@ def _skeleton(written: Path, fmt: str, description: dict, tensors: dict, name: s
             "matmul_precision": "highest", "versions": versions(), "platform": platform_info()}
 
 
-def _refuse_failed(record: dict, label: str, reloaded: str) -> None:
+def refuse_failed(record: dict, label: str, reloaded: str) -> None:
     """``CertificateError`` naming every failed entry of ``record``: the caller then writes nothing."""
-    failed = [f"{k} {_value(v)} (tolerance {v['tolerance']:g}){_float64_note(v)}{_not_compared_note(v)}"
+    failed = [f"{k} {value_of(v)} (tolerance {v['tolerance']:g}){float64_note(v)}{not_compared_note(v)}"
               for k in ("forward", "backward") if not (v := record[k]).get("passed", True)]
     if not record.get("lm", {}).get("passed", True):
         failed.append(lm_line(record["lm"]))
@@ -329,31 +212,56 @@ def _refuse_failed(record: dict, label: str, reloaded: str) -> None:
                                f"was written, {reloaded}; nothing was written (certify=False writes without the check)")
 
 
-def make(written, fmt: str, model, *, name: str | None = None, state: dict | None = None) -> dict:
-    """The certificate of the export just written at ``written`` (a temporary path) of ``model``.
+class ExportSubject:
+    """What an export's certificate is about (``certificate_subjects``): ``formats`` it can be
+    written as; ``describe()`` (the certificate's ``model``), ``inputs()`` (fields recorded before
+    the measurement), ``load(written, fmt, description, tensors, name)`` (the (Flax, torch) pair
+    that measures what was written) and ``measure(flax_model, torch_model)`` (``inputs``,
+    ``forward``, ``backward``, ``lm``); ``reloaded`` says how, for a refusal. ``record`` is the
+    whole flow (``make``); a subject whose record is its own (a PEFT adapter) overrides it."""
+
+    formats: tuple[str, ...] = ()
+    reloaded = "reloaded in torch"
+    needs_torch = True  # without torch the check is recorded as not measured
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+    def inputs(self) -> dict:
+        return {}
+
+    def load(self, written: Path, fmt: str, description: dict, tensors: dict, name: str | None):
+        raise NotImplementedError
+
+    def measure(self, flax_model, torch_model) -> dict:
+        raise NotImplementedError
+
+    def record(self, written: Path, fmt: str, final: Path) -> dict:
+        """The certificate of what was written at ``written``, to be swapped in at ``final``."""
+        return make(written, fmt, self, name=final.name)
+
+
+def make(written, fmt: str, subject: ExportSubject, *, name: str | None = None) -> dict:
+    """The certificate of the export just written at ``written`` (a temporary path) of ``subject``.
 
     Raises ``CertificateError`` when the check fails: the caller then writes nothing."""
-    from flax_transformer.interop import checkpoints
-
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt not in subject.formats:
+        raise ValueError(f"format must be one of {', '.join(subject.formats)}, got {fmt!r}")
     written = Path(written)
-    description = checkpoints.describe(model)
+    description = subject.describe()
     tensors = read_tensors(written, fmt)
-    reuse = tensors if fmt != "hf" else None  # the HF torch model reads the folder itself
-    record = _skeleton(written, fmt, description, tensors, name)
-    del tensors  # hashed: not held through the measurement
-    if _torch() is None:
-        record |= _not_measured("not measured: torch not installed")
+    record = skeleton(written, fmt, description, tensors, name) | subject.inputs()
+    if subject.needs_torch and torch_available() is None:
+        record |= not_measured("not measured: torch not installed")
     else:
-        torch_model = _torch_model(written, fmt, description, reuse)
-        reuse = None  # copied into the torch model
-        record |= measure(fp32_twin(model, state), torch_model)
-    _refuse_failed(record, name or written.name, "reloaded in torch")
+        flax_model, torch_model = subject.load(written, fmt, description, tensors, name)
+        del tensors  # hashed and loaded: not held through the measurement
+        record |= subject.measure(flax_model, torch_model)
+    refuse_failed(record, name or written.name, subject.reloaded)
     return record
 
 
-def _error(entry: dict, relative: bool = True) -> float:
+def error_of(entry: dict, relative: bool = True) -> float:
     """The error held to the tolerance: relative where recorded (a forward entry written before
     the forward error was relative has ``max_abs_err`` alone), else the absolute one."""
     if relative and "max_rel_err" in entry:
@@ -361,7 +269,7 @@ def _error(entry: dict, relative: bool = True) -> float:
     return float(entry.get("max_abs_err", entry.get("max_rel_err")))
 
 
-def _float64_note(entry: dict) -> str:
+def float64_note(entry: dict) -> str:
     """"" when the entry met the float64 rule (or has none: certificates before it), else the figures."""
     f = entry.get("float64")
     if not f or f.get("passed", True):
@@ -371,14 +279,14 @@ def _float64_note(entry: dict) -> str:
     return f"; float64 rule failed: {figures}"
 
 
-def _not_compared_note(entry: dict) -> str:
+def not_compared_note(entry: dict) -> str:
     return f"; not compared: {entry['not_compared']}" if entry.get("not_compared") else ""
 
 
-def _value(entry: dict, relative: bool = True) -> str:
+def value_of(entry: dict, relative: bool = True) -> str:
     if "not_measured" in entry:
         return entry["not_measured"]
-    return f"{_error(entry, relative):.2e}" + ("" if entry["finite"] else " (NaN/inf)")
+    return f"{error_of(entry, relative):.2e}" + ("" if entry["finite"] else " (NaN/inf)")
 
 
 def lm_line(entry: dict) -> str:
@@ -398,18 +306,24 @@ def to_json(record: dict) -> str:
 # ---------------------------------------------------------------------- the writers' hook
 
 
-def sidecar(fmt: str, model, *, state: dict | None = None) -> files.BeforeSwap:
-    """The writers' ``before_swap`` hook (``files.BeforeSwap``) that certifies an export of ``model``:
-    it checks the finished temporary output (raising ``CertificateError``, so nothing is written,
-    when the check fails) and returns the certificate to go with it: ``verification.json`` inside a
-    folder, ``NAME.verification.json`` beside a file. ``state``: the values the file holds where they
-    differ from the model's (a bf16 export is certified on its bf16 values)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+FOLDER_FORMATS = ("orbax", "hf", "peft")  # the certificate goes inside: FOLDER_NAME
+
+
+def sidecar(fmt: str, subject: ExportSubject) -> files.BeforeSwap:
+    """The writers' ``before_swap`` hook (``files.BeforeSwap``) that certifies an export of ``subject``
+    (``certificate_subjects.FamilySubject(model)``, ``UserSubject``, ``certificate_peft.AdapterSubject``):
+    it checks the finished temporary output (raising ``CertificateError``, so nothing is written, when
+    the check fails) and returns the certificate to go with it: ``verification.json`` inside a folder,
+    ``NAME.verification.json`` beside a file."""
+    if not isinstance(subject, ExportSubject):
+        raise TypeError(f"sidecar certifies an ExportSubject (certificate_subjects.FamilySubject(model) for a "
+                        f"model of the families), not a {type(subject).__name__}")
+    if fmt not in subject.formats:
+        raise ValueError(f"format must be one of {', '.join(subject.formats)}, got {fmt!r}")
 
     def certify(tmp: Path, final: Path) -> dict[str, bytes]:
-        record = make(tmp, fmt, model, name=final.name, state=state)
-        name = FOLDER_NAME if fmt in ("orbax", "hf") else final.name + FILE_SUFFIX
+        record = subject.record(tmp, fmt, final)
+        name = FOLDER_NAME if fmt in FOLDER_FORMATS else final.name + FILE_SUFFIX
         return {name: to_json(record).encode("utf-8")}
     return certify
 
@@ -435,5 +349,5 @@ def read(path) -> dict:
     try:
         record = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # JSONDecodeError, too many digits, nesting
-        raise CertificateError(f"{cert} is not valid JSON: {_brief(error)}") from None
+        raise CertificateError(f"{cert} is not valid JSON: {brief(error)}") from None
     return validate(record, cert)

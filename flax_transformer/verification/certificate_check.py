@@ -1,7 +1,9 @@
-"""The re-check of a verification certificate (``certificate.recheck``): the tensors and files
-hashed again, the check measured again with the recorded inputs, and what changed since the export.
+"""The re-check of a verification certificate (``recheck``): the tensors and files hashed again,
+the check measured again with the recorded inputs, and what changed since the export.
 
-``certificate`` writes a certificate; this module reads one back and judges it.
+``certificate`` writes a certificate; this module reads one back and judges it, its subject
+(``certificate_subjects``: a family's model, a user's own model) reloaded from the files, or
+from the user's factory, and measured as at the export.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from pathlib import Path
 
 from flax_transformer.interop import files
 from flax_transformer.verification import certificate as cert
-from flax_transformer.verification import certificate_user, pairs
-from flax_transformer.verification.certificate_schema import USER
+from flax_transformer.verification import certificate_subjects as subjects
+from flax_transformer.verification import measure as core
+from flax_transformer.verification import pairs
+from flax_transformer.verification.certificate_schema import USER, CertificateError, brief, key_name
+from flax_transformer.verification.reports import Report
 
 
 @dataclass
-class Report:
+class RecheckReport(Report):
     """The re-check of one certificate. ``failures`` make ``passed`` False; ``notes`` do not.
 
     Fails: a changed, missing or added tensor or file (an added file: one of those the
@@ -44,6 +49,13 @@ class Report:
         lines.append(f"certificate: {len(self.passes)} passed, {len(self.failures)} failed, {len(self.notes)} notes")
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        return self.format()
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "certificate": str(self.certificate), "passed": self.passed,
+                "passes": list(self.passes), "failures": list(self.failures), "notes": list(self.notes)}
+
 
 def _short(digest) -> str:
     return str(digest)[:12]
@@ -52,7 +64,7 @@ def _short(digest) -> str:
 SHOWN = 5  # a group of more failures than this is one line: the count, the first names, "… and N more"
 
 
-def _group(report: Report, what: str, items: list[str], single) -> None:
+def _group(report: RecheckReport, what: str, items: list[str], single) -> None:
     """One failure per item, or for more than ``SHOWN`` one line: the count, the first few, and how many more."""
     if len(items) <= SHOWN:
         report.failures.extend(single(item) for item in items)
@@ -60,7 +72,7 @@ def _group(report: Report, what: str, items: list[str], single) -> None:
         report.failures.append(f"{what} ({len(items)}): {', '.join(items[:SHOWN])} … and {len(items) - SHOWN} more")
 
 
-def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
+def _check_hashes(report: RecheckReport, path: Path, record: dict) -> dict | None:
     fmt = record["format"]
     if fmt in ("safetensors", "torch"):  # the one weights file, whatever it is called now (renamed with its certificate)
         found = {name: files.sha256_file(path) for name in record["files"]}  # one entry: the schema says so
@@ -68,7 +80,7 @@ def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
         found = cert.file_hashes(path, fmt)
     missing, changed = [], []
     for fname, digest in record["files"].items():
-        shown = cert._brief(fname if fname == path.name or fmt in ("orbax", "hf") else
+        shown = brief(fname if fname == path.name or fmt in ("orbax", "hf") else
                             f"{path.name} (certified as {fname})", 120)
         if fname not in found:
             missing.append(shown)
@@ -76,27 +88,27 @@ def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
             changed.append(f"file {shown} changed (sha256 {_short(digest)}… at export, {_short(found[fname])}… now)")
     _group(report, "files missing", missing, lambda f: f"file {f} is missing")
     _group(report, "files changed", changed, lambda line: line)
-    added = [cert._brief(f, 80) for f in sorted(set(found) - set(record["files"]))]
+    added = [brief(f, 80) for f in sorted(set(found) - set(record["files"]))]
     _group(report, "files not in the certificate (added after the export)", added,
            lambda f: f"file {f} is not in the certificate (added after the export)")
     try:
         tensors = cert.read_tensors(path, fmt)
     except (OSError, ValueError) as error:
-        report.failures.append(f"cannot read the tensors: {cert._brief(error)}")
+        report.failures.append(f"cannot read the tensors: {brief(error)}")
         return None
     now, recorded = cert.tensor_hashes(tensors), record["tensors"]
     gone, new, differ = [], [], []
     for key in sorted(set(recorded) | set(now)):
         if key not in now:
-            gone.append(cert._name(key))
+            gone.append(key_name(key))
         elif key not in recorded:
-            new.append(cert._name(key))
+            new.append(key_name(key))
         elif now[key] != recorded[key]:
             was, new_ = recorded[key], now[key]
             detail = (f"sha256 {_short(was['sha256'])}… at export, {_short(new_['sha256'])}… now"
                       if (was["dtype"], was["shape"]) == (new_["dtype"], new_["shape"]) else
                       f"{was['dtype']} {was['shape']} at export, {new_['dtype']} {new_['shape']} now")
-            differ.append((cert._name(key), detail))
+            differ.append((key_name(key), detail))
     _group(report, "tensors missing", gone, lambda k: f"tensor {k} is missing")
     _group(report, "tensors not in the certificate", new, lambda k: f"tensor {k} is not in the certificate")
     if len(differ) <= SHOWN:
@@ -108,29 +120,29 @@ def _check_hashes(report: Report, path: Path, record: dict) -> dict | None:
     return tensors
 
 
-def _compare_errors(report: Report, record: dict, measured: dict, same_environment: bool) -> None:
+def _compare_errors(report: RecheckReport, record: dict, measured: dict, same_environment: bool) -> None:
     for key in ("forward", "backward"):
         was, now = record[key], measured[key]
         if "not_measured" in now:
-            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {cert._value(was)})"
+            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {cert.value_of(was)})"
             report.notes.append(f"{key}: {now['not_measured']}{at_export}")
             continue
-        value = cert._error(now)  # held to the tolerance: relative to the outputs' / gradients' scale
+        value = cert.error_of(now)  # held to the tolerance: relative to the outputs' / gradients' scale
         # a recorded tolerance can tighten the library's, never loosen it
         tolerance = min(float(was.get("tolerance", now["tolerance"])), float(now["tolerance"]))
         # like with like: a forward entry from before the relative error has the absolute one alone
         relative = "not_measured" in was or "max_rel_err" in was
-        recorded = None if "not_measured" in was else cert._error(was, relative)
+        recorded = None if "not_measured" in was else cert.error_of(was, relative)
         if recorded is None:
             report.notes.append(f"{key}: {was['not_measured']} at export; measured now")
         label = ("backward max relative gradient err" if key == "backward" else
                  "forward max relative err" if relative else "forward max abs err")
-        shown = cert._value(now, relative)
+        shown = cert.value_of(now, relative)
         both = f"{label} {shown} now, " + (f"{recorded:.2e} at export" if recorded is not None else
                                            "none recorded") + f" (tolerance {tolerance:g})"
-        compared = cert._error(now, relative)
+        compared = cert.error_of(now, relative)
         if not now["finite"] or value > tolerance or not now.get("float64", {}).get("passed", True):
-            report.failures.append(both + cert._float64_note(now))
+            report.failures.append(both + cert.float64_note(now))
         elif recorded is not None and compared > max(cert.RECHECK_FACTOR * recorded, recorded + cert.RECHECK_SLACK):
             (report.notes if not same_environment else report.failures).append(
                 both + ("; larger than recorded, with the versions or platform changed" if not same_environment
@@ -149,16 +161,16 @@ def _environment_notes(record: dict) -> list[str]:
     changed += [f"platform {k}: {record['platform'].get(k)!r} at export, {now_platform.get(k)!r} now"
                 for k in sorted(set(record["platform"]) | set(now_platform))
                 if record["platform"].get(k) != now_platform.get(k)]
-    changed = [cert._brief(c, 200) for c in changed]
+    changed = [brief(c, 200) for c in changed]
     if len(changed) > 2 * SHOWN:
         changed = changed[:SHOWN] + [f"… and {len(changed) - SHOWN} more versions or platform fields changed"]
     return changed
 
 
-def _begin(path: Path, record: dict) -> tuple[Report, dict | None, list[str] | None]:
+def _begin(path: Path, record: dict) -> tuple[RecheckReport, dict | None, list[str] | None]:
     """The report begun: (report, the tensors read, the versions and platform notes), or (report,
     None, None) when the weights are missing."""
-    report = Report(path, cert.path_for(path))
+    report = RecheckReport(path, cert.path_for(path))
     if not path.exists():
         report.failures.append(f"{path} is missing (an export interrupted before its weights went in?)")
         return report, None, None
@@ -168,7 +180,7 @@ def _begin(path: Path, record: dict) -> tuple[Report, dict | None, list[str] | N
     return report, tensors, changed
 
 
-def recheck(path, pair=None) -> Report:
+def recheck(path, pair=None) -> RecheckReport:
     """Re-check an export against its certificate: hashes, the measurement on the recorded
     inputs (the library's defaults where none are recorded), versions and platform. Raises
     ``CertificateError`` when there is no readable one (``certificate.read``: the schema is
@@ -192,24 +204,24 @@ def recheck(path, pair=None) -> Report:
         report.notes.append("no inputs recorded in the certificate: re-measured on the library's defaults (seed "
                             f"{inputs['seed']}, batch {inputs['batch']}, length {inputs['length']}), as every export "
                             "measures")
-    if cert._torch() is None:
-        measured = cert._not_measured("not re-measured: torch not installed")
+    if cert.torch_available() is None:
+        measured = cert.not_measured("not re-measured: torch not installed")
     else:
         fmt, description = record["format"], record["model"]
         try:  # the Flax model first: built abstract and loaded strictly, it holds the description to the file
-            flax_model = cert._flax_model(path, fmt, description, tensors if fmt != "hf" else None)
-            torch_model = cert._torch_model(path, fmt, description, tensors if fmt != "hf" else None)
+            flax_model = subjects.flax_model_of(path, fmt, description, tensors if fmt != "hf" else None)
+            torch_model = subjects.torch_model_of(path, fmt, description, tensors if fmt != "hf" else None)
         except (OSError, ValueError, TypeError, RuntimeError) as error:  # RuntimeError: torch's load_state_dict
-            report.failures.append(f"cannot load the export to re-measure it: {cert._brief(error)}")
+            report.failures.append(f"cannot load the export to re-measure it: {brief(error)}")
             return report
-        measured = cert.measure(flax_model, torch_model, seed=inputs["seed"], batch=inputs["batch"],
+        measured = subjects.measure(flax_model, torch_model, seed=inputs["seed"], batch=inputs["batch"],
                                 length=inputs["length"])
     _compare_errors(report, record, measured, same_environment=not changed)
     _compare_lm(report, record, measured)
     return report
 
 
-def _compare_lm(report: Report, record: dict, measured: dict) -> None:
+def _compare_lm(report: RecheckReport, record: dict, measured: dict) -> None:
     """A language model's next-token agreement (``lm`` in the certificate; certificates before it
     have none), measured now against its gates; the recorded figures are shown beside."""
     now, was = measured.get("lm"), record.get("lm")
@@ -241,7 +253,7 @@ def _inputs_differ(recorded: dict, now: dict) -> str | None:
     return None
 
 
-def recheck_user(path: Path, record: dict, pair) -> Report:
+def recheck_user(path: Path, record: dict, pair) -> RecheckReport:
     """The re-check of a user's model's export with the pair that ``pair`` gives: the hashes again,
     the file read into the factory's torch model (strict ``load_state_dict``) and its Flax model
     (``porting.load_state_dict`` with the recorded rename; orbax: the Flax tree, then
@@ -255,7 +267,7 @@ def recheck_user(path: Path, record: dict, pair) -> Report:
                          "without a pair (--pair is for an export of your own model)")
     if pair is None:
         how = f"pair={model['reference']!r}" if model.get("reference") else "pair='MODULE:FACTORY'"
-        raise cert.CertificateError(
+        raise CertificateError(
             f"{path} is an export of your own model ({model['module']}.{model['class']}): re-check it with the "
             f"factory of its torch and Flax models, {how} (flax-transformer verify --checkpoint PATH --pair "
             f"{model.get('reference') or 'MODULE:FACTORY'})")
@@ -265,7 +277,7 @@ def recheck_user(path: Path, record: dict, pair) -> Report:
         if type(obj).__qualname__ != model[key]:  # by class name: a file's module name depends on how it is imported
             raise ValueError(f"{name} gives a {type(obj).__qualname__}; {path}'s certificate was made with a "
                              f"{model[key]} ({model[module]})")
-    differ = _inputs_differ(record["inputs"], certificate_user.input_record(args, kwargs))
+    differ = _inputs_differ(record["inputs"], subjects.input_record(args, kwargs))
     if differ:
         raise ValueError(f"{name} gives other inputs than {path} was certified on ({differ}): its figures hold "
                          "for those inputs only; re-check with the factory that returns them")
@@ -277,19 +289,19 @@ def recheck_user(path: Path, record: dict, pair) -> Report:
     fmt, rename = record["format"], [tuple(p) for p in model["rename"]]
     try:
         if fmt == "orbax":  # the Flax tree into the Flax model, and from it into torch
-            certificate_user.fill_flax(flax_model, tensors)
-            certificate_user.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
+            subjects.fill_flax(flax_model, tensors)
+            subjects.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
         else:  # each from the file: torch strictly, Flax through porting with the recorded rename
-            certificate_user.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
+            subjects.load_torch(torch_model, path, fmt, tensors, flax_model, rename)
             from flax_transformer.interop import porting
 
-            porting.load_state_dict(flax_model, certificate_user.shared_ties(tensors, torch_model), strict=True,
+            porting.load_state_dict(flax_model, subjects.shared_ties(tensors, torch_model), strict=True,
                                     rename=rename or None)
     except (ValueError, TypeError, RuntimeError) as error:  # porting's StateDictError is a ValueError
-        why = cert._brief(" ".join(str(error).split()), 600)  # porting's lines (which keys, why) on one
+        why = brief(" ".join(str(error).split()), 600)  # porting's lines (which keys, why) on one
         report.failures.append(f"cannot load the export into {name}'s models to re-measure it: {why}")
         return report
-    measured = certificate_user.measure(certificate_user.fp32_view(flax_model), torch_model, args, kwargs,
+    measured = subjects.measure_user(core.fp32_twin(flax_model), torch_model, args, kwargs,
                                         rename=rename)
     _compare_errors(report, record, measured, same_environment=not changed)
     return report

@@ -30,15 +30,11 @@ import numpy as np
 
 from flax_transformer.interop import files, peft, safetensors_io
 from flax_transformer.interop.layer_kinds import to_flax, to_torch
-from flax_transformer.verification.certificate import (
-    CertificateError,
-    _sha256,
-    platform_info,
-    tensor_hashes,
-    versions,
-)
+from flax_transformer.verification.certificate import ExportSubject, platform_info, sha256, tensor_hashes, versions
+from flax_transformer.verification.certificate_schema import CertificateError
+from flax_transformer.verification.reports import Report
 
-__all__ = ["FILE", "KIND", "Report", "base_identity", "is_adapter", "measure", "recheck", "sidecar"]
+__all__ = ["FILE", "KIND", "AdapterReport", "AdapterSubject", "base_identity", "is_adapter", "measure", "recheck"]
 
 FILE = "verification.json"
 KIND = "peft-lora-adapter"
@@ -68,7 +64,7 @@ def _adapter_hashes(folder: Path) -> dict:
     weights = safetensors_io.open_safetensors(folder / peft.WEIGHTS_FILE)
     tensors = {k: safetensors_io.read(v) for k, v in weights.items()}
     return {"tensors": tensor_hashes(tensors),
-            "config_sha256": _sha256((folder / peft.CONFIG_FILE).read_bytes())}
+            "config_sha256": sha256((folder / peft.CONFIG_FILE).read_bytes())}
 
 
 def _torch_model(base: Path, task_type, num_labels: int | None = None):
@@ -81,9 +77,9 @@ def _torch_model(base: Path, task_type, num_labels: int | None = None):
            "CAUSAL_LM": transformers.AutoModelForCausalLM}.get(task_type)
     if cls is None:
         raw = json.loads((base / "config.json").read_text(encoding="utf-8"))
-        from flax_transformer.interop import hf
+        from flax_transformer.interop import hf_tables
 
-        cls = transformers.AutoModelForCausalLM if raw.get("model_type") in (*hf.LLAMA_TYPES, "gpt2") \
+        cls = transformers.AutoModelForCausalLM if raw.get("model_type") in (*hf_tables.LLAMA_TYPES, "gpt2") \
             else transformers.AutoModel
     bar, verbosity = transformers.utils.logging.is_progress_bar_enabled(), transformers.logging.get_verbosity()
     transformers.utils.logging.disable_progress_bar()
@@ -242,22 +238,28 @@ def _summary(measured: dict) -> str:
             f"rel err {g['max_rel_err']:.2e} over {g['tensors']} of {g['of']} tensors (tolerance {g['tolerance']:g})")
 
 
-def sidecar(model, base) -> files.BeforeSwap:
-    """``interop.peft.save_peft``'s ``before_swap`` hook: measure the written adapter through peft and
-    return ``verification.json``, or raise ``CertificateError`` (nothing is written) when it fails."""
-    def certify(tmp: Path, final: Path) -> dict[str, bytes]:
-        measured = measure(model, tmp, base)
+class AdapterSubject(ExportSubject):
+    """A PEFT adapter folder as a certificate's subject: its record is its own (``record``), made
+    through ``certificate.sidecar`` as every export's."""
+
+    formats = ("peft",)
+
+    def __init__(self, model, base):
+        self.model, self.base = model, base
+
+    def record(self, written: Path, fmt: str, final: Path) -> dict:
+        """Measure the written adapter through peft and return its certificate, or raise
+        ``CertificateError`` (nothing is written) when it fails."""
+        measured = measure(self.model, written, self.base)
         if not _passed(measured):
             raise CertificateError(f"{final}: the adapter loaded in peft does not compute the JAX model's: "
                                    f"{_summary(measured)}; not written")
-        record = {"kind": KIND, "written": final.name, "adapter": _adapter_hashes(tmp), "base": base_identity(base),
-                  **measured, "versions": versions(), "platform": platform_info()}
-        return {FILE: (json.dumps(record, indent=1) + "\n").encode("utf-8")}
-    return certify
+        return {"kind": KIND, "written": final.name, "adapter": _adapter_hashes(written),
+                "base": base_identity(self.base), **measured, "versions": versions(), "platform": platform_info()}
 
 
 @dataclass
-class Report:
+class AdapterReport(Report):
     """What ``recheck`` found: ``failures`` (any one fails the check) and ``notes``."""
 
     path: Path
@@ -268,6 +270,14 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.failures and self.measured is not None
+
+    @property
+    def passed(self) -> bool:
+        return self.ok
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "passed": self.passed, "failures": list(self.failures),
+                "notes": list(self.notes), "measured": self.measured}
 
     def summary(self) -> str:
         lines = [f"{self.path}: PEFT LoRA adapter certificate -> {'pass' if self.ok else 'FAIL'}"]
@@ -298,13 +308,13 @@ def _read(folder: Path) -> dict:
     return record
 
 
-def recheck(folder, *, base=None) -> Report:
+def recheck(folder, *, base=None) -> AdapterReport:
     """Check an adapter folder against its certificate: hashes, the base, and a new measurement."""
     from flax_transformer.interop import hf
 
     folder = Path(folder)
     record = _read(folder)
-    report = Report(folder)
+    report = AdapterReport(folder)
     now = _adapter_hashes(folder)
     changed = sorted(k for k in set(now["tensors"]) | set(record["adapter"].get("tensors", {}))
                      if now["tensors"].get(k) != record["adapter"].get("tensors", {}).get(k))

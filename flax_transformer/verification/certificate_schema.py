@@ -13,7 +13,7 @@ import re
 
 FORMAT = "flax_transformer verification certificate 1"
 FORMATS = ("safetensors", "torch", "orbax", "hf")
-USER = "user"  # model.family of a user's own model, certified against its torch reference (certificate_user)
+USER = "user"  # model.family of a user's own model, certified against its torch reference (certificate_subjects)
 USER_FORMATS = ("safetensors", "torch", "orbax")
 
 
@@ -37,14 +37,15 @@ MAX_RENAMES, MAX_INPUTS = 256, 16  # a user model's rename pairs; its call's arg
 _HEX = frozenset("0123456789abcdef")
 
 
-def _brief(text, limit: int = 200) -> str:
+def brief(text, limit: int = 200) -> str:
     """``text``'s first line, cut to ``limit`` characters (for messages that name things from a file)."""
     lines = str(text).strip().splitlines() or [""]
     line = lines[0]
     return line if len(line) <= limit else line[:limit] + f"… ({len(line) - limit} more characters)"
 
 
-def _name(key) -> str:
+def key_name(key) -> str:
+    """A key from a file, shown: ``repr``, cut to 80 characters."""
     return repr(key) if len(repr(key)) <= 80 else repr(key)[:80] + "…"
 
 
@@ -95,7 +96,7 @@ class _Schema:
             self.fail(field, f"at most {limit} entries, not {len(value)}")
         for key in value:
             if not key or len(key) > key_limit:
-                self.fail(f"{field}[{_name(key)}]", f"a name of 1 to {key_limit} characters")
+                self.fail(f"{field}[{key_name(key)}]", f"a name of 1 to {key_limit} characters")
         return value
 
     def optional(self, record: dict, key: str, check):
@@ -122,7 +123,7 @@ def _check_error_entry(s: _Schema, key: str, entry) -> None:
     errors = ("max_abs_err", "max_rel_err") if key == "forward" else ("max_rel_err",)
     if not any(e in entry for e in errors):
         s.fail(key, f"needs {' or '.join(errors)} (or not_measured): it has "
-                    f"{', '.join(map(_name, list(entry)[:5])) or 'no field'}")
+                    f"{', '.join(map(key_name, list(entry)[:5])) or 'no field'}")
     for e in errors:
         s.optional(entry, e, lambda f, v: s.number(f"{key}.{f}", v))
     s.kind(f"{key}.finite", entry.get("finite"), bool, "true or false")
@@ -208,7 +209,7 @@ def _check_user_inputs(s: _Schema, inputs) -> None:
     if len(args) > MAX_INPUTS:
         s.fail("inputs.args", f"at most {MAX_INPUTS} inputs, not {len(args)}")
     for field, entry in [*((f"inputs.args[{i}]", a) for i, a in enumerate(args)),
-                         *((f"inputs.kwargs[{_name(k)}]", v) for k, v in kwargs.items())]:
+                         *((f"inputs.kwargs[{key_name(k)}]", v) for k, v in kwargs.items())]:
         if entry is None:
             continue
         s.kind(field, entry, dict, "null or a JSON object")
@@ -262,10 +263,10 @@ def validate(record, cert) -> dict:
     if record["format"] in ("safetensors", "torch") and len(files_) != 1:
         s.fail("files", f"one weights file for a {record['format']} export, not {len(files_)}")
     for name, digest in files_.items():
-        s.digest(f"files[{_name(name)}]", digest)
+        s.digest(f"files[{key_name(name)}]", digest)
     tensors = s.mapping("tensors", record.get("tensors"), MAX_TENSORS)
     for name, entry in tensors.items():
-        field = f"tensors[{_name(name)}]"
+        field = f"tensors[{key_name(name)}]"
         s.kind(field, entry, dict, "a JSON object {sha256, dtype, shape}")
         s.digest(f"{field}.sha256", entry.get("sha256"))
         if entry.get("dtype") not in DTYPES:
@@ -291,5 +292,5 @@ def validate(record, cert) -> dict:
         entries = s.mapping(key, record.get(key), 64, key_limit=64)
         for name, value in entries.items():
             if value is not None:
-                s.text(f"{key}[{_name(name)}]", value, limit)
+                s.text(f"{key}[{key_name(name)}]", value, limit)
     return record

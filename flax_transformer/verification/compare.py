@@ -3,16 +3,15 @@ returns a ``CompareReport`` (the outputs' error, and with ``grads=True`` every p
 gradient error); ``Row`` is one line of it and of the ``verify`` command's tables.
 
 Every output and gradient is also measured against a float64 copy of the torch model and held
-to ``bisect``'s budget rule (``bisect.budget``: one rule, written once). Non-finite values never
+to the float64 budget rule (``precision.budget``: one rule, written once). Non-finite values never
 agree, and anything not compared makes the verdict incomplete (see ``compare``).
 
 ``certificate``, ``verify`` and the CLI build on it; it builds on ``frameworks`` and takes the
-budget rule from ``bisect``. torch is imported at call time only.
+budget rule from ``precision`` and its measuring from ``measure``. torch is imported at call time only.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax.numpy as jnp
@@ -20,16 +19,8 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
-from flax_transformer.verification import lm_agreement
+from flax_transformer.verification import lm_agreement, measure
 from flax_transformer.verification import precision as _precision
-from flax_transformer.verification.bisect import _cast, grad_budget
-from flax_transformer.verification.compare_report import (  # noqa: F401  (compare.X: the public names)
-    TOLERANCE,
-    CompareReport,
-    Row,
-    format_table,
-    grads_row,
-)
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
     apply_flat,
@@ -39,16 +30,13 @@ from flax_transformer.verification.frameworks import (
     split_loss_fn,
     sum_grads,
     to_jax,
-    to_numpy,
     to_torch,
     torch_scalar,
 )
 from flax_transformer.verification.frameworks import flax_grads as _flax_grads
-from flax_transformer.verification.leaf_checks import blank as _blank
-from flax_transformer.verification.leaf_checks import check as _check
-from flax_transformer.verification.leaf_checks import leaf as _leaf
-from flax_transformer.verification.leaf_checks import logits_path as _logits_path
-from flax_transformer.verification.leaf_checks import outputs as _outputs
+from flax_transformer.verification.measure import torch_reference
+from flax_transformer.verification.precision import grad_budget
+from flax_transformer.verification.reports import TOLERANCE, CompareReport, Row
 
 
 def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float | None = None,
@@ -72,7 +60,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     outputs' scale (``report.max_rel_err``, for the certificate), and against a float64 copy of the
     torch model (``deepcopy(torch_model).double()``, float inputs cast; ids and masks kept), with
     ``bisect``'s budget rule: JAX's error against float64 may be at most
-    ``bisect.budget(torch_err, scale)``, ``max(SLACK * torch_err, FLOOR_ULPS * eps32 * scale)``,
+    ``precision.budget(torch_err, scale)``, ``max(SLACK * torch_err, FLOOR_ULPS * eps32 * scale)``,
     where ``torch_err`` is torch fp32's own error against float64 and ``scale`` the output's
     largest |float64| value. This catches an error far below ``tol`` on an output with small
     values (a tanh GELU for an exact one), where torch fp32 is much more accurate than that.
@@ -99,7 +87,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             too where it holds the tensor more than once; the row's note says it is tied. Each
             gradient is also held to the float64 rule (the float64 copy's gradient; one budget for
             all of them, torch's largest gradient error and the largest gradient over the model,
-            ``bisect.grad_budget``, as in ``bisect``).
+            ``precision.grad_budget``, as in ``bisect``).
         use_jit: run the Flax side under ``nnx.jit`` (False: eagerly, op by op).
         fp64: measure against the float64 copy (one more torch forward, and backward with
             ``grads``); False leaves the float64 columns empty and the rule unapplied.
@@ -151,8 +139,8 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     with torch.set_grad_enabled(grads):
         torch_out = torch_model(*t_args, **t_kwargs)
     if lm:  # checked before anything else runs: a wrong output is the caller's mistake, not a finding
-        logits_at = _logits_path(torch_out)
-        torch_logits = lm_agreement.check_logits(_leaf(torch_out, logits_at), f"the torch model's {logits_at}")
+        logits_at = measure.logits_path(torch_out)
+        torch_logits = lm_agreement.check_logits(measure.leaf(torch_out, logits_at), f"the torch model's {logits_at}")
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
     weights, torch_grads = None, {}
@@ -165,21 +153,21 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         torch_scalar(torch_out, weights, torch_fn).backward()
         torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
                        for k, p in torch_model.named_parameters()}
-    ref_out, ref_grads, why_not = (_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
+    ref_out, ref_grads, why_not = (torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
                                    else (None, None, ""))
     low_out = low_grads = None
     if rule is not _precision.FP32 and not why_not:  # torch at the model's precision: what it costs there
-        low_out, low_grads, why_not = _reference(torch_model, t_args, t_kwargs, weights, torch_fn, rule)
+        low_out, low_grads, why_not = torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn, rule)
     if grads:
         t_paths = tuple(p for p, v in flatten(torch_out) if v is not None)
         flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs,
                                            {p: jnp.asarray(w) for p, w in weights.items()}, t_paths, flax_fn)
     else:
         flax_out = _run(flax_model, j_args, j_kwargs, use_jit)
-    agreement = (lm_agreement.measure(torch_logits, _leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
+    agreement = (lm_agreement.measure(torch_logits, measure.leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
                  if lm else None)
     measured = fp64 and not why_not
-    checks, others, skipped, mismatched = _outputs(torch_out, flax_out, ref_out, measured, low_out, rule)
+    checks, others, skipped, mismatched = measure.outputs(torch_out, flax_out, ref_out, measured, low_out, rule)
     skipped = ([why_not] if why_not else []) + skipped
     out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped),
                    mismatched="; ".join(mismatched), **allow)
@@ -199,13 +187,13 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     for key in keys:
         t, j = sum_grads(torch_grads, key.torch), sum_grads(flax_grads, key.flax)
         notes[key.name] = key.note
-        checks[key.name] = (_blank(t.shape, "no Flax parameter of this name" + hint) if j is None else
-                            _check(t, j, None if ref_grads is None else sum_grads(ref_grads, key.torch),
+        checks[key.name] = (measure.blank(t.shape, "no Flax parameter of this name" + hint) if j is None else
+                            measure.check(t, j, None if ref_grads is None else sum_grads(ref_grads, key.torch),
                                    measured=measured, precision=rule,
                                    low=None if low_grads is None else sum_grads(low_grads, key.torch)))
     for key in flax_only:
-        checks[key] = _blank(np.shape(flax_grads[key]), "a Flax parameter that no torch key reaches" + hint)
-    # one budget for all gradients: torch's largest error and the largest gradient (bisect.grad_budget)
+        checks[key] = measure.blank(np.shape(flax_grads[key]), "a Flax parameter that no torch key reaches" + hint)
+    # one budget for all gradients: torch's largest error and the largest gradient (precision.grad_budget)
     measured = {k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None}
     grad_scale, limit = grad_budget(measured, rule)
     for key in measured:
@@ -236,33 +224,6 @@ def _run(flax_model, j_args, j_kwargs, use_jit: bool):
         if "not a valid JAX type" not in str(error):
             raise
         return apply_flat(flax_model, j_args, j_kwargs)  # a string or a plain dataclass in the outputs
-
-
-def _reference(torch_model, t_args, t_kwargs, weights, loss_fn, rule=None):
-    """(outputs, {torch key: gradient} or None, why it did not run or "") of a copy of the torch
-    model in float64 (the reference), or at ``rule``'s precision (torch at the Flax model's: its
-    error sets the budget): one forward, and with ``weights`` (not None) the backward of the same
-    scalar as torch fp32's (``frameworks.torch_scalar``)."""
-    import torch
-
-    dtype = torch.float64 if rule is None else rule.torch_dtype()
-    what = "the float64 reference" if rule is None else f"torch in {rule.name}"
-    try:
-        reference = copy.deepcopy(torch_model).to(dtype).eval()
-        args, kwargs = _cast(t_args, dtype), _cast(t_kwargs, dtype)
-        if weights is None:
-            with torch.no_grad():
-                return reference(*args, **kwargs), None, ""
-        reference.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            out = reference(*args, **kwargs)
-            torch_scalar(out, weights, loss_fn).backward()
-        grads = {k: to_numpy(p.grad if p.grad is not None else torch.zeros_like(p))
-                 for k, p in reference.named_parameters()}
-        return out, grads, ""
-    except Exception as error:  # the user's model in float64 or bf16: whatever it raises, the check is incomplete
-        message = (str(error).strip().splitlines() or [""])[0]
-        return None, None, f"{what} did not run ({type(error).__name__}: {message})"
 
 
 def _row(family, module, case, direction, checks: list[dict], tol, skipped: str, *, mismatched: str = "",

@@ -8,7 +8,7 @@ Each function takes the arguments of the ``interop`` writer it wraps (``checkpoi
 ``hf.save_pretrained``) plus ``certify``. The writer writes the weights under a temporary name;
 its ``before_swap`` hook (``certificate.sidecar``) reloads them in torch, measures them against
 the model, and hands back the certificate, which the writer puts in with the weights. A failed
-check raises ``certificate.CertificateError`` and writes nothing. ``certify=False`` writes the
+check raises ``certificate_schema.CertificateError`` and writes nothing. ``certify=False`` writes the
 weights alone, for a model torch cannot check or when time matters more than evidence.
 
 Before any of that, a certified export checks the model's own values: a parameter holding NaN or
@@ -17,7 +17,7 @@ source checkpoint or its training, not from the writer), and nothing is written.
 writes them anyway (weights kept non-finite on purpose).
 
 Your own model (an NNX model the library's four families do not include) is exported against the
-torch model it twins, ``reference=`` (``certificate_user``)::
+torch model it twins, ``reference=`` (``certificate_subjects.UserSubject``)::
 
     export.save_safetensors(flax_model, "m.safetensors", reference=torch_model, inputs=(ids,))
 
@@ -39,7 +39,14 @@ import numpy as np
 
 from flax_transformer.interop import checkpoints, files, hf, orbax_quiet, porting, safetensors_io
 from flax_transformer.interop.values import to_numpy
-from flax_transformer.verification import certificate, certificate_user, pairs
+from flax_transformer.verification import certificate, pairs
+from flax_transformer.verification.certificate_subjects import (
+    FamilySubject,
+    UserSubject,
+    input_record,
+    rename_record,
+    torch_names,
+)
 
 CERTIFY_HINT = "certify=False writes them anyway"  # port says --no-certify
 SOURCE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -96,7 +103,7 @@ def _file_export(writer, fmt: str, model, path, *, overwrite: bool, certify: boo
     files.check_target(beside, kind="file", overwrite=True)  # a folder or link there: refused before any work
     if certify:
         check_finite(model)
-        return writer(model, path, overwrite=overwrite, before_swap=certificate.sidecar(fmt, model))
+        return writer(model, path, overwrite=overwrite, before_swap=certificate.sidecar(fmt, FamilySubject(model)))
     written = writer(model, path, overwrite=overwrite)
     beside.unlink(missing_ok=True)  # an earlier export's certificate would not describe these weights
     return written
@@ -133,7 +140,7 @@ def save_orbax(model, path, *, reference=None, rename=None, inputs=None, overwri
     if certify:
         files.check_target(path, kind="dir", overwrite=overwrite)  # a wrong target first, as the writer would
         check_finite(model)
-    hook = certificate.sidecar("orbax", model) if certify else None
+    hook = certificate.sidecar("orbax", FamilySubject(model)) if certify else None
     return checkpoints.save_orbax(model, path, overwrite=overwrite, before_swap=hook)
 
 
@@ -200,7 +207,7 @@ def save_own(fmt: str, model, path, *, reference, rename=None, inputs=None, over
     each a copy: safetensors keeps no shared storage; torch's file keeps the tie as
     ``torch.save(model.state_dict())`` does), filled with ``porting.flax_to_torch(model, copy of
     reference)``; an orbax folder holds the Flax parameter tree. The reference gives the structure
-    only; its own weights are not used. With ``certify``: the certificate (``certificate_user``)
+    only; its own weights are not used. With ``certify``: the certificate (``UserSubject``)
     measured on ``inputs`` (the model's arguments; default the reference factory's, else drawn
     from ``model.input_spec()``).
 
@@ -216,19 +223,19 @@ def save_own(fmt: str, model, path, *, reference, rename=None, inputs=None, over
     beside = certificate.path_for(path)
     if kind == "file":
         files.check_target(beside, kind="file", overwrite=True)  # a folder or link there: refused before any work
-    certificate_user.rename_record(rename)  # a rename the certificate cannot record: refused before any work
+    rename_record(rename)  # a rename the certificate cannot record: refused before any work
     torch_model, spec, given = _reference(reference)
     hook = None
     if certify:
         args, kwargs, drawn_by = _inputs(model, inputs, given, spec)
-        certificate_user.input_record(args, kwargs)  # inputs it cannot record: refused before any work
+        input_record(args, kwargs)  # inputs it cannot record: refused before any work
         check_finite(model)
-        hook = certificate_user.sidecar(fmt, model, torch_model, spec=spec, rename=rename, args=args,
-                                        kwargs=kwargs, drawn_by=drawn_by)
+        hook = certificate.sidecar(fmt, UserSubject(model, torch_model, spec=spec, rename=rename, args=args,
+                                                    kwargs=kwargs, drawn_by=drawn_by))
     if fmt == "orbax":
         return files.write_dir(path, lambda tmp: _write_orbax(model, tmp), overwrite=overwrite, before_swap=hook)
     filled = porting.flax_to_torch(model, copy.deepcopy(torch_model),
-                                   rename=certificate_user.torch_names(rename, torch_model))
+                                   rename=torch_names(rename, torch_model))
     state = filled.state_dict()
     if fmt == "safetensors":
         arrays = {k: np.ascontiguousarray(to_numpy(v)) for k, v in state.items()}
@@ -262,7 +269,7 @@ def save_pretrained(model, path, *, overwrite: bool = False, certify: bool = Tru
             stored = np.dtype(hf._save_dtype(dtype))
             state = {k: np.asarray(safetensors_io.read(v)).astype(stored)
                      for k, v in safetensors_io.model_tensors(model).items()}
-        hook = certificate.sidecar("hf", model, state=state)
+        hook = certificate.sidecar("hf", FamilySubject(model, state))
     return hf.save_pretrained(model, path, overwrite=overwrite, dtype=dtype, before_swap=hook, **kwargs)
 
 
@@ -278,6 +285,6 @@ def save_peft(model, path, *, base, overwrite: bool = False, certify: bool = Tru
     if certify:
         files.check_target(path, kind="dir", overwrite=overwrite)
         check_finite(model)
-        hook = certificate_peft.sidecar(model, base)
+        hook = certificate.sidecar("peft", certificate_peft.AdapterSubject(model, base))
     kwargs.setdefault("base_model_name_or_path", str(base))
     return peft.save_peft(model, path, overwrite=overwrite, before_swap=hook, **kwargs)

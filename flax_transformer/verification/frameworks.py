@@ -32,13 +32,13 @@ def leaves(x):
         yield x
 
 
-def _is_torch(a) -> bool:
+def is_torch(a) -> bool:
     return type(a).__module__.startswith("torch") and hasattr(a, "detach")
 
 
 def to_numpy(a):
     """A torch tensor, JAX or numpy array as numpy; anything else (None, a Python scalar) unchanged."""
-    if _is_torch(a):
+    if is_torch(a):
         a = a.detach().cpu()
         return (a.float() if str(a.dtype) == "torch.bfloat16" else a).numpy()  # numpy has no bf16: widened exactly
     return np.asarray(a) if isinstance(a, (np.ndarray, jax.Array)) else a
@@ -48,7 +48,7 @@ def to_torch(a):
     """numpy / JAX / torch -> a torch tensor (a copy of numpy's memory); anything else unchanged."""
     import torch
 
-    if _is_torch(a):
+    if is_torch(a):
         return a
     return torch.from_numpy(np.array(a)) if isinstance(a, (np.ndarray, jax.Array)) else a
 
@@ -111,7 +111,7 @@ def apply(module, args, kwargs):
 
 def is_array(a) -> bool:
     """A torch tensor, numpy or JAX array (a tracer too): a leaf compared by value, not by ``==``."""
-    return _is_torch(a) or isinstance(a, (np.ndarray, np.generic, jax.Array))
+    return is_torch(a) or isinstance(a, (np.ndarray, np.generic, jax.Array))
 
 
 @jax.tree_util.register_static
@@ -295,14 +295,14 @@ def default_weights(torch_out, seed: int) -> dict[str, np.ndarray]:
     scalar ``sum_i <output_i, W_i>`` (standard normal, float32, drawn in path order from ``seed``)."""
     rng = np.random.default_rng(seed)
     return {p: rng.standard_normal(tuple(leaf.shape)).astype(np.float32) for p, leaf in flatten(torch_out)
-            if _is_torch(leaf) and leaf.is_floating_point()}
+            if is_torch(leaf) and leaf.is_floating_point()}
 
 
 def torch_scalar(out, weights: dict[str, np.ndarray], loss_fn=None):
     """torch's scalar to differentiate: ``loss_fn(out)``, else ``sum_i <output_i, W_i>`` over ``weights``."""
     if loss_fn is not None:
         value = loss_fn(out)
-        if not _is_torch(value) or value.numel() != 1:
+        if not is_torch(value) or value.numel() != 1:
             raise ValueError(f"loss_fn must return one number (a tensor of one element) for torch, got "
                              f"{_describe(value)}")
         if not value.requires_grad:

@@ -14,7 +14,7 @@ three ways and compares them step by step (step 0 is the first new token):
   bugs that a full forward pass never shows live (a cache write, a cached position offset).
 
 Each step's logits are judged like a ``bisect`` row: JAX's max |error| against fp64 within
-``bisect_report.budget(torch_err, scale)``, scale = max |fp64 logit| of the step. A step also
+``precision.budget(torch_err, scale)``, scale = max |fp64 logit| of the step. A step also
 diverges when JAX's greedy token differs from fp64's where fp64's top-2 margin exceeds
 ``NEAR_TIE`` budgets: two logits each within a budget of fp64 can swap order only if they were
 within two budgets of each other, so a swap with a wider margin is a bug, and one with a
@@ -38,8 +38,6 @@ lazily (a verification module).
 
 from __future__ import annotations
 
-import copy
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -49,8 +47,10 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.models.input_specs import input_spec
-from flax_transformer.verification.bisect import _err, bisect
-from flax_transformer.verification.bisect_report import _finite_max, budget, budget_rule
+from flax_transformer.verification.bisect import bisect
+from flax_transformer.verification.measure import err, torch_copy
+from flax_transformer.verification.precision import budget, budget_rule, finite_max
+from flax_transformer.verification.reports import Report
 
 NEAR_TIE = 2.0  # a greedy token may differ where fp64's top-2 margin is at most this many budgets
 # torch_reference's attention classes, and how each one computes the keys and values it would cache
@@ -93,7 +93,7 @@ class CacheRow:
 
 
 @dataclass
-class GenerationReport:
+class GenerationReport(Report):
     """``bisect_generation``'s findings; ``str(report)`` is one line per step and the verdict."""
 
     steps: list[StepRow]
@@ -155,8 +155,8 @@ class GenerationReport:
                 "cache": [{k: clean(v) for k, v in asdict(c).items()} for c in self.cache_rows],
                 "verdict": self.verdict()}
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+    def summary(self) -> str:
+        return self.verdict()
 
 
 # ---------------------------------------------------------------- checks
@@ -228,7 +228,7 @@ def _jax_decode(flax_model, seq: np.ndarray, prompt_length: int, new: int, judge
 
 
 def _step_row(step, position, l64, l32, lj) -> StepRow:
-    torch_err, jax_err, scale = _err([l32], [l64]), _err([lj], [l64]), _finite_max(l64)
+    torch_err, jax_err, scale = err([l32], [l64]), err([lj], [l64]), finite_max(l64)
     allowed = budget(torch_err, scale)
     top2 = np.sort(l64, axis=-1)[:, -2:]
     margin = float((top2[:, 1] - top2[:, 0]).min()) if l64.shape[-1] > 1 else float("inf")
@@ -323,8 +323,8 @@ def _cache_rows(torch_model, reference, cache, prefix) -> tuple[list[CacheRow], 
         kj, vj = np.asarray(kj)[:, :, :t], np.asarray(vj)[:, :, :t]  # the positions written so far
         if kj.shape != k64.shape or vj.shape != v64.shape:
             return [], f"layer {layer}'s cache is {kj.shape}, torch's keys {k64.shape}"
-        torch_err, jax_err = _err([k32, v32], [k64, v64]), _err([kj, vj], [k64, v64])
-        scale = max(_finite_max(k64), _finite_max(v64))
+        torch_err, jax_err = err([k32, v32], [k64, v64]), err([kj, vj], [k64, v64])
+        scale = max(finite_max(k64), finite_max(v64))
         rows.append(CacheRow(layer, torch_err, jax_err, scale, budget(torch_err, scale)))
     return rows, ""
 
@@ -353,7 +353,9 @@ def bisect_generation(torch_model, flax_model, prompt_ids, max_new_tokens: int, 
     ids = check_inputs(flax_model, prompt_ids, max_new_tokens)  # before any computation
     torch_model.eval()
     flax_model.eval()
-    reference = copy.deepcopy(torch_model).double()
+    import torch
+
+    reference = torch_copy(torch_model, torch.float64)
     p, n = ids.shape[1], int(max_new_tokens)
     seq, l64 = ids, []
     for _ in range(n):  # fp64 greedy: the tokens every run is fed

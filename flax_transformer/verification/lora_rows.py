@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.models import lora
-from flax_transformer.verification.bisect_report import grad_budget
-from flax_transformer.verification.compare_report import TOLERANCE, Row
-from flax_transformer.verification.leaf_checks import check
+from flax_transformer.verification.measure import check
+from flax_transformer.verification.precision import grad_budget
+from flax_transformer.verification.reports import TOLERANCE, Row
 
 FAMILY = "lora"  # the rows' family column: ``verify`` runs them with every family, not with --family
 RANK, ALPHA = 4, 8  # scale alpha / r = 2 (rsLoRA: alpha / sqrt(r) = 4): a wrong scale changes the output
@@ -378,7 +378,7 @@ def _measure(case: Case, seed: int, tamper) -> Result:
     skipped += [f"{module}: the Flax model adapts it, peft does not" for module in ours_by_module if module not in g32]
     if not checks:
         skipped.append("no adapter gradient compared")
-    # one budget for all of the model's adapter gradients, as compare's (bisect.grad_budget)
+    # one budget for all of the model's adapter gradients, as compare's (precision.grad_budget)
     scale, limit = grad_budget({k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None})
     for c in checks.values():
         if c["budget"] is not None:

@@ -6,9 +6,9 @@ mask, a causal mask, both, and a row whose keys are all masked) and reports the
 largest absolute difference, and JAX's error against a float64 torch copy with its budget
 (``compare``; NaN or inf never passes). ``flax-transformer verify`` prints the table.
 
-``compare`` does one comparison for any pair (a ``CompareReport``, gradients too with
-``grads=True``); ``bisect`` (``bisect.py``) finds the first submodule where a pair diverges;
-``bisect_generation`` (``generation_bisect.py``) the first step of greedy decoding that does.
+One comparison of any pair is ``compare.compare`` (a ``CompareReport``, gradients too with
+``grads=True``); ``bisect.bisect`` finds the first submodule where a pair diverges;
+``generation_bisect.bisect_generation`` the first step of greedy decoding that does.
 
 torch is imported here at call time only (this is a verification module).
 """
@@ -24,20 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.verification.bisect import BisectReport, bisect  # noqa: F401  (verify.bisect: the public name)
-from flax_transformer.verification.compare import (  # noqa: F401  (verify.compare and friends: the public names)
-    TOLERANCE,
-    CompareReport,
-    Row,
-    compare,
-    format_table,
-    gradient_errors,
-    grads_row,
-)
-from flax_transformer.verification.frameworks import apply as _apply
-from flax_transformer.verification.frameworks import leaves as _leaves  # noqa: F401  (verify._leaves, read by tests)
-from flax_transformer.verification.frameworks import max_abs_err, to_jax, to_numpy, to_torch  # noqa: F401  (verify.max_abs_err and friends)
-from flax_transformer.verification.generation_bisect import GenerationReport, bisect_generation  # noqa: F401  (verify.bisect_generation)
+from flax_transformer.verification.compare import compare
+from flax_transformer.verification.frameworks import apply as apply_compiled
+from flax_transformer.verification.frameworks import max_abs_err, to_numpy
+from flax_transformer.verification.reports import TOLERANCE, Row, grads_row
 
 # ------------------------------------------------------------------ inputs
 
@@ -386,13 +376,13 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     transformers' too, with the bf16 LM gates."""
     from pathlib import Path
 
-    from flax_transformer.verification import certificate, lm_agreement, pairs
+    from flax_transformer.verification import certificate, certificate_subjects, lm_agreement, pairs
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):
         raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; {path} is a "
                          f"{'bare state_dict' if bare else 'training run'} (port it first: flax-transformer port SRC DST)")
-    flax_model, torch_model = (certificate.load_pair(path) if bare and certificate.find(path) else
+    flax_model, torch_model = (certificate_subjects.load_pair(path) if bare and certificate.find(path) else
                                pairs.load_pair(path, load=load, dtype=dtype))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = pairs.example_inputs(flax_model)
@@ -457,4 +447,4 @@ class _Transformers:
 
 
 def flax_module_call(model, *args):
-    return _apply(model, tuple(None if a is None else jnp.asarray(a) for a in args), {})
+    return apply_compiled(model, tuple(None if a is None else jnp.asarray(a) for a in args), {})

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from flax_transformer.verification import verify
+from flax_transformer.verification import compare, reports, verify
 
 
 @pytest.mark.slow(reason="test_classic's parity tests (the same rows in-process), test_commands' other verify commands; the README's set-up runs `flax-transformer verify` whole")
@@ -52,8 +52,8 @@ def test_gradient_check_fails_on_a_wrong_gradient():
     with torch.no_grad():
         model.toprobs.weight.mul_(1.01)  # 1% off: the gradients into the blocks move with it
     ids = np.random.default_rng(0).integers(0, 20, (2, 8)).astype(np.int32)
-    err, finite, key = verify.gradient_errors(model, flax_model, (ids,))
-    assert finite and err > verify.TOLERANCE, (err, key)
+    err, finite, key = compare.gradient_errors(model, flax_model, (ids,))
+    assert finite and err > reports.TOLERANCE, (err, key)
 
 
 def test_every_module_of_every_family_has_a_verify_spec():
@@ -85,7 +85,7 @@ def test_verify_reports_a_broken_port(monkeypatch):
 
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     results = verify.both_directions(tf.MHSelfAttention(8, 2), (x, None))  # square weights: shapes still fit
-    assert all(err > verify.TOLERANCE for _, err, _ in results), results
+    assert all(err > reports.TOLERANCE for _, err, _ in results), results
 
 
 # ------------------------------------------------------------- port, summary, maps
@@ -271,7 +271,7 @@ def test_every_whole_model_says_what_it_reads():
         args = pairs.example_inputs(flax_model, seed=1)
         ids = args[0]
         assert ids.max() < flax_model.input_spec().vocab_size and ids.shape[1] <= flax_model.input_spec().max_length
-        err, finite = verify.compare(torch_model, flax_model, args)
-        assert finite and err <= verify.TOLERANCE, (spec.name, err)
+        err, finite = compare.compare(torch_model, flax_model, args)
+        assert finite and err <= reports.TOLERANCE, (spec.name, err)
         if flax_model.input_spec().generates and not flax_model.input_spec().encoder_decoder:
             assert generate(flax_model, ids[:, :2], 1, greedy=True).shape == (ids.shape[0], 1)

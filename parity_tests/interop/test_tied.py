@@ -14,7 +14,7 @@ from flax import nnx
 
 from flax_transformer.interop import porting
 from flax_transformer.interop.porting import StateDictError
-from flax_transformer.verification import verify
+from flax_transformer.verification import compare
 from parity_tests.conftest import TOL
 from parity_tests.user_models_tied import LENGTH, VOCAB, FlaxTiedGPT, FlaxUntiedGPT, TorchTiedGPT
 
@@ -39,7 +39,7 @@ def _same_weights(torch_model, reference):
 
 
 def _passes(torch_model, flax_model):
-    err, finite = verify.compare(torch_model, flax_model, (IDS,))
+    err, finite = compare.compare(torch_model, flax_model, (IDS,))
     assert finite and err <= TOL, err
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from flax_transformer.interop import porting
 from flax_transformer.models.attention import set_attention
-from flax_transformer.verification import verify
+from flax_transformer.verification import compare, verify
 from parity_tests.conftest import TOL
 
 SPECS = verify.specs()
@@ -27,7 +27,7 @@ def test_fused_attention_matches_torch(spec):
         verify.perturb_torch(torch_module, 0)
         flax_module = porting.torch_to_flax(torch_module)
         set_attention(flax_module, "xla")
-        err, finite = verify.compare(torch_module, flax_module, args, kwargs)
+        err, finite = compare.compare(torch_module, flax_module, args, kwargs)
         assert finite and err <= TOL, (case, err)
 
 

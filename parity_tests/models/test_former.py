@@ -247,7 +247,7 @@ def test_max_pooling_gradients_under_jit(padded):
     """Max pooling's backward under jit: JAX's equality-based max gradient went wrong (relative
     error 0.25, NaN in places) when XLA recomputed the max in another fusion; the gather at the
     arg-max gives torch's gradient exactly."""
-    from flax_transformer.verification import verify
+    from flax_transformer.verification import compare, verify
 
     torch.manual_seed(0)
     model = tf.CTransformer(24, 4, 2, 16, 50, 3, max_pool=True).eval()
@@ -255,5 +255,5 @@ def test_max_pooling_gradients_under_jit(padded):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 50, (3, 7)).astype(np.int32)
     mask = verify.padding_mask(rng, 3, 7) if padded else None
-    err, finite, key = verify.gradient_errors(model, porting.torch_to_flax(model), (ids, mask), seed=0)
+    err, finite, key = compare.gradient_errors(model, porting.torch_to_flax(model), (ids, mask), seed=0)
     assert finite and err <= TOL, f"{key}: {err:.3g}"

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from flax_transformer.interop import porting
-from flax_transformer.verification import verify
+from flax_transformer.verification import frameworks, verify
 
 MODEL_SPECS = [s for s in verify.specs() if s.name in verify.MODELS]
 BOUND = 3e-2
@@ -44,8 +44,8 @@ def test_bf16_compute_stays_within_the_bound(spec):
     nnx.update(bf16, nnx.state(fp32, nnx.Param))
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(bf16, nnx.Param)))  # fp32 storage
     to = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-    want = list(verify._leaves(fp32(*map(to, args), **{k: to(v) for k, v in kwargs.items()})))
-    got = list(verify._leaves(bf16(*map(to, args), **{k: to(v) for k, v in kwargs.items()})))
+    want = list(frameworks.leaves(fp32(*map(to, args), **{k: to(v) for k, v in kwargs.items()})))
+    got = list(frameworks.leaves(bf16(*map(to, args), **{k: to(v) for k, v in kwargs.items()})))
     for a, b in zip(want, got, strict=True):
         err = float(jnp.abs(a - b.astype(jnp.float32)).max())
         assert np.isfinite(err) and err <= BOUND * max(1.0, float(jnp.abs(a).max())), err

@@ -23,7 +23,7 @@ from torch import nn
 import flax_transformer.models.former as ff
 import torch_reference.former as tf
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, verify
+from flax_transformer.verification import bisect, bisect_report, compare
 from parity_tests.user_models import FlaxConvTagger, TorchConvTagger
 
 VOCAB, D, LENGTH = 12, 8, 6
@@ -101,7 +101,7 @@ def _grad(report, name):
 
 def test_logits_none_and_a_tied_head_compare_and_bisect_with_gradients(gpt):
     torch_model, attend, _ = gpt
-    report = verify.compare(torch_model, attend, (IDS,), grads=True)
+    report = compare.compare(torch_model, attend, (IDS,), grads=True)
     assert report.passed and not report.skipped, str(report)
     assert [o["output"] for o in report.outputs] == ["output[0]"]
     assert report.others == ({"output": "output[1]", "torch": "None", "flax": "None", "equal": True},)
@@ -123,22 +123,22 @@ def returned_loss(out):
 
 def test_a_loss_the_model_returns_is_what_grads_differentiates(gpt):
     torch_model, attend, _ = gpt
-    report = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=returned_loss)
+    report = compare.compare(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=returned_loss)
     assert report.passed and [o["output"] for o in report.outputs] == ["output[0]", "output[1]"], str(report)
     # one function per framework, each used on its side (swapped, torch.mean would get JAX arrays): twice the
     # loss in Flax only is a wrong backward
-    doubled = verify.compare(torch_model, attend, (IDS, TARGETS), grads=True,
+    doubled = compare.compare(torch_model, attend, (IDS, TARGETS), grads=True,
                              loss_fn=(lambda out: torch.mean(out[1]), lambda out: 2 * jnp.mean(out[1])))
     assert report.rows[0].passed and not doubled.passed and doubled.grad_err > 1e-3, str(doubled)
     found = bisect.bisect(torch_model, attend, (IDS, TARGETS), grads=True, loss_fn=returned_loss)
     assert found.passed and found.grad_rows, str(found)
     with pytest.raises(ValueError, match="loss_fn must return one number"):
-        verify.compare(torch_model, attend, (IDS,), grads=True, loss_fn=lambda out: out[0], fp64=False)
+        compare.compare(torch_model, attend, (IDS,), grads=True, loss_fn=lambda out: out[0], fp64=False)
 
 
 def test_a_flax_twin_holding_the_tied_tensor_twice_sums_its_gradients(gpt):
     torch_model, _, twice = gpt
-    report = verify.compare(torch_model, twice, (IDS,), grads=True)
+    report = compare.compare(torch_model, twice, (IDS,), grads=True)
     assert report.passed and not report.skipped, str(report)
     note = _grad(report, "tok_emb.weight").note
     assert note.startswith("tied: lm_head.weight = tok_emb.weight; Flax holds it 2 times"), note
@@ -148,7 +148,7 @@ def test_a_flax_twin_holding_the_tied_tensor_twice_sums_its_gradients(gpt):
     # a declared tie is one Flax tensor under two names: its gradient counted once, not twice
     declared = porting.torch_to_flax(torch_model, nnx.eval_shape(lambda: FlaxDeclaredGPT(rngs=nnx.Rngs(0))))
     assert {"lm_head.weight", "tok_emb.weight"} <= porting.state_dict(declared).keys()
-    report = verify.compare(torch_model, declared, (IDS,), grads=True, fp64=False)
+    report = compare.compare(torch_model, declared, (IDS,), grads=True, fp64=False)
     assert report.passed and _grad(report, "tok_emb.weight").note == "tied: lm_head.weight = tok_emb.weight", str(report)
 
 
@@ -210,7 +210,7 @@ X = RNG.standard_normal((2, 4)).astype(np.float32)
 @pytest.mark.parametrize("kind", ["model_output", "dataclass", "dict", "namedtuple"])
 def test_any_output_structure_is_compared_by_path(kind):
     torch_model, flax_model = _shaped(kind)
-    report = verify.compare(torch_model, flax_model, (X,), grads=True)
+    report = compare.compare(torch_model, flax_model, (X,), grads=True)
     assert report.passed and not report.skipped, str(report)
     arrays = {"model_output": ["output.logits", "output.hidden_states[0]", "output.hidden_states[1]"],
               "dataclass": ["output.scores"], "dict": ["output.logits"],
@@ -236,15 +236,15 @@ class _Extra(nnx.Module):
 def test_output_leaves_that_differ_or_are_missing_fail_naming_them():
     torch_model, flax_model = _shaped("dataclass", tag="logits")
     for use_jit in (True, False):  # the string leaves its compiled function in the output's structure
-        report = verify.compare(torch_model, flax_model, (X,), use_jit=use_jit)
+        report = compare.compare(torch_model, flax_model, (X,), use_jit=use_jit)
         assert not report.passed and report.max_abs_err < 1e-6, str(report)
         assert "differs: output.tag: torch 'scores', flax 'logits'" in report.rows[0].problems()
     torch_model, flax_model = _shaped("dict")
-    report = verify.compare(torch_model, _Extra(flax_model), (X,), use_jit=False)  # an array where torch has None
+    report = compare.compare(torch_model, _Extra(flax_model), (X,), use_jit=False)  # an array where torch has None
     assert not report.passed and "output.extra: only in flax (array(2, 3) float32)" in report.rows[0].mismatched
     torch_model, flax_model = _shaped("model_output")
     flax_model.kind = "dict"  # no hidden states: two arrays on the torch side only
-    report = verify.compare(torch_model, flax_model, (X,))
+    report = compare.compare(torch_model, flax_model, (X,))
     assert not report.passed and "output.hidden_states[1]: only in torch" in report.rows[0].mismatched, str(report)
 
 
@@ -286,7 +286,7 @@ def test_without_rename_every_unmatched_name_is_listed_and_with_it_none():
     torch_model, _ = _shaped("dict")
     flax_model = FlaxRenamed(torch_model)
     bare = bisect.bisect(torch_model, flax_model, (X,), grads=True)
-    assert not bare.passed and bare.first_divergent == bisect.INCOMPLETE
+    assert not bare.passed and bare.first_divergent == bisect_report.INCOMPLETE
     assert bare.incomplete == ["lin", "gradient lin.weight", "gradient lin.bias", "gradient proj.bias",
                                "gradient proj.weight"], str(bare)
     assert "gradients: every compared parameter within budget (4 of 4 not compared)" in bare.summary()
@@ -295,8 +295,8 @@ def test_without_rename_every_unmatched_name_is_listed_and_with_it_none():
     report = bisect.bisect(torch_model, flax_model, (X,), grads=True, rename=rename)
     assert report.passed and not report.incomplete and report.rows[0].flax_path == "proj", str(report)
     assert [g.name for g in report.grad_rows] == ["lin.weight", "lin.bias"]
-    assert not verify.compare(torch_model, flax_model, (X,), grads=True).passed
-    assert verify.compare(torch_model, flax_model, (X,), grads=True, rename=rename).passed
+    assert not compare.compare(torch_model, flax_model, (X,), grads=True).passed
+    assert compare.compare(torch_model, flax_model, (X,), grads=True, rename=rename).passed
 
 
 def test_rename_matches_every_module_and_gradient():
@@ -307,10 +307,10 @@ def test_rename_matches_every_module_and_gradient():
     assert len(report.grad_rows) == len(list(torch_model.parameters()))
     row = next(r for r in report.rows if r.path == "tblocks.0.attention")
     assert row.status == "ok" and row.flax_path == "tblocks.0.mhattention", str(report)
-    compared = verify.compare(torch_model, flax_model, args, grads=True, rename=FORMER_NAMES)
+    compared = compare.compare(torch_model, flax_model, args, grads=True, rename=FORMER_NAMES)
     assert compared.passed and not compared.skipped and len(compared.rows) == 1 + len(report.grad_rows), str(compared)
     with pytest.raises(ValueError, match="not a valid regex"):
-        verify.compare(torch_model, flax_model, args, rename=[("(", "x")])
+        compare.compare(torch_model, flax_model, args, rename=[("(", "x")])
 
 
 def test_rename_flag_splits_at_the_first_plain_equals_sign():

@@ -19,7 +19,7 @@ from flax import nnx
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, compare, leaf_checks, lm_agreement, precision
+from flax_transformer.verification import bisect, bisect_report, compare, lm_agreement, measure, precision
 from parity_tests.verification import test_llama_bisect as planted
 
 ATTN = planted.ATTN
@@ -76,7 +76,7 @@ def test_a_correct_bf16_port_passes_bisect_and_fails_float32s_rule():
     assert data["budget_rule"]["precision"] == "bfloat16" and "torch ran in bfloat16 too" in report.summary()
     assert "torch bf16 err" in str(report)
     as_fp32 = bisect.bisect(torch_model, flax_model, (planted.IDS,), use_jit=False, precision="float32")
-    assert not as_fp32.passed and as_fp32.rows[-1].status in bisect.DIVERGED
+    assert not as_fp32.passed and as_fp32.rows[-1].status in bisect_report.DIVERGED
 
 
 @pytest.mark.parametrize("bug", ["q-norm-after-rope", "window+1"])
@@ -97,7 +97,7 @@ def test_a_bug_in_a_bf16_model_is_named(bug):
 
 
 def test_a_nonfinite_value_in_torchs_bf16_run_is_not_compared_never_an_infinite_budget():
-    out = leaf_checks.check(np.array([1.0, 2.0, 3.0], np.float32), np.array([1.0, 2.0, 50.0], np.float32),
+    out = measure.check(np.array([1.0, 2.0, 3.0], np.float32), np.array([1.0, 2.0, 50.0], np.float32),
                             np.array([1.0, 2.0, 3.0]), measured=True, low=np.array([1.0, 2.0, np.inf], np.float32),
                             precision=precision.BF16)
     assert "torch in bfloat16" in out["skipped"] and np.isfinite(out["budget"]), out

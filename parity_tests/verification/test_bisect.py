@@ -1,4 +1,4 @@
-"""``verify.bisect``: defects real ports get wrong, each planted on the Flax side after porting,
+"""``bisect.bisect``: defects real ports get wrong, each planted on the Flax side after porting,
 must be named at the exact module with nothing flagged upstream; correct ports flag nothing.
 
 Small models (width 16-24, two blocks), run eagerly where the test is about what bisect finds
@@ -17,7 +17,7 @@ import torch_reference.former as tf
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.models.former import _self_attention
-from flax_transformer.verification import bisect, positions, verify
+from flax_transformer.verification import bisect, bisect_report, measure, verify
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 8))
 
@@ -166,7 +166,7 @@ def test_cli_pair(tmp_path, capsys):
     assert json.loads(out.read_text())["first_divergent"] == "toprobs"
     assert main(["verify", "--pair", f"{tmp_path}/pair.py:make", "--json", str(out)]) == 2  # exists: no --overwrite
     assert "exists" in capsys.readouterr().err
-    # without --bisect: verify.compare's table, one row for the outputs and one per gradient
+    # without --bisect: compare.compare's table, one row for the outputs and one per gradient
     assert main(["verify", "--pair", f"{tmp_path}/pair.py:make", "--grads", "--json", str(out), "--overwrite"]) == 1
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["direction"] == "torch vs flax" and not rows[0]["passed"] and len(rows) == 1 + 17
@@ -236,14 +236,14 @@ X64 = np.random.default_rng(0).standard_normal((2, 4))  # float64: the float32 r
 
 def test_err_zero_d_infinities_and_nan():
     inf, nan = np.inf, np.nan
-    assert bisect._err([np.float32(1.5)], [np.float64(1.0)]) == 0.5  # 0-d outputs
-    assert bisect._err([np.array(2.0)], [np.array(2.0)]) == 0.0
-    assert bisect._err([np.array([[-inf, 5.0]])], [np.array([[-inf, 1.0]])]) == 4.0  # equal infinities agree
-    assert bisect._err([np.array([inf])], [np.array([-inf])]) == inf
-    assert bisect._err([np.array([nan, 1.0])], [np.array([nan, 1.0])]) == 0.0
-    assert bisect._err([np.array([nan])], [np.array([1.0])]) == inf
-    assert bisect._scale([np.array([-inf, 2.0, nan])]) == 2.0  # an infinity must not make the budget infinite
-    assert bisect._err([jnp.ones(3, jnp.bfloat16)], [np.full(3, 1.25)]) == 0.25
+    assert measure.err([np.float32(1.5)], [np.float64(1.0)]) == 0.5  # 0-d outputs
+    assert measure.err([np.array(2.0)], [np.array(2.0)]) == 0.0
+    assert measure.err([np.array([[-inf, 5.0]])], [np.array([[-inf, 1.0]])]) == 4.0  # equal infinities agree
+    assert measure.err([np.array([inf])], [np.array([-inf])]) == inf
+    assert measure.err([np.array([nan, 1.0])], [np.array([nan, 1.0])]) == 0.0
+    assert measure.err([np.array([nan])], [np.array([1.0])]) == inf
+    assert measure.scale([np.array([-inf, 2.0, nan])]) == 2.0  # an infinity must not make the budget infinite
+    assert measure.err([jnp.ones(3, jnp.bfloat16)], [np.full(3, 1.25)]) == 0.25
 
 
 def test_error_per_position():
@@ -252,15 +252,15 @@ def test_error_per_position():
     inf, nan = np.inf, np.nan
     want = [np.array([[[0.0, 0.0], [nan, 0.0], [inf, 0.0]]]), np.zeros((1, 5))]
     got = [np.array([[[0.0, 1e-3], [nan, 0.0], [inf, 2e-3]]]), np.ones((1, 5))]
-    assert positions.per_position(want, got, 3).tolist() == [1e-3, inf, 2e-3]
-    assert positions.per_position(want, got, 4) is None and positions.per_position(want, got, None) is None
-    found = positions.PositionErrors(np.zeros(3), np.array([1e-7, 5e-6, nan]), budget=1e-6)
+    assert measure.per_position(want, got, 3).tolist() == [1e-3, inf, 2e-3]
+    assert measure.per_position(want, got, 4) is None and measure.per_position(want, got, None) is None
+    found = bisect_report.PositionErrors(np.zeros(3), np.array([1e-7, 5e-6, nan]), budget=1e-6)
     assert found.onset == 1 and found.peak == 2  # NaN: beyond any budget
-    assert positions.PositionErrors(np.zeros(2), np.array([0.0, 1e-7]), budget=1e-6).onset is None
+    assert bisect_report.PositionErrors(np.zeros(2), np.array([0.0, 1e-7]), budget=1e-6).onset is None
     data = found.to_dict()
     assert data["onset"] == 1 and data["jax"][:2] == [1e-7, 5e-6] and np.isnan(data["jax"][2])
-    assert positions.sequence_length(((np.zeros(3), np.zeros((2, 7), np.int64)), {})) == 7  # the first 2-d input
-    assert positions.sequence_length((np.zeros(4),)) is None
+    assert measure.sequence_length(((np.zeros(3), np.zeros((2, 7), np.int64)), {})) == 7  # the first 2-d input
+    assert measure.sequence_length((np.zeros(4),)) is None
 
 
 def test_bfloat16_outputs_are_compared():
@@ -275,7 +275,7 @@ def test_bfloat16_outputs_are_compared():
 def test_nothing_compared_fails():
     report = bisect.bisect(*_linears(out_flax=2), (X64,), use_jit=False)
     assert report.rows[0].status.startswith("skipped") and "(2, 2)" in report.rows[0].status
-    assert report.first_divergent == bisect.INCOMPLETE and not report.passed and report.to_dict()["unverified"]
+    assert report.first_divergent == bisect_report.INCOMPLETE and not report.passed and report.to_dict()["unverified"]
     assert "NOT VERIFIED" in str(report) and "every module within budget" not in str(report)
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 import torch_reference.former as tf
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, verify
+from flax_transformer.verification import bisect, bisect_report, precision, verify
 
 X = np.ones((2, 3), np.float32)
 
@@ -91,15 +91,15 @@ def test_first_divergent_grad_is_the_first_wrong_one_in_backward_order():
                             strict=True)
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     report = bisect.bisect(torch_model, flax_model, (x,), grads=True, use_jit=False)
-    assert report.first_divergent == bisect.GRADIENTS, str(report)  # the forward agrees
+    assert report.first_divergent == bisect_report.GRADIENTS, str(report)  # the forward agrees
     assert all(g.status == "diverged" for g in report.grad_rows), str(report)
     assert report.first_divergent_grad.startswith("lin2."), str(report)
 
 
 def test_grad_budget_takes_the_largest_torch_error_and_scale_over_the_model():
     # mutant B5: min for max on torch's gradient error made the budget too tight for correct ports
-    scale, limit = bisect.grad_budget({"a.weight": (1e-6, 1.0), "b.bias": (0.0, 2.0)})
-    assert scale == 2.0 and limit == pytest.approx(bisect.budget(1e-6, 2.0)) == pytest.approx(1e-5)
+    scale, limit = precision.grad_budget({"a.weight": (1e-6, 1.0), "b.bias": (0.0, 2.0)})
+    assert scale == 2.0 and limit == pytest.approx(precision.budget(1e-6, 2.0)) == pytest.approx(1e-5)
 
 
 def test_a_module_whose_flax_twin_holds_only_some_of_its_parameters_is_skipped():
@@ -161,7 +161,7 @@ def test_first_divergent_grad_with_a_right_forward_is_the_first_wrong_parameter(
     report = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
     wrong = [g.name for g in report.grad_rows if g.status == "diverged"]
     assert wrong == ["tblocks.0.ff.0.weight", "tblocks.0.ff.0.bias"], str(report)
-    assert report.first_divergent == bisect.GRADIENTS, str(report)
+    assert report.first_divergent == bisect_report.GRADIENTS, str(report)
     assert report.first_divergent_grad == "tblocks.0.ff.0.weight", str(report)
 
 

@@ -209,7 +209,7 @@ def test_the_models_own_row_is_highlighted_and_a_skipped_gradient_has_no_dot():
             bisect_report.ModuleRow("", "Model", 1e-8, 0.5, 1.0, 1e-8, 0.5, status="introduced")]
     grads = [bisect_report.GradRow("linear.weight", 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name")]
     made = bisect_report.BisectReport(rows, None, grads).settle()
-    assert made.first_divergent == bisect.MODEL
+    assert made.first_divergent == bisect_report.MODEL
     page = _Elements(made.to_html())
     marked = page.with_attr("data-first-divergent")
     assert [a["data-module"] for a in marked] == [""], marked

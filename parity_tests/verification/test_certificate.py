@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import files, porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_check, export
+from flax_transformer.verification import certificate, certificate_check, certificate_schema, export
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_an_export_that_fails_its_check_writes_nothing(tmp_path, former, monkeyp
     def corrupting(tensors, path, metadata=None):
         real({k: v * 1.001 if k == "toprobs.weight" else v for k, v in tensors.items()}, path, metadata)
     monkeypatch.setattr(files, "save_safetensors_file", corrupting)
-    with pytest.raises(certificate.CertificateError, match=r"forward \S+ \(tolerance 1e-05\).*nothing was written"):
+    with pytest.raises(certificate_schema.CertificateError, match=r"forward \S+ \(tolerance 1e-05\).*nothing was written"):
         export.save_safetensors(former, tmp_path / "m.safetensors")
     assert os.listdir(tmp_path) == []
     export.save_safetensors(former, tmp_path / "m.safetensors", certify=False)  # on purpose, unchecked
@@ -263,7 +263,7 @@ def test_the_forward_error_is_relative_to_the_outputs_scale(tmp_path, monkeypatc
         real({k: v * (1 + 1e-4) if k == "transformer.ln_f.weight" else v for k, v in tensors.items()},
              path, metadata)
     monkeypatch.setattr(files, "save_safetensors_file", corrupting)
-    with pytest.raises(certificate.CertificateError, match=r"forward \S+ \(tolerance 1e-05\)"):
+    with pytest.raises(certificate_schema.CertificateError, match=r"forward \S+ \(tolerance 1e-05\)"):
         export.save_safetensors(model, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
 

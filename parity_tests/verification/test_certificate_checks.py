@@ -19,7 +19,7 @@ from flax import nnx
 import torch_reference.former as tf
 from flax_transformer.interop import files, porting, safetensors_io
 from flax_transformer.models.former import CTransformer
-from flax_transformer.verification import certificate, certificate_check
+from flax_transformer.verification import certificate, certificate_check, certificate_schema, certificate_subjects
 from flax_transformer.verification import compare as compare_module
 from flax_transformer.verification.compare import TOLERANCE
 
@@ -28,7 +28,7 @@ HEX = "0" * 64
 
 def _record(**fields) -> dict:
     """A certificate that passes the schema (hashes and figures made up), with ``fields`` replaced."""
-    record = {"certificate": certificate.FORMAT, "format": "safetensors",
+    record = {"certificate": certificate_schema.FORMAT, "format": "safetensors",
               "model": {"family": "former", "class": "CTransformer", "init_kwargs": {}},
               "files": {"m.safetensors": HEX}, "tensors": {"w": {"sha256": HEX, "dtype": "float32", "shape": [2]}},
               "forward": {"max_rel_err": 0.0, "finite": True, "tolerance": 1e-5},
@@ -38,16 +38,16 @@ def _record(**fields) -> dict:
 
 
 def test_the_schema_takes_its_limits_as_documented():
-    certificate.validate(_record(), "c.json")
+    certificate_schema.validate(_record(), "c.json")
     # mutant K2: batch x length at most 4096 tokens, 4096 included
-    certificate.validate(_record(inputs={"seed": 0, "batch": 64, "length": 64}), "c.json")
+    certificate_schema.validate(_record(inputs={"seed": 0, "batch": 64, "length": 64}), "c.json")
     for record, field in ((_record(inputs={"seed": 0, "batch": 64, "length": 65}), "inputs.length"),
                           # mutant K4: a tolerance of 0 would fail every re-check, or mean nothing
                           (_record(forward={"max_rel_err": 0.0, "finite": True, "tolerance": 0}), "forward.tolerance"),
                           # mutant K5: a single-file export with no file hash would re-check nothing of its file
                           (_record(files={}), "files")):
-        with pytest.raises(certificate.CertificateError, match=f"c.json: field {field}"):
-            certificate.validate(record, "c.json")
+        with pytest.raises(certificate_schema.CertificateError, match=f"c.json: field {field}"):
+            certificate_schema.validate(record, "c.json")
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +61,16 @@ def test_an_export_beyond_its_float64_budget_fails_the_forward_check(tiny_former
     with torch.no_grad():
         for p in torch_model.parameters():
             p.mul_(1 + 1.2e-5)  # every weight 1.2e-5 off: ~5e-6 at the output, below 1e-5, ~3x its float64 budget
-    forward = certificate.measure(tiny_former, torch_model)["forward"]
+    forward = certificate_subjects.measure(tiny_former, torch_model)["forward"]
     assert forward["max_rel_err"] <= TOLERANCE and forward["finite"], forward
     assert not forward["float64"]["passed"] and not forward["passed"], forward
 
 
 def test_an_export_whose_float64_reference_did_not_run_fails(tiny_former, monkeypatch):
     # mutant K7: the float64 entry passed while the float64 reference had not run ("skipped")
-    monkeypatch.setattr(compare_module, "_reference",
+    monkeypatch.setattr(compare_module, "torch_reference",
                         lambda *args, **kwargs: (None, None, "the float64 reference did not run (KeyError: x)"))
-    forward = certificate.measure(tiny_former, porting.flax_to_torch(tiny_former).eval())["forward"]
+    forward = certificate_subjects.measure(tiny_former, porting.flax_to_torch(tiny_former).eval())["forward"]
     assert not forward["float64"]["passed"] and not forward["passed"], forward
 
 
@@ -78,7 +78,7 @@ def test_the_recheck_fails_on_the_float64_rule():
     # mutant K11: the re-check held the errors to the tolerance only
     was = {"max_rel_err": 1e-7, "finite": True, "tolerance": 1e-5}
     now = was | {"float64": {"jax_err": 1e-6, "torch_err": 1e-8, "budget": 1e-7, "passed": False}}
-    report = certificate_check.Report(None, None)
+    report = certificate_check.RecheckReport(None, None)
     certificate_check._compare_errors(report, {"forward": was, "backward": was}, {"forward": now, "backward": was}, True)
     assert len(report.failures) == 1 and "float64 rule failed" in report.failures[0], report.failures
     assert report.failures[0].startswith("forward"), report.failures
@@ -90,7 +90,7 @@ def test_the_recheck_names_a_tensor_the_certificate_does_not_list(tmp_path):
     safetensors_io.write_safetensors({"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}, path)
     record = {"format": "safetensors", "files": {path.name: files.sha256_file(path)},
               "tensors": certificate.tensor_hashes({"a": np.ones(3, np.float32)})}
-    report = certificate_check.Report(path, tmp_path / "c.json")
+    report = certificate_check.RecheckReport(path, tmp_path / "c.json")
     certificate_check._check_hashes(report, path, record)
     assert report.failures == ["tensor 'b' is not in the certificate"] and not report.passes, report.failures
 
@@ -98,7 +98,7 @@ def test_the_recheck_names_a_tensor_the_certificate_does_not_list(tmp_path):
 def test_up_to_shown_failures_are_one_line_each():
     # mutant K14: exactly SHOWN items became "... and 0 more"
     shown = certificate_check.SHOWN
-    report = certificate_check.Report(None, None)
+    report = certificate_check.RecheckReport(None, None)
     certificate_check._group(report, "tensors missing", [f"t{i}" for i in range(shown)], lambda k: f"tensor {k}")
     assert report.failures == [f"tensor t{i}" for i in range(shown)]
     certificate_check._group(report, "tensors missing", [f"t{i}" for i in range(shown + 1)], None)
@@ -114,7 +114,11 @@ def former():
 def test_a_threefold_error_growth_in_the_same_environment_fails_the_recheck(tmp_path, former, monkeypatch):
     """Guards the re-check's margin (``RECHECK_FACTOR``, 2): an error re-measured 3x the recorded one,
     same versions and platform, is a failure (a factor of 20 would let it pass)."""
-    from flax_transformer.verification import certificate, certificate_check, export
+    from flax_transformer.verification import (
+        certificate,
+        certificate_check,
+        export,
+    )
 
     path = export.save_safetensors(former, tmp_path / "m.safetensors")
     monkeypatch.setattr(certificate, "RECHECK_SLACK", 0.0)  # this tiny model's errors are below the 1e-7 slack
@@ -142,7 +146,11 @@ def test_a_failed_certificate_write_leaves_no_weights_without_their_certificate(
     """Guards the certificate going in with the weights (inside the writer's swap), not after it: a
     fault at the certificate's write leaves the old weights with the old certificate, and a first
     export leaves nothing at all (never weights without a certificate)."""
-    from flax_transformer.verification import certificate, certificate_check, export
+    from flax_transformer.verification import (
+        certificate,
+        certificate_check,
+        export,
+    )
 
     save, name = export.save_safetensors, "m.safetensors"  # save_torch: the same files.write_file
     monkeypatch.setattr(files, "write_bytes", _no_space_for(".verification.json", files.write_bytes))

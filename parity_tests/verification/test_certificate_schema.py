@@ -15,7 +15,7 @@ import torch
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_check, export
+from flax_transformer.verification import certificate, certificate_check, certificate_schema, export
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _copy(exported, tmp_path, change=None, *, text: bytes | None = None):
 def _refused(path, capsys, *expected):
     """Refused by the library and the CLI alike: one line naming the certificate and ``expected``, exit 2."""
     cert = str(certificate.path_for(path))
-    with pytest.raises(certificate.CertificateError) as caught:
+    with pytest.raises(certificate_schema.CertificateError) as caught:
         certificate_check.recheck(path)
     message = str(caught.value)
     assert "\n" not in message and len(message) < 400 and cert in message, message

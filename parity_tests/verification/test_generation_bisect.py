@@ -1,4 +1,4 @@
-"""``verify.bisect_generation``: the first divergent step of greedy decoding (issue 26 item 3).
+"""``generation_bisect.bisect_generation``: the first divergent step of greedy decoding (issue 26 item 3).
 
 Correct ports of a tiny gpt, GPT-2 (transformers itself as the torch side: its
 ``past_key_values``) and llama pass with no divergent step; bugs planted after a correct port
@@ -21,7 +21,7 @@ import torch_reference.llama as tl
 from flax_transformer.interop import porting
 from flax_transformer.models.gpt import GPTTransformer
 from flax_transformer.models.llama_config import LlamaConfig
-from flax_transformer.verification import verify
+from flax_transformer.verification import generation_bisect, verify
 from flax_transformer.verification.generation_bisect import bisect_generation
 from parity_tests.verification.test_llama_bisect import _patched_call
 
@@ -191,7 +191,7 @@ def test_cli_prints_each_step_and_exits_0_when_all_agree(folder, capsys):
 
 
 def test_cli_exits_1_when_a_step_diverges(folder, capsys, monkeypatch):
-    from flax_transformer.verification import generation_bisect, pairs
+    from flax_transformer.verification import pairs
 
     load = pairs.load_pair
 

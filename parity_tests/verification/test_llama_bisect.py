@@ -1,4 +1,4 @@
-"""``verify.bisect`` knows the llama family's porting bugs (issue 24 item 6).
+"""``bisect.bisect`` knows the llama family's porting bugs (issue 24 item 6).
 
 Each bug that ports of Llama, Mistral, Qwen and Gemma checkpoints keep hitting is planted in the
 Flax model after a correct port (by monkeypatching an instance or setting an attribute; the

@@ -19,7 +19,15 @@ from flax import nnx
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import hf, porting
-from flax_transformer.verification import certificate, compare, export, leaf_checks, lm_agreement, verify
+from flax_transformer.verification import (
+    certificate,
+    certificate_schema,
+    compare,
+    export,
+    lm_agreement,
+    measure,
+    verify,
+)
 from flax_transformer.verification.certificate_schema import CertificateError, validate
 
 
@@ -123,8 +131,8 @@ def test_what_is_not_logits_is_refused():
             lm_agreement.check_logits(bad)
     with pytest.raises(ValueError, match="shapes differ"):
         lm_agreement.measure(np.zeros((2, 3)), np.zeros((2, 4)))
-    assert leaf_checks.logits_path({"loss": np.zeros(()), "logits": np.zeros((1, 2))}) == "output.logits"
-    assert leaf_checks.logits_path((np.zeros((1, 2)), None)) == "output[0]"
+    assert measure.logits_path({"loss": np.zeros(()), "logits": np.zeros((1, 2))}) == "output.logits"
+    assert measure.logits_path((np.zeros((1, 2)), None)) == "output[0]"
 
 
 # ------------------------------------------------------------------ compare(..., lm=True)
@@ -244,7 +252,7 @@ def test_verify_checkpoint_prints_kl_and_top_k_and_the_certificate_records_them(
 
 def test_the_schema_checks_the_lm_fields_and_a_failed_lm_check_refuses_the_export():
     entry = lm_agreement.measure(np.zeros((2, 3)), np.zeros((2, 3))).to_dict()
-    record = {"certificate": certificate.FORMAT, "format": "safetensors", "files": {"m": "0" * 64}, "tensors": {},
+    record = {"certificate": certificate_schema.FORMAT, "format": "safetensors", "files": {"m": "0" * 64}, "tensors": {},
               "model": {"family": "gpt", "class": "GPTTransformer", "init_kwargs": {}}, "versions": {}, "platform": {},
               "forward": {"max_abs_err": 0.0, "finite": True, "tolerance": 1e-5},
               "backward": {"max_rel_err": 0.0, "finite": True, "tolerance": 1e-4}}
@@ -255,7 +263,7 @@ def test_the_schema_checks_the_lm_fields_and_a_failed_lm_check_refuses_the_expor
         validate(record | {"lm": entry | {"passed": "yes"}}, "c.json")
     failed = lm_agreement.measure(np.zeros((2, 3)), np.eye(2, 3) * 5).to_dict()
     with pytest.raises(CertificateError, match="the export check failed: LM KL"):
-        certificate._refuse_failed(record | {"lm": failed}, "m", "reloaded in torch")
+        certificate.refuse_failed(record | {"lm": failed}, "m", "reloaded in torch")
 
 
 def test_one_token_over_the_max_gate_fails_though_the_mean_is_within_its_own():

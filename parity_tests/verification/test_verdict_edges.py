@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flax_transformer.cli.commands import main
-from flax_transformer.verification import bisect
+from flax_transformer.verification import bisect, bisect_report
 
 PAIRS = textwrap.dedent('''
     import sys
@@ -86,7 +86,7 @@ def test_bisect_fails_on_outputs_that_are_not_float_arrays(pairs):
     passed = bisect.bisect(*module.same(), use_jit=False)
     assert passed.passed and not passed.outputs_differ and not passed.outputs_not_compared  # equal strings agree
     differ = bisect.bisect(*module.mislabelled(), use_jit=False)
-    assert not differ.passed and differ.first_divergent == bisect.MODEL
+    assert not differ.passed and differ.first_divergent == bisect_report.MODEL
     assert differ.outputs_differ == ["output[1]: torch 'positive', flax 'negative'"]
     assert "outputs: FAIL: 1 of the model's outputs that are not float arrays differ" in differ.summary() and differ.to_dict()["outputs_differ"] == differ.outputs_differ
     strings = bisect.bisect(*module.strings(), use_jit=False)

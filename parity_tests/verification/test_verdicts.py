@@ -17,7 +17,7 @@ import torch_reference.encoder as te
 import torch_reference.former as tf
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.verification import bisect, verify
+from flax_transformer.verification import bisect, bisect_report, compare, reports, verify
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 8))
 
@@ -42,13 +42,13 @@ def test_nan_on_both_sides_fails_compare_and_bisect_unless_allowed():
         torch_model.tblocks[1].ff[0].bias[3] = float("nan")  # a NaN weight in both frameworks
     flax_model = porting.torch_to_flax(torch_model)
 
-    report = verify.compare(torch_model, flax_model, (IDS,), use_jit=False)
+    report = compare.compare(torch_model, flax_model, (IDS,), use_jit=False)
     row = report.rows[0]
     assert not report.passed and row.nonfinite_both > 0 and not row.nonfinite_jax and not row.nonfinite_torch
     assert "not finite in either framework" in report.summary()
     err, finite = report  # the old unpacking still works
     assert not finite
-    assert verify.compare(torch_model, flax_model, (IDS,), use_jit=False, allow_nonfinite=True).passed
+    assert compare.compare(torch_model, flax_model, (IDS,), use_jit=False, allow_nonfinite=True).passed
 
     found = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False, allow_skipped=True)
     assert not found.passed, str(found)
@@ -63,9 +63,9 @@ def test_nan_on_both_sides_fails_compare_and_bisect_unless_allowed():
 def test_nan_only_in_jax_fails_and_bisect_names_the_producing_module():
     torch_model, flax_model = _former()
     _set(flax_model.tblocks[1].ff[0].bias, 3, jnp.nan)
-    report = verify.compare(torch_model, flax_model, (IDS,), use_jit=False)
+    report = compare.compare(torch_model, flax_model, (IDS,), use_jit=False)
     assert not report.passed and report.rows[0].nonfinite_jax > 0, str(report)
-    assert not verify.compare(torch_model, flax_model, (IDS,), use_jit=False, allow_nonfinite=True).passed
+    assert not compare.compare(torch_model, flax_model, (IDS,), use_jit=False, allow_nonfinite=True).passed
 
     found = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False, allow_skipped=True, allow_nonfinite=True)
     assert not found.passed
@@ -85,14 +85,14 @@ def test_inf_produced_inside_a_module_from_finite_inputs_is_named():
                                {"__call__": lambda self, x: cls.__call__(self, x) * jnp.float32(1e38) * 10})
     found = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False, allow_skipped=True)
     assert found.first_divergent == "tblocks.0.norm2" == found.first_nonfinite, str(found)
-    assert not verify.compare(torch_model, flax_model, (IDS,), use_jit=False).passed
+    assert not compare.compare(torch_model, flax_model, (IDS,), use_jit=False).passed
 
 
 def test_nan_gradients_fail_in_compare_and_bisect():
     torch_model, flax_model = _former()
     # JAX only: one NaN in a weight's gradient path (a bias the outputs do not use stays finite)
     _set(flax_model.toprobs.kernel, (0, 0), jnp.nan)
-    report = verify.compare(torch_model, flax_model, (IDS,), grads=True)
+    report = compare.compare(torch_model, flax_model, (IDS,), grads=True)
     assert not report.passed and sum(r.nonfinite_jax for r in report.rows[1:]) > 0, str(report)
     found = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
     assert found.first_divergent == "toprobs" and found.first_divergent_grad is not None, str(found)
@@ -100,7 +100,7 @@ def test_nan_gradients_fail_in_compare_and_bisect():
     with torch.no_grad():
         torch_model.toprobs.weight[0, 0] = float("nan")
     flax_model = porting.torch_to_flax(torch_model)
-    report = verify.compare(torch_model, flax_model, (IDS,), grads=True)
+    report = compare.compare(torch_model, flax_model, (IDS,), grads=True)
     assert not report.passed and sum(r.nonfinite_both for r in report.rows[1:]) > 0, str(report)
     found = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
     assert not found.passed and any(g.status == bisect.BOTH_NONFINITE for g in found.grad_rows), str(found)
@@ -123,7 +123,7 @@ def test_skipped_module_calls_and_gradients_fail_unless_allowed():
     # the embeddings the Flax twin reads as tables are covered, not skipped (in their parent's row)
     assert any(r.status == bisect.COVERED_READ for r in report.rows), report.tree()
     assert skipped_calls == ["extra"] and report.incomplete == ["extra", "gradient extra.weight", "gradient extra.bias"]
-    assert not report.passed and report.first_divergent == bisect.INCOMPLETE, str(report)
+    assert not report.passed and report.first_divergent == bisect_report.INCOMPLETE, str(report)
     first = report.summary().splitlines()[0]
     assert first.startswith(f"INCOMPLETE: {len(skipped_calls)} of {len(report.rows)} module calls and 2 of "
                             f"{len(report.grad_rows)} gradients not compared"), first
@@ -170,14 +170,14 @@ def test_compare_fails_on_what_it_could_not_compare_unless_allowed():
     torch.manual_seed(0)
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     pair = _Tagged()
-    report = verify.compare(pair, _flax_tagged(pair), (x,), use_jit=False)
+    report = compare.compare(pair, _flax_tagged(pair), (x,), use_jit=False)
     assert report.skipped and "output[1]" in report.skipped[0] and not report.passed, str(report)
     assert report.summary().startswith("INCOMPLETE: 1 not compared: output[1]")
-    allowed = verify.compare(pair, _flax_tagged(pair), (x,), use_jit=False, allow_skipped=True)
+    allowed = compare.compare(pair, _flax_tagged(pair), (x,), use_jit=False, allow_skipped=True)
     assert allowed.passed and allowed.summary().startswith("ALLOWED INCOMPLETE (allow_skipped)"), str(allowed)
 
     no_fp64 = _Tagged(float32_constant=True)
-    report = verify.compare(no_fp64, _flax_tagged(no_fp64, label=False), (x,), use_jit=False)
+    report = compare.compare(no_fp64, _flax_tagged(no_fp64, label=False), (x,), use_jit=False)
     assert not report.passed and "the float64 reference did not run" in report.skipped[0], str(report)
     assert report.max_abs_err < 1e-6 and report.jax_err is None
 
@@ -193,7 +193,7 @@ def test_first_divergent_names_the_whole_model_when_only_it_is_wrong(tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     report = bisect.bisect(torch_model, flax_model, (x,), use_jit=False)
     assert not report.passed
-    assert report.first_divergent == bisect.MODEL == "<model>" and report.first_divergent  # truthy
+    assert report.first_divergent == bisect_report.MODEL == "<model>" and report.first_divergent  # truthy
     assert json.loads(report.to_json())["first_divergent"] == "<model>"
     assert "error introduced in <model> (Linear)" in report.summary()
     assert "<-- first divergent" in report.tree()
@@ -204,7 +204,7 @@ def test_a_gradient_only_failure_names_gradients():
     report = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
     report.grad_rows[0] = bisect.GradRow(report.grad_rows[0].name, 1e-7, 1.0, 1.0, "diverged")
     report.first_divergent_grad = report.grad_rows[0].name
-    assert report.settle().first_divergent == bisect.GRADIENTS and not report.passed
+    assert report.settle().first_divergent == bisect_report.GRADIENTS and not report.passed
 
 
 # ------------------------------------------------------------------ compare against float64
@@ -227,10 +227,10 @@ SEEDS = range(5)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_small_activation_tanh_gelu_fails_compare_and_a_correct_port_passes(seed):
     torch_model, x = _small_feed_forward(seed)
-    correct = verify.compare(torch_model, porting.torch_to_flax(torch_model), (x,), use_jit=False)
+    correct = compare.compare(torch_model, porting.torch_to_flax(torch_model), (x,), use_jit=False)
     assert correct.passed and correct.jax_err <= 0.5 * correct.budget, str(correct)
     broken = porting.torch_to_flax(torch_model)
     broken.hidden_act = "gelu_new"  # tanh GELU for exact GELU
-    report = verify.compare(torch_model, broken, (x,), use_jit=False)
-    assert report.max_abs_err < verify.TOLERANCE  # the absolute figure alone would pass it
+    report = compare.compare(torch_model, broken, (x,), use_jit=False)
+    assert report.max_abs_err < reports.TOLERANCE  # the absolute figure alone would pass it
     assert not report.passed and report.jax_err > 4 * report.budget, str(report)

@@ -1,16 +1,72 @@
-"""What ``compare`` reports: ``Row``, one line of a comparison and of the ``verify`` command's
-tables, ``CompareReport``, and ``grads_row`` (all of a report's gradients as one Row). No
-measuring here (``compare`` does that), so how a comparison reads or judges changes in one file.
+"""The report protocol, and what ``compare`` reports.
+
+``Report``: what every verification report has, whatever it measured (``compare``'s
+``CompareReport``, ``bisect``'s ``BisectReport``, ``generation_bisect``'s ``GenerationReport``, a
+certificate's re-check ``RecheckReport`` and a PEFT adapter's ``AdapterReport``): a verdict
+(``passed``, ``verdict()``), a summary in a few lines (``summary()``), the figures as plain data
+(``to_dict()``) and as JSON (``to_json()``, infinities and NaN as strings).
+
+``Row``: one line of a comparison and of the ``verify`` command's tables; ``CompareReport``;
+``grads_row`` (all of a report's gradients as one Row); ``format_table``. No measuring here
+(``compare`` does that), so how a comparison reads or judges changes in one file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
+import numpy as np
+
 from flax_transformer.verification import lm_agreement
-from flax_transformer.verification.bisect_report import budget_rule
-from flax_transformer.verification.precision import PRECISIONS
+from flax_transformer.verification.precision import PRECISIONS, budget_rule
+
+
+class Report:
+    """The report protocol: ``passed``, ``summary()`` and ``to_dict()`` are each report's own;
+    ``verdict()`` and ``to_json()`` follow from them unless a report says more."""
+
+    @property
+    def passed(self) -> bool:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def verdict(self) -> str:
+        """``pass`` or ``FAIL``."""
+        return "pass" if self.passed else "FAIL"
+
+    def to_json(self, path=None, *, overwrite: bool = False) -> str:
+        """The report as JSON text; also written to ``path`` (through ``files``) when given."""
+        text = json_text(self.to_dict())
+        if path is not None:
+            from flax_transformer.interop import files
+
+            files.check_target(path, kind="file", overwrite=overwrite)
+            files.write_text(path, text + "\n", overwrite=overwrite)
+        return text
+
+
+def json_text(data: dict) -> str:
+    """JSON of a report's ``to_dict()`` (infinities and NaN as strings: JSON has no such numbers)."""
+    return json.dumps(_finite(data), indent=1)
+
+
+def _finite(x):
+    """inf/NaN as strings: JSON has no such numbers."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
 
 TOLERANCE = 1e-5  # fp32 with matmul precision "highest": anything larger is a bug
 
@@ -22,7 +78,7 @@ class Row:
 
     It passes when: every value is finite in both frameworks (values NaN or inf in both, as the
     same value, pass only with ``allow_nonfinite``; NaN or inf on one side never), ``max_abs_err
-    <= tol``, ``jax_err <= budget`` (the float64 rule, ``bisect.budget``: JAX may be ``SLACK``
+    <= tol``, ``jax_err <= budget`` (the float64 rule, ``precision.budget``: JAX may be ``SLACK``
     times less accurate than torch fp32, or within ``FLOOR_ULPS`` float32 steps of the scale;
     for a bfloat16 model, torch in bfloat16 and bf16's rule, with ``tol`` infinite),
     and everything was compared (``skipped`` empty, or ``allow_skipped``).
@@ -37,7 +93,7 @@ class Row:
     tol: float = TOLERANCE
     jax_err: float | None = None  # max |JAX - float64 torch| (None: not measured)
     torch_err: float | None = None  # max |torch fp32 (bf16 for a bf16 model) - float64 torch|
-    budget: float | None = None  # the most jax_err may be: bisect.budget(torch_err, max |float64|)
+    budget: float | None = None  # the most jax_err may be: precision.budget(torch_err, max |float64|)
     nonfinite_jax: int = 0  # values NaN/inf in JAX where torch has another value
     nonfinite_torch: int = 0  # values NaN/inf in torch where JAX has another value
     nonfinite_both: int = 0  # values NaN/inf in both frameworks, the same value ("not finite in either framework")
@@ -106,7 +162,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 @dataclass(frozen=True)
-class CompareReport:
+class CompareReport(Report):
     """What ``compare`` found: the output row, and with ``grads=True`` one row per parameter.
 
     ``str(report)`` is the table ``flax-transformer verify`` prints; ``report.to_dict()`` the same

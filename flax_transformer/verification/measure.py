@@ -1,0 +1,317 @@
+"""The measuring core: what ``compare``, ``bisect``, ``generation_bisect``, the certificates and
+``verify``'s LoRA rows share, built in one place.
+
+* the runs: the float64 torch reference and a torch copy at a lower precision (``torch_copy``,
+  ``torch_reference``: forward, and backward of the same scalar), their gradients (``torch_grads``),
+  and the fp32 Flax twin an export is measured with (``fp32_twin``);
+* the distances: ``err`` (max |got - want| in float64, non-finite values handled), ``scale``,
+  ``nonfinite_counts``, ``finite_part_errs``;
+* inputs: ``cast`` (torch floats to a dtype, ids and masks kept), ``fp32_inputs``;
+* error against position (``position_errors``, ``per_position``, ``sequence_length``: which outputs
+  are sequences is said in ``bisect_report``, which reports them);
+* one output leaf or gradient checked (``check``): torch fp32 against JAX, both against float64
+  torch where it ran, NaN/inf counted apart (they never agree); the leaves of two outputs of any
+  structure matched and checked (``outputs``); which leaf is a language model's logits.
+
+The budget rule these are judged by is ``precision``'s. torch is imported at call time only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_transformer.verification import frameworks
+from flax_transformer.verification.frameworks import finite_abs_err, flatten, match_outputs, nonfinite, to_numpy
+from flax_transformer.verification.precision import FP32, Precision, budget, finite_max
+
+# ---------------------------------------------------------------- distances
+
+
+def err(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """max |got - want| in float64; equal values (equal infinities too) count as 0, NaN on both
+    sides as 0, NaN on one side as infinite. A distance only: whether non-finite values pass is
+    decided apart (``nonfinite_counts``), and they never agree."""
+    out = 0.0
+    for a, b in zip(got, want, strict=True):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        with np.errstate(invalid="ignore"):  # inf - inf
+            d = np.atleast_1d(np.abs(a64 - b64))  # 0-d outputs give a numpy scalar, which takes no assignment
+        d[np.atleast_1d(a64 == b64)] = 0.0  # inf - inf is NaN: equal infinities agree
+        d[np.atleast_1d(np.isnan(a64) & np.isnan(b64))] = 0.0
+        out = max(out, float(np.nan_to_num(d, nan=np.inf, posinf=np.inf).max(initial=0.0)))
+    return out
+
+
+def scale(arrays: list[np.ndarray]) -> float:
+    """max |finite value|: an infinity in the reference would make the budget infinite."""
+    return max(map(finite_max, arrays), default=0.0)
+
+
+def nonfinite_counts(got_t: list, got_j: list) -> tuple[int, int, int]:
+    """(values NaN/inf in JAX only, in torch fp32 only, in both as the same value), over the arrays
+    of one output; different non-finite values at one position count on both sides."""
+    jax_only = torch_only = both = 0
+    for t, j in zip(got_t, got_j, strict=True):
+        only_t, only_j, same, differ = nonfinite(t, j)
+        jax_only, torch_only, both = jax_only + only_j + differ, torch_only + only_t + differ, both + same
+    return jax_only, torch_only, both
+
+
+def finite_part_errs(got_t: list, got_j: list, want: list) -> tuple[float, float]:
+    """(torch err, JAX err) against ``want`` over the positions finite in all three."""
+    torch_err = jax_err = 0.0
+    for t, j, w in zip(got_t, got_j, want, strict=True):
+        t64, j64, w64 = (np.atleast_1d(np.asarray(a, np.float64)) for a in (t, j, w))
+        keep = np.isfinite(t64) & np.isfinite(j64) & np.isfinite(w64)
+        torch_err = max(torch_err, float(np.abs(t64 - w64)[keep].max(initial=0.0)))
+        jax_err = max(jax_err, float(np.abs(j64 - w64)[keep].max(initial=0.0)))
+    return torch_err, jax_err
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def cast(tree, dtype):
+    """Every floating torch tensor in a structure cast to ``dtype`` (ids and masks kept)."""
+    if hasattr(tree, "is_floating_point"):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(cast(x, dtype) for x in tree)
+    if isinstance(tree, dict):
+        return {k: cast(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def fp32_inputs(tree):
+    """Every floating array (numpy, JAX or torch) in a structure as float32, ids and masks kept:
+    the float32 runs take float32 inputs whatever the caller gave (float64 numpy, say)."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(fp32_inputs(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: fp32_inputs(v) for k, v in tree.items()}
+    if frameworks.is_torch(tree):
+        import torch
+
+        return cast(tree, torch.float32)
+    if isinstance(tree, (np.ndarray, jax.Array)) and jnp.issubdtype(tree.dtype, jnp.floating):
+        return tree.astype(np.float32) if isinstance(tree, np.ndarray) else tree.astype(jnp.float32)
+    return tree
+
+
+# ---------------------------------------------------------------- error against position
+
+
+def sequence_length(args) -> int | None:
+    """Axis 1 of the first input array with 2 or more dimensions: (b, t) ids or (b, t, features)."""
+    stack = list(args) if isinstance(args, (tuple, list)) else [args]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, (tuple, list)):
+            stack[:0] = list(x)
+        elif isinstance(x, dict):
+            stack[:0] = list(x.values())
+        elif getattr(x, "ndim", 0) >= 2:
+            return int(x.shape[1])
+    return None
+
+
+def per_position(want: list, got: list, length: int | None) -> np.ndarray | None:
+    """(t,) max |got - want| over every axis but 1, over the arrays that are sequences of ``length``
+    (``bisect_report``'s docstring says which); None when none is. Equal values (equal infinities) count 0, NaN
+    or another non-finite value in ``got`` infinite."""
+    if not length:
+        return None
+    errs = None
+    for g, w in zip(got, want, strict=True):
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g64.ndim < 3 or g64.shape[1] != length or g64.shape != w64.shape:
+            continue
+        with np.errstate(invalid="ignore"):  # inf - inf
+            d = np.abs(g64 - w64)
+        d[g64 == w64] = 0.0
+        d[~np.isfinite(g64) & (g64 != w64)] = np.inf  # NaN never agrees, even with a NaN in float64
+        d[np.isnan(d)] = np.inf
+        e = np.moveaxis(d, 1, 0).reshape(length, -1).max(axis=1, initial=0.0)
+        errs = e if errs is None else np.maximum(errs, e)
+    return errs
+
+
+def position_errors(want: list, got_t: list, got_j: list, length: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(torch fp32's, JAX's) error per position of one call's aligned float leaves; None: not a sequence."""
+    jax = per_position(want, got_j, length)
+    return None if jax is None else (per_position(want, got_t, length), jax)
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def torch_copy(torch_model, dtype):
+    """A copy of ``torch_model`` in ``dtype``, eval mode: ``torch.float64`` is the reference every
+    float32 (or bfloat16) run is measured against; ``torch.bfloat16`` is torch at a bf16 model's precision."""
+    return copy.deepcopy(torch_model).to(dtype).eval()
+
+
+def torch_grads(model, args, kwargs, weights, loss_fn, dtype):
+    """(outputs, {torch key: gradient as numpy}) of ``model`` run on ``args`` cast to ``dtype``: the
+    backward of ``frameworks.torch_scalar`` (``weights``, or ``loss_fn``), a parameter it does not
+    reach given zeros. The model's gradients are cleared before and after."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = model(*cast(args, dtype), **cast(kwargs, dtype))
+        frameworks.torch_scalar(out, weights, loss_fn).backward()
+    grads = {k: to_numpy(p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def torch_reference(torch_model, t_args, t_kwargs, weights, loss_fn, rule: Precision | None = None):
+    """(outputs, {torch key: gradient} or None, why it did not run or "") of a copy of the torch
+    model in float64 (the reference), or at ``rule``'s precision (torch at the Flax model's: its
+    error sets the budget): one forward, and with ``weights`` (not None) the backward of the same
+    scalar as torch fp32's (``frameworks.torch_scalar``). Whatever the copy raises (a user's model
+    in float64 or bf16) is the reason, never an exception: the check is then incomplete."""
+    import torch
+
+    dtype = torch.float64 if rule is None else rule.torch_dtype()
+    what = "the float64 reference" if rule is None else f"torch in {rule.name}"
+    try:
+        reference = torch_copy(torch_model, dtype)
+        if weights is None:
+            with torch.no_grad():
+                return reference(*cast(t_args, dtype), **cast(t_kwargs, dtype)), None, ""
+        return (*torch_grads(reference, t_args, t_kwargs, weights, loss_fn, dtype), "")
+    except Exception as error:  # the user's model in float64 or bf16: whatever it raises, the check is incomplete
+        message = (str(error).strip().splitlines() or [""])[0]
+        return None, None, f"{what} did not run ({type(error).__name__}: {message})"
+
+
+def fp32_twin(model, *, build=None, fill=None, compute_dtype=None, values_differ: bool = False):
+    """``model`` as a Flax model computing in float32, eval mode, with the same values: what an
+    export is measured with, so one tolerance holds whatever the model computes in.
+
+    A float32 model (float32 parameters on one device, ``compute_dtype`` None or float32) is used
+    as it is, through an eval-mode view (the caller's model keeps its mode; no copy), unless
+    ``values_differ`` (the file holds other values than the model: a bf16 export). Otherwise
+    ``build()`` (a float32 model of the same structure) filled by ``fill(twin)`` (porting's state,
+    a LoRA run's parameters), so sharded parameters never enter a computation here; without
+    ``build``, a clone whose floating parameters are widened to float32 (bf16 widens exactly)."""
+    if not values_differ and (compute_dtype is None or jnp.dtype(compute_dtype) == jnp.float32) and all(
+            p.dtype == jnp.float32 and p.is_fully_addressable and len(p.sharding.device_set) == 1
+            for p in jax.tree.leaves(nnx.state(model, nnx.Param))):
+        return nnx.view(model, deterministic=True, use_running_average=True, raise_if_not_found=False)
+    if build is None:
+        twin = nnx.clone(model)
+        for _, variable in nnx.iter_graph(twin):
+            if isinstance(variable, nnx.Param) and jnp.issubdtype(variable.dtype, jnp.floating):
+                variable.set_value(jnp.asarray(variable[...], jnp.float32))  # bf16 widens exactly
+    else:
+        twin = build()
+        fill(twin)
+    twin.eval()  # a copy: the caller's model keeps its mode
+    return twin
+
+
+# ---------------------------------------------------------------- one leaf checked
+
+
+def logits_path(torch_out) -> str | None:
+    """Which leaf of a language model's output holds its logits (``compare(..., lm=True)``): the
+    output itself, a ``.logits`` field (HF's ``ModelOutput``), else the first leaf that is not None
+    (``(logits, loss)``). None: no leaf at all."""
+    paths = [p for p, v in flatten(torch_out) if v is not None]
+    return next((p for p in paths if p.endswith((".logits", "['logits']"))), paths[0] if paths else None)
+
+
+def leaf(out, path: str | None, torch_out=None):
+    """The leaf of ``out`` at torch's ``path`` (as numpy; None where there is none); with
+    ``torch_out``, ``out`` is Flax's output, its leaves paired with torch's as ``compare`` pairs them."""
+    if torch_out is None:
+        return next((to_numpy(v) for p, v in flatten(out) if p == path), None)
+    return next((to_numpy(j) for _, p, _, j in match_outputs(torch_out, out)[0] if p == path), None)
+
+
+def outputs(torch_out, flax_out, ref_out, measured: bool, low_out=None, precision: Precision = FP32):
+    """(checks of the array leaves, entries of the other leaves, what was not compared, what differs),
+    leaves matched by ``frameworks.match_outputs``; ``low_out``: torch's outputs at ``precision``
+    (None: ``torch_out`` is at it)."""
+    arrays, others, mismatched = match_outputs(torch_out, flax_out)
+    ref = dict(flatten(ref_out)) if ref_out is not None else {}
+    low = dict(flatten(low_out)) if low_out is not None else {}
+    checks, skipped = [], []
+    for name, path, t, j in arrays:
+        found = check(t, j, ref.get(path), measured=measured, low=low.get(path) if low_out is not None else None,
+                      precision=precision)
+        found["output"] = name
+        checks.append(found)
+        if found["skipped"]:
+            skipped.append(f"{name}: {found['skipped']}")
+    if not checks:
+        skipped.append("no array among the outputs")
+    return checks, others, skipped, mismatched
+
+
+def blank(shape, skipped: str = "") -> dict:
+    """A check with nothing measured yet (``skipped``: why nothing will be)."""
+    return {"shape": list(shape), "max_abs_err": 0.0, "finite": True, "torch_scale": 0.0,
+            "nonfinite_jax": 0, "nonfinite_torch": 0, "nonfinite_both": 0,
+            "jax_err": None, "torch_err": None, "scale": None, "budget": None, "skipped": skipped}
+
+
+def is_numeric(a) -> bool:
+    return isinstance(a, np.ndarray) and (a.dtype.kind in "biuf" or jnp.issubdtype(a.dtype, jnp.floating))
+
+
+def check(t, j, r, *, measured: bool, low=None, precision: Precision = FP32) -> dict:
+    """One output leaf (or one gradient): torch fp32 ``t`` against JAX ``j``, both against float64
+    torch ``r`` where ``measured`` (the budget from this leaf's own figures, by ``precision``'s rule;
+    torch's error is ``low``'s, torch run at that precision, where given, else ``t``'s)."""
+    t, j = to_numpy(t), to_numpy(j)
+    kinds = f"torch {type(t).__name__}, flax {type(j).__name__}"
+    t, j = np.asarray(t), np.asarray(j)
+    result = blank(t.shape)
+    if not (is_numeric(t) and is_numeric(j)):
+        result["skipped"] = f"not numeric arrays ({kinds})"
+        return result
+    if t.shape != j.shape:
+        raise AssertionError(f"output shapes differ: torch {t.shape} vs flax {j.shape}")
+    t64, j64 = np.atleast_1d(np.asarray(t, np.float64)), np.atleast_1d(np.asarray(j, np.float64))
+    keep = np.isfinite(t64) & np.isfinite(j64)
+    finite = bool(keep.all())
+    if finite:  # the common case, without the masks
+        result.update(max_abs_err=float(np.abs(t64 - j64).max(initial=0.0)),
+                      torch_scale=float(np.abs(t64).max(initial=0.0)))
+    else:
+        only_t, only_j, both, differ = nonfinite(t64, j64)
+        result.update(max_abs_err=finite_abs_err(t64, j64), finite=False, torch_scale=scale([t64]),
+                      nonfinite_jax=only_j + differ, nonfinite_torch=only_t + differ, nonfinite_both=both)
+    if not measured or not jnp.issubdtype(t.dtype, jnp.floating):
+        return result  # integer outputs are compared exactly; nothing to measure against float64
+    if r is None:
+        result["skipped"] = "no float64 reference for it"
+        return result
+    r64 = np.atleast_1d(np.asarray(to_numpy(r), np.float64))
+    if low is not None:  # torch at the Flax model's precision: its error sets the budget
+        t64 = np.atleast_1d(np.asarray(to_numpy(low), np.float64))
+        if t64.shape != r64.shape:
+            result["skipped"] = f"torch in {precision.name} gave another shape ({t64.shape} vs {r64.shape})"
+            return result
+    finite_r = np.isfinite(r64) & np.isfinite(t64)
+    lost = 0 if finite and finite_r.all() else int((keep & ~finite_r).sum())
+    if not (finite and finite_r.all()):
+        keep &= finite_r
+        t64, j64, r64 = t64[keep], j64[keep], r64[keep]
+    torch_err = float(np.abs(t64 - r64).max(initial=0.0))
+    jax_err = float(np.abs(j64 - r64).max(initial=0.0))
+    size = float(np.abs(r64).max(initial=0.0))
+    result.update(torch_err=torch_err, jax_err=jax_err, scale=size, budget=budget(torch_err, size, precision))
+    if lost:
+        where = "the float64 reference" if low is None else f"the float64 reference or torch in {precision.name}"
+        result["skipped"] = f"{lost} values NaN/inf in {where}, finite in both frameworks"
+    return result

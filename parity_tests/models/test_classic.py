@@ -2,34 +2,24 @@
 
 Masks of the attention modules are True = masked out (the notebook's convention).
 Tolerance: max abs error <= 1e-5 in fp32 with matmul precision "highest" (TOL).
+The multi-head attention, blocks and model under every mask case, both directions: the
+spec-driven test_family_parity.py (family_specs.CLASSIC); here, what is special to the family.
 """
 
 import logging
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from flax import nnx
 
 import flax_transformer.models.classic as fc
 import torch_reference.classic as tc
 from flax_transformer.interop import porting
-from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
+from flax_transformer.verification.verify import padding_mask
 from parity_tests.conftest import TOL, assert_both_directions
 
 from . import notebook_classes as nb
-
-
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("heads,b,t", [(1, 1, 1), (3, 2, 7), (8, 3, 5)])
-@pytest.mark.keep_cases("1-1-1-fully-masked-row", "3-2-7-padding", "8-3-5-causal+padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_multi_head_attention(heads, b, t, case, rng):
-    keep, causal = _mask_for(case, rng, b, t)
-    keep = full_mask(keep, b, t, causal)
-    x = rng.standard_normal((b, t, 4 * heads)).astype(np.float32)
-    assert_both_directions(tc.MultiHeadAttention(4 * heads, 4, heads), (x, x, x, None if keep is None else ~keep),
-                           eager_too=case == "fully-masked-row")
 
 
 def test_cross_attention_and_single_pieces(rng):
@@ -40,24 +30,6 @@ def test_cross_attention_and_single_pieces(rng):
     assert_both_directions(tc.AttentionHead(12, 5), (q, kv, kv, src_pad[:, None, :]))
     assert_both_directions(tc.ScaledDotProductAttention(), (q, kv, kv, src_pad[:, None, :]))
     assert_both_directions(tc.PositionalEmbedding(12, 9), (q,))
-
-
-@pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
-@pytest.mark.keep_cases("fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_blocks_and_model(case, rng):
-    b, s, t, d = 3, 7, 5, 16
-    src, _ = _mask_for(case, rng, b, s)
-    tgt = None if src is None else padding_mask(rng, b, t, empty_row=False)
-    x, enc = rng.standard_normal((b, t, d)).astype(np.float32), rng.standard_normal((b, s, d)).astype(np.float32)
-    src_out = None if src is None else (src == 0)[:, None, :]
-    causal = np.triu(np.ones((t, t), bool), 1)[None]
-    assert_both_directions(tc.EncoderBlock(d, 4, 24, 4, dropout=0.3), (enc, src_out))
-    assert_both_directions(tc.DecoderBlock(d, 4, 24, 4), (x, enc, src_out, causal))
-    assert_both_directions(tc.TransformerEncoder(2, d, 4, 24), (enc, src_out))
-    assert_both_directions(tc.TransformerDecoder(2, d, 4, 24, 4), (x, enc, src_out, causal))
-    src_ids, tgt_ids = rng.integers(0, 40, size=(b, s)), rng.integers(0, 30, size=(b, t))
-    assert_both_directions(tc.Transformer(40, 30, d, 4, 2, 24, max_len=9), (src_ids, tgt_ids, src, tgt),
-                           eager_too=True)
 
 
 def test_decoder_is_causal_and_source_padding_is_invisible(rng):

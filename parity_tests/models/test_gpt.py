@@ -1,6 +1,8 @@
 """Parity of the ``gpt`` family (notebook 002): attention, layer, model.
 
 Tolerance: max abs error <= 1e-5 in fp32 with matmul precision "highest" (TOL).
+The multi-head attention, blocks and model under every mask case, both directions: the
+spec-driven test_family_parity.py (family_specs.GPT); here, what is special to the family.
 """
 
 import io
@@ -28,29 +30,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("heads,b,t", [(1, 1, 1), (2, 3, 7), (8, 1, 9)])
-@pytest.mark.keep_cases("1-1-1-left-padding (fully masked rows)", "2-3-7-padding", "8-1-9-empty row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_multi_head_attention(heads, b, t, case, rng):
-    x = rng.standard_normal((b, t, 4 * heads)).astype(np.float32)
-    assert_both_directions(tg.GPTMHAttention(4 * heads, heads), (x, CASES[case](rng, b, t)),
-                           eager_too=case == "empty row")
-
-
-@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("cls", ["Attention", "GPTAttention", "TransformerLayer", "GPTTransformerLayer"])
 def test_tutorial_steps(cls, case, rng):
     module = getattr(tg, cls)(12) if "Attention" in cls and "Layer" not in cls else getattr(tg, cls)(12, 20, dropout=0.4)
     x = rng.standard_normal((3, 6, 12)).astype(np.float32)
     assert_both_directions(module, (x, CASES[case](rng, 3, 6)))
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.keep_cases("empty row", "left-padding (fully masked rows)", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_layer_and_model(case, rng):
-    x = rng.standard_normal((3, 7, 16)).astype(np.float32)
-    assert_both_directions(tg.GPTMHTransformerLayer(16, 24, 4, dropout=0.3), (x, CASES[case](rng, 3, 7)))
-    ids = rng.integers(0, 50, size=(3, 7))
-    assert_both_directions(tg.GPTTransformer(3, 16, 24, 4, 50, 9), (ids, CASES[case](rng, 3, 7)), eager_too=True)
 
 
 def test_basic_layers(rng):

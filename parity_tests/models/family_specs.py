@@ -1,0 +1,154 @@
+"""What each family's spec-driven parity test runs (test_family_parity.py), declared once per family.
+
+In the manner of transformers' ``CausalLMModelTester``: a family lists its tiny modules by level
+(attention, block, model), the shapes and mask cases each runs, and how a case becomes the module's
+arguments in the family's own mask convention. One parametrised test runs every level x shape x mask
+case in both directions (torch -> Flax and Flax -> torch, ``conftest.assert_both_directions``: TOL =
+1e-5 with matmul precision "highest", no NaN or inf, within the float64 budget). A new family adds a
+``FamilySpec`` here, not a file of copies; what is special to a family stays in its own test file.
+
+Mask cases are ``verify.MASK_CASES``: ``none``, ``padding``, ``causal``, ``causal+padding`` (left
+padding: the first query of a padded row sees nothing, a fully masked row under the causal mask) and
+``fully-masked-row`` (a row with no token at all).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import torch_reference.classic as tc
+import torch_reference.gpt as tg
+from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
+
+
+@dataclass(frozen=True)
+class Level:
+    """One module of a family, run at each of ``shapes`` with each of ``masks``.
+
+    ``module(shape)`` builds the torch module; ``inputs(rng, case, shape)`` draws its arguments for a
+    mask case. ``eager(case)``: also check it eagerly (op by op; costs more, so only where masks are
+    hardest or at model level). ``keep``: the (shape, case) pairs the default run keeps; the others
+    run with ``-m slow``.
+    """
+
+    name: str
+    module: Callable[[tuple], torch.nn.Module]
+    inputs: Callable[[np.random.Generator, str, tuple], tuple]
+    masks: tuple[str, ...]
+    shapes: tuple[tuple, ...]
+    keep: frozenset = frozenset()
+    eager: Callable[[str], bool] = lambda case: False
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    family: str
+    levels: tuple[Level, ...]
+
+
+def _case_id(family: str, level: Level, shape: tuple, case: str) -> str:
+    return "-".join([family, level.name, *map(str, shape), case])
+
+
+def cases(specs) -> list:
+    """Every (family, level, shape, case) of ``specs`` as pytest parameters, with readable ids."""
+    return [pytest.param(spec, level, shape, case, id=_case_id(spec.family, level, shape, case))
+            for spec in specs for level in spec.levels for shape in level.shapes for case in level.masks]
+
+
+def kept(specs) -> list[str]:
+    """The ids of the cases the default run keeps (``keep_cases`` takes them)."""
+    return [_case_id(spec.family, level, shape, case) for spec in specs for level in spec.levels
+            for shape, case in sorted(level.keep)]
+
+
+def _floats(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ------------------------------------------------------------------ classic (notebook 003)
+# Masks are True = masked out (the notebook's convention), the attention's of shape (b, t, t).
+
+
+def _classic_attention_inputs(rng, case, shape):
+    heads, b, t = shape
+    keep, causal = _mask_for(case, rng, b, t)
+    keep = full_mask(keep, b, t, causal)
+    x = _floats(rng, b, t, 4 * heads)
+    return x, x, x, None if keep is None else ~keep
+
+
+CLASSIC_D = 16  # width; 4 heads, feed-forward 24
+
+
+def _classic_stack_inputs(rng, case, shape):
+    """Source (b, s) and target (b, t) of the encoder-decoder: the source's padding, the target causal."""
+    b, s, t = shape
+    src, _ = _mask_for(case, rng, b, s)
+    tgt = None if src is None else padding_mask(rng, b, t, empty_row=False)
+    x, enc = _floats(rng, b, t, CLASSIC_D), _floats(rng, b, s, CLASSIC_D)
+    src_out = None if src is None else (src == 0)[:, None, :]  # (b, 1, s), True = masked out
+    causal = np.triu(np.ones((t, t), bool), 1)[None]  # (1, t, t), True = masked out
+    src_ids, tgt_ids = rng.integers(0, 40, size=(b, s)), rng.integers(0, 30, size=(b, t))
+    return dict(x=x, enc=enc, src_out=src_out, causal=causal, src=src, tgt=tgt, src_ids=src_ids, tgt_ids=tgt_ids)
+
+
+def _classic_level(name, module, pick, **kw):
+    return Level(name, module, lambda rng, case, shape: pick(_classic_stack_inputs(rng, case, shape)),
+                 ("none", "padding", "fully-masked-row"), ((3, 7, 5),), keep=frozenset({((3, 7, 5), "fully-masked-row")}),
+                 **kw)
+
+
+CLASSIC = FamilySpec("classic", (
+    Level("attention", lambda s: tc.MultiHeadAttention(4 * s[0], 4, s[0]), _classic_attention_inputs, MASK_CASES,
+          ((1, 1, 1), (3, 2, 7), (8, 3, 5)),
+          keep=frozenset({((1, 1, 1), "fully-masked-row"), ((3, 2, 7), "padding"), ((8, 3, 5), "causal+padding")}),
+          eager=lambda case: case == "fully-masked-row"),
+    _classic_level("encoder-block", lambda s: tc.EncoderBlock(CLASSIC_D, 4, 24, 4, dropout=0.3),
+                   lambda a: (a["enc"], a["src_out"])),
+    _classic_level("decoder-block", lambda s: tc.DecoderBlock(CLASSIC_D, 4, 24, 4),
+                   lambda a: (a["x"], a["enc"], a["src_out"], a["causal"])),
+    _classic_level("encoder", lambda s: tc.TransformerEncoder(2, CLASSIC_D, 4, 24), lambda a: (a["enc"], a["src_out"])),
+    _classic_level("decoder", lambda s: tc.TransformerDecoder(2, CLASSIC_D, 4, 24, 4),
+                   lambda a: (a["x"], a["enc"], a["src_out"], a["causal"])),
+    _classic_level("model", lambda s: tc.Transformer(40, 30, CLASSIC_D, 4, 2, 24, max_len=9),
+                   lambda a: (a["src_ids"], a["tgt_ids"], a["src"], a["tgt"]), eager=lambda case: True),
+))
+
+
+# ------------------------------------------------------------------ gpt (notebook 002)
+# Every module is causal whatever the case; the mask is (b, t) padding, 1 = token. "causal+padding" is
+# left padding (the notebook's fully masked rows), "fully-masked-row" a row with no token.
+
+GPT_MASKS = {
+    "none": lambda rng, b, t: None,
+    "padding": lambda rng, b, t: padding_mask(rng, b, t, empty_row=False),
+    "causal+padding": lambda rng, b, t: padding_mask(rng, b, t, empty_row=False, left=True),
+    "fully-masked-row": lambda rng, b, t: padding_mask(rng, b, t, empty_row=True),
+}
+GPT_KEEP = frozenset({((3, 7), "fully-masked-row"), ((3, 7), "causal+padding")})
+
+
+def _gpt_attention_inputs(rng, case, shape):
+    heads, b, t = shape
+    x = _floats(rng, b, t, 4 * heads)
+    return x, GPT_MASKS[case](rng, b, t)
+
+
+GPT = FamilySpec("gpt", (
+    Level("attention", lambda s: tg.GPTMHAttention(4 * s[0], s[0]), _gpt_attention_inputs, tuple(GPT_MASKS),
+          ((1, 1, 1), (2, 3, 7), (8, 1, 9)),
+          keep=frozenset({((1, 1, 1), "causal+padding"), ((2, 3, 7), "padding"), ((8, 1, 9), "fully-masked-row")}),
+          eager=lambda case: case == "fully-masked-row"),
+    Level("layer", lambda s: tg.GPTMHTransformerLayer(16, 24, 4, dropout=0.3),
+          lambda rng, case, s: (_floats(rng, *s, 16), GPT_MASKS[case](rng, *s)), tuple(GPT_MASKS), ((3, 7),),
+          keep=GPT_KEEP),
+    Level("model", lambda s: tg.GPTTransformer(3, 16, 24, 4, 50, 9),
+          lambda rng, case, s: (rng.integers(0, 50, size=s), GPT_MASKS[case](rng, *s)), tuple(GPT_MASKS), ((3, 7),),
+          keep=GPT_KEEP, eager=lambda case: True),
+))
+
+SPECS = (CLASSIC, GPT)

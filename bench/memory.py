@@ -60,7 +60,7 @@ def _child(case: str, folder: str, out: str, shard_size: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from flax_transformer.interop import hf, hf_tables, porting
+    from flax_transformer.interop import hf, hf_tables, porting, targets
     from flax_transformer.models.encoder import TransformerEncoder
 
     jax.block_until_ready(jnp.zeros(8) + 1)  # XLA's CPU client started: part of the baseline
@@ -71,12 +71,12 @@ def _child(case: str, folder: str, out: str, shard_size: str) -> None:
     elif case == "load, read whole":
         _, kind, config, _ = hf._open(folder)
         weights = hf_tables.hf_to_ours(kind, hf.read_weights(folder), config)
-        model = porting.build_unfilled(TransformerEncoder, dict(config=config))
+        model = targets.build_unfilled(TransformerEncoder, dict(config=config))
         porting.load_state_dict(model, weights)
         del weights
     else:
         model = hf.from_pretrained(folder)
-    jax.block_until_ready(jax.tree.leaves(porting._flax_params(model)))
+    jax.block_until_ready(jax.tree.leaves(porting.flax_params(model)))
     row = {"case": case, "baseline_mb": baseline, "seconds": time.perf_counter() - start}
     if case.startswith("save"):
         resident = _hwm_mb()

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import files, orbax_quiet, porting
+from flax_transformer.interop import files, orbax_quiet, porting, targets, values
 from flax_transformer.models import configs
 from flax_transformer.models.llama_config import LlamaConfig
 
@@ -97,7 +97,7 @@ def _from_json(value):
 
 def describe(model) -> dict:
     """{"family", "class", "init_kwargs"} of a flax_transformer or torch_reference model."""
-    family = porting._family(model)
+    family = porting.family_of(model)
     kwargs = {k: v for k, v in model.init_kwargs().items() if k not in ("dtype", "param_dtype")}
     return {"family": family, "class": type(model).__name__, "init_kwargs": _to_json(kwargs)}
 
@@ -117,7 +117,7 @@ def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, para
     cls = _model_class(family, name, framework)
     try:
         if framework == "flax":
-            return porting.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
+            return targets.build_unfilled(cls, dict(kwargs, dtype=dtype, param_dtype=param_dtype), seed=seed)
         return cls(**kwargs)
     except TypeError as error:  # wrong constructor arguments
         raise ValueError(f"cannot build {family}.{name} from {kwargs}: {error}") from None
@@ -128,7 +128,7 @@ def build(description: dict, *, framework: str = "flax", dtype=jnp.float32, para
 
 def _state(model) -> dict[str, np.ndarray]:
     if type(model).__module__.startswith("torch_reference"):
-        return {k: porting._to_numpy(v) for k, v in model.state_dict().items()}
+        return {k: values.to_numpy(v) for k, v in model.state_dict().items()}
     return porting.state_dict(model)
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.interop import files, meta_llama, porting, safetensors_io
+from flax_transformer.interop import files, meta_llama, safetensors_io, targets
 from flax_transformer.interop.converter import convert, pattern
 from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, ours_to_hf
 from flax_transformer.interop.safetensors_io import open_weights, read
@@ -171,7 +171,7 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=jnp.float32, seed: i
     """
     kind, config, state = _open_state(path)
     cls = _model_class(kind, "flax_transformer.models")
-    model = porting.build_unfilled(cls, dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
+    model = targets.build_unfilled(cls, dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
     safetensors_io.fill(model, state, sharding=sharding)
     model.eval()
     return model
@@ -276,7 +276,7 @@ def classifier_from_pretrained(path, *, num_labels: int | None = None, pooling: 
     from flax_transformer.models import encoder
 
     config, state = _classifier_state(path, num_labels, pooling, seed)
-    model = porting.build_unfilled(encoder.TransformerForSequenceClassification,
+    model = targets.build_unfilled(encoder.TransformerForSequenceClassification,
                                    dict(config=config, dtype=dtype, param_dtype=param_dtype), seed=seed)
     safetensors_io.fill(model, state, sharding=sharding)
     model.eval()

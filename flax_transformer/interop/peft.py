@@ -125,7 +125,7 @@ def _fused_shape(model, ours: str) -> tuple[int, int]:
 def _torch_keys(model) -> list[str]:
     """The torch (porting) names of the model's base parameters, adapters left out; from porting's plan,
     which names them without copying a single array (``porting.state_dict`` would copy them all)."""
-    plan = porting._plan(model)
+    plan = porting.plan_of(model)
     return [slots[0].torch_key for path, slots in plan.slots.items()
             if not isinstance(plan.params[path], lora.LoRAParam)]
 
@@ -369,7 +369,7 @@ def load_peft(model, folder, *, rngs=None):
     for key, (ours, leaf, _) in expected.items():
         param = getattr(layers[ours], leaf)
         param.set_value(jnp.array(np.asarray(arrays[key], np.float32).T, dtype=param.dtype))  # torch (r, in) -> ours (in, r)
-    params = porting._plan(model).params
+    params = porting.plan_of(model).params
     for key, (path, rule, _) in saved.items():  # the fully trained modules (a classifier head) replace the base's
         param = params[path]
         param.set_value(jnp.array(to_flax(rule, np.asarray(arrays[key], np.float32)), dtype=param.dtype))
@@ -383,7 +383,7 @@ def _saved_modules(model, modules) -> dict[str, tuple[str, str, tuple[int, ...]]
     if not modules:
         return {}
     modules = [modules] if isinstance(modules, str) else list(modules)
-    plan = porting._plan(model)
+    plan = porting.plan_of(model)
     out = {}
     for path, slots in plan.slots.items():
         if isinstance(plan.params[path], lora.LoRAParam):

@@ -44,10 +44,7 @@ from flax import nnx
 
 from flax_transformer.interop.family_tables import KEY_MAPS
 from flax_transformer.interop.layer_kinds import (
-    AS_IS,
-    CONV,
     LEAF_RULES,
-    TRANSPOSE,
     Plan,
     Slot,
     apply_rename,
@@ -69,12 +66,10 @@ from flax_transformer.interop.ties import (
     tie_groups,
 )
 from flax_transformer.interop.values import check_value as _check_value
-from flax_transformer.interop.values import nonfinite
 from flax_transformer.interop.values import to_numpy as _to_numpy
 from flax_transformer.models.state_dict_errors import StateDictError, check_state_dict_mapping
 
-__all__ = ["AS_IS", "CONV", "KEY_MAPS", "LEAF_RULES", "TRANSPOSE", "LoadResult", "StateDictError", "build_unfilled",
-           "flax_class", "flax_to_torch", "load_state_dict", "nonfinite", "state_dict", "tied_keys", "torch_class",
+__all__ = ["LoadResult", "flax_class", "flax_to_torch", "load_state_dict", "state_dict", "tied_keys", "torch_class",
            "torch_to_flax"]
 
 class LoadResult(NamedTuple):
@@ -82,14 +77,14 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _family_or_none(module) -> str | None:
+def family_or_none(module) -> str | None:
     """The family of a flax_transformer or torch_reference module's class, or None for any other."""
     package, _, family = type(module).__module__.rpartition(".")
     return family if package in ("flax_transformer.models", "torch_reference") and family in KEY_MAPS else None
 
 
-def _family(module) -> str:
-    family = _family_or_none(module)
+def family_of(module) -> str:
+    family = family_or_none(module)
     if family is None:
         raise TypeError(
             f"{type(module).__name__} is not a flax_transformer or torch_reference model "
@@ -134,7 +129,7 @@ def flax_path_to_torch(family: str, path: str) -> tuple[str, str] | None:
 # ------------------------------------------------------------------ flax side
 
 
-def _flax_params(model) -> dict[str, nnx.Param]:
+def flax_params(model) -> dict[str, nnx.Param]:
     """Dotted path -> Param variable, for every parameter of an NNX model."""
     out = {}
     for path, variable in nnx.iter_graph(model):
@@ -168,8 +163,8 @@ def _refusal(missing=(), unexpected=(), mismatched=(), ambiguous=(), why=None, t
     return error
 
 
-def _plan(model) -> Plan:
-    family = _family_or_none(model)
+def plan_of(model) -> Plan:
+    family = family_or_none(model)
     return plan_keys(model, None if family is None else functools.partial(_table_kinds, family))
 
 
@@ -182,7 +177,7 @@ def tied_keys(module) -> list[tuple[str, ...]]:
     tie gives ``[]``.
     """
     if isinstance(module, nnx.Module):
-        return declared_groups(_plan(module))
+        return declared_groups(plan_of(module))
     if not callable(getattr(module, "state_dict", None)):
         raise TypeError(f"tied_keys takes a torch nn.Module or a Flax NNX module, got {type(module).__name__}")
     return memory_groups(module.state_dict())
@@ -197,7 +192,7 @@ def state_dict(model, *, rename=None) -> dict[str, np.ndarray]:
     the checkpoint's: the reverse of the pairs that loading the same checkpoint takes).
     """
     pairs = check_rename(rename)
-    plan = _plan(model)
+    plan = plan_of(model)
     ours, ambiguous = {}, []  # our torch name -> (Flax path, array)
     for path, param in plan.params.items():
         slots = plan.slots[path]
@@ -257,7 +252,7 @@ def load_state_dict(model, state: Mapping[str, Any], strict: bool = True, rename
 
 def _load(model, state: Mapping[str, Any], strict: bool, pairs, optional=frozenset(), seed: int = 0) -> LoadResult:
     """``load_state_dict``; keys in ``optional`` (torch buffers) are skipped where nothing takes them."""
-    plan = _plan(model)
+    plan = plan_of(model)
     params = plan.params
     refuse_abstract_state(model)  # before any work: nothing in the weights could fill it
     by_key: dict[str, list[tuple[str, Slot]]] = {}
@@ -352,13 +347,13 @@ def _is_eval(flax_module) -> bool:
 
 def flax_class(torch_module) -> type:
     """The flax_transformer class of the same family and name as a torch_reference module."""
-    module = importlib.import_module(f"flax_transformer.models.{_family(torch_module)}")
+    module = importlib.import_module(f"flax_transformer.models.{family_of(torch_module)}")
     return getattr(module, type(torch_module).__name__)
 
 
 def torch_class(flax_module) -> type:
     """The torch_reference class of the same family and name as a flax_transformer module."""
-    module = importlib.import_module(f"torch_reference.{_family(flax_module)}")
+    module = importlib.import_module(f"torch_reference.{family_of(flax_module)}")
     return getattr(module, type(flax_module).__name__)
 
 

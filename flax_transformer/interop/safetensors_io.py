@@ -146,7 +146,7 @@ def read_torch_pickle(file: Path) -> dict[str, np.ndarray]:
 
     import torch
 
-    from flax_transformer.interop.porting import _to_numpy
+    from flax_transformer.interop.values import to_numpy
 
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -163,7 +163,7 @@ def read_torch_pickle(file: Path) -> dict[str, np.ndarray]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ValueError(f"{file} does not hold a state_dict (a mapping of names to tensors)")
-    return {k: _to_numpy(v) for k, v in state.items()}
+    return {k: to_numpy(v) for k, v in state.items()}
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -300,8 +300,8 @@ def _torch_names(model) -> dict[str, tuple]:
     """{flax path: (torch name, layout rule, Param)} of every parameter of a flax_transformer model."""
     from flax_transformer.interop import porting
 
-    family, out = porting._family(model), {}
-    for path, param in porting._flax_params(model).items():
+    family, out = porting.family_of(model), {}
+    for path, param in porting.flax_params(model).items():
         mapped = porting.flax_path_to_torch(family, path)
         if mapped is None:
             raise StateDictError(unexpected=[f"{path} (no porting rule in the {family!r} table)"])
@@ -312,12 +312,12 @@ def _torch_names(model) -> dict[str, tuple]:
 def model_tensors(model) -> dict[str, Lazy]:
     """A flax_transformer or torch_reference model's parameters under torch names and layouts, as
     ``Lazy``s: each is copied to the host (and transposed) only when read."""
-    from flax_transformer.interop import porting
     from flax_transformer.interop.layer_kinds import to_torch, torch_shape
+    from flax_transformer.interop.values import to_numpy
 
     if type(model).__module__.startswith("torch_reference"):
-        return {k: Lazy(tuple(v.shape), porting._to_numpy(v.detach().reshape(-1)[:0]).dtype,
-                        lambda v=v: porting._to_numpy(v)) for k, v in model.state_dict().items()}
+        return {k: Lazy(tuple(v.shape), to_numpy(v.detach().reshape(-1)[:0]).dtype,
+                        lambda v=v: to_numpy(v)) for k, v in model.state_dict().items()}
     return {key: Lazy(torch_shape(rule, tuple(param.shape)), np.dtype(param.dtype),
                       lambda p=param, r=rule: np.ascontiguousarray(to_torch(r, np.asarray(p[...]))))
             for key, rule, param in _torch_names(model).values()}
@@ -343,11 +343,11 @@ def _placement(sharding, path: str, shape: tuple, dtype):
 
 
 def fill(model, state: dict, *, sharding=None) -> None:
-    """Load torch-named tensors (``Lazy`` or arrays) into a model built with ``porting.build_unfilled``.
+    """Load torch-named tensors (``Lazy`` or arrays) into a model built with ``targets.build_unfilled``.
 
     Every name and shape is checked first, from the headers alone; missing, unexpected and
     mis-shaped keys are raised together (``StateDictError``). Then each tensor is read,
-    changed to the model's layout, checked (``porting._check_value``), cast to its
+    changed to the model's layout, checked (``values.check_value``), cast to its
     parameter's dtype and put on its devices, one at a time: the host never holds more
     than one tensor besides the model. A failure part-way leaves a model that nobody
     holds (``from_pretrained`` returns nothing), so the load stays all or nothing.
@@ -360,7 +360,7 @@ def fill(model, state: dict, *, sharding=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from flax_transformer.interop import porting
+    from flax_transformer.interop import values
     from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 
     by_name = {key: (path, rule, param) for path, (key, rule, param) in _torch_names(model).items()}
@@ -384,7 +384,7 @@ def fill(model, state: dict, *, sharding=None) -> None:
         raise StateDictError(missing, unexpected, mismatched)
     for key, path, rule, param, value in plan:
         array = to_flax(rule, read(value))
-        porting._check_value(key, array, param.dtype)
+        values.check_value(key, array, param.dtype)
         array = np.asarray(array, dtype=param.dtype)  # host-side cast: one tensor (e.g. bf16 file -> fp32)
         placement = _placement(sharding, path, array.shape, array.dtype)
         if placement is None:

@@ -76,9 +76,9 @@ def test_every_module_of_every_family_has_a_verify_spec():
 
 def test_verify_reports_a_broken_port(monkeypatch):
     """A wrong layout rule (no transpose) must show up as failures, not pass silently."""
-    from flax_transformer.interop import porting
+    from flax_transformer.interop import layer_kinds
 
-    monkeypatch.setitem(porting.LEAF_RULES, "linear", {"weight": ("kernel", porting.AS_IS), "bias": ("bias", porting.AS_IS)})
+    monkeypatch.setitem(layer_kinds.LEAF_RULES, "linear", {"weight": ("kernel", layer_kinds.AS_IS), "bias": ("bias", layer_kinds.AS_IS)})
     import numpy as np
 
     import torch_reference.former as tf

@@ -23,10 +23,11 @@ import torch_reference.encoder as te
 import torch_reference.former as tf
 import torch_reference.gpt as tg
 import torch_reference.llama as tl
-from flax_transformer.interop import checkpoints, converter, hf, hf_tables, porting
+from flax_transformer.interop import checkpoints, converter, hf, hf_tables, porting, targets
 from flax_transformer.models import configs
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.generate import generate as flax_generate
+from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import export
 from torch_reference.generate import generate as torch_generate
 
@@ -121,11 +122,11 @@ def test_constructor_refuses_bad_argument_naming_it(framework, family, name, kwa
 
 def test_mismatch_report_allocates_nothing():
     """A config far larger than the weights is named in the report, not allocated (was np.empty(shape))."""
-    model = porting.build_unfilled(fg.GPT2LMHeadModel, dict(config=GPTConfig.tiny(vocab_size=10 ** 7, n_embd=32)))
+    model = targets.build_unfilled(fg.GPT2LMHeadModel, dict(config=GPTConfig.tiny(vocab_size=10 ** 7, n_embd=32)))
     state = porting.state_dict(fg.GPT2LMHeadModel(GPTConfig.tiny(), rngs=nnx.Rngs(0)))
     tracemalloc.start()
     try:
-        with pytest.raises(porting.StateDictError, match=r"transformer\.wte\.weight: checkpoint \(100, 32\) vs "
+        with pytest.raises(StateDictError, match=r"transformer\.wte\.weight: checkpoint \(100, 32\) vs "
                                                          r"model \(10000000, 32\)"):
             porting.load_state_dict(model, state)
         peak = tracemalloc.get_traced_memory()[1]
@@ -182,7 +183,7 @@ def test_hf_weights_beyond_float32_are_refused_in_both_frameworks(tmp_path, load
 
 
 def test_heads_that_do_not_divide_a_weight_are_named():
-    with pytest.raises(porting.StateDictError, match=r"encoder\.layer\.0\.attention\.self\.query\.weight.*"
+    with pytest.raises(StateDictError, match=r"encoder\.layer\.0\.attention\.self\.query\.weight.*"
                                                      r"num_attention_heads=4"):
         converter.convert(hf_tables.BERT_ROWS, {"encoder.layer.0.attention.self.query.weight": np.zeros((6, 8))},
                           forward=True, context=converter.Context(num_attention_heads=4))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flax_transformer.interop import hf, hf_tables
-from flax_transformer.interop.porting import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import export
 from parity_tests.conftest import TOL
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from flax_transformer.interop import hf
 from flax_transformer.interop.safetensors_io import Lazy, open_weights
-from flax_transformer.training.pretrained import Probe
+from flax_transformer.training.probe import Probe
 from flax_transformer.verification import certificate, export
 from parity_tests.conftest import TOL
 
@@ -167,7 +167,7 @@ def test_sharded_save_streams_and_transformers_loads(tmp_path):
     assert on_mesh.embeddings.token_embeddings.embedding[...].sharding == placed
     np.testing.assert_array_equal(np.asarray(on_mesh(ids, mask)), np.asarray(model(ids, mask)))
     # a Mesh: each tensor split over "fsdp" as training places it (two CPU devices, in a fresh process)
-    script = ("import jax, numpy as np, sys; from flax_transformer import hf; "
+    script = ("import jax, numpy as np, sys; from flax_transformer.interop import hf; "
               "mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(1, 2), ('data', 'fsdp')); "
               "table = hf.from_pretrained(sys.argv[1], sharding=mesh).embeddings.position_embeddings.embedding[...]; "
               "print(table.sharding.spec, [s.data.shape for s in table.addressable_shards])")
@@ -247,7 +247,7 @@ def _tiny_roberta_with_tokenizer(root):
 @pytest.mark.slow(reason="test_hf_encoder_folders::test_sequence_classifier_heads[roberta], test_finetune's cases")
 def test_classify_fine_tunes_a_roberta_folder_and_exports_it(tmp_path, capsys, monkeypatch):
     """``train.classify --model hf --init ROBERTA --export-hf``: the export loads in transformers with no missing or
-    unexpected keys, AutoTokenizer gives our ids and the logits match (``pretrained.check_export``, 1e-4)."""
+    unexpected keys, AutoTokenizer gives our ids and the logits match (``hf_init.check_classifier_export``, 1e-4)."""
     from parity_tests.training.test_runs import _main, write_fake_imdb
 
     folder, data = _tiny_roberta_with_tokenizer(tmp_path), write_fake_imdb(tmp_path / "data", n_train=40, n_test=16)

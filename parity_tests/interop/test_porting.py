@@ -13,9 +13,9 @@ from flax import nnx
 import flax_transformer.models.former as ff
 import torch_reference.encoder as te
 import torch_reference.former as tf
-from flax_transformer.interop import porting
-from flax_transformer.interop.porting import StateDictError
+from flax_transformer.interop import family_tables, porting, targets
 from flax_transformer.models.configs import EncoderConfig
+from flax_transformer.models.state_dict_errors import StateDictError
 
 
 def _models():
@@ -151,18 +151,18 @@ def test_unknown_modules_are_refused():
 def test_every_torch_key_has_exactly_one_rule():
     """Each family's table covers every parameter of every class, and no key two ways."""
     for model in _models():
-        family = porting._family(model)
+        family = porting.family_of(model)
         for key in model.state_dict():
             path, _ = porting.torch_key_to_flax(family, key)
             assert porting.flax_path_to_torch(family, path)[0] == key
             module_path = key.rpartition(".")[0]
-            hits = [p for p in porting.KEY_MAPS[family] if re.fullmatch(rf"(?:.+\.)?(?:{p})", module_path)]
+            hits = [p for p in family_tables.KEY_MAPS[family] if re.fullmatch(rf"(?:.+\.)?(?:{p})", module_path)]
             assert len(hits) == 1, (key, hits)
 
 
 def test_porting_builds_the_target_without_random_init():
     """Parameters stay abstract until loaded: porting a 50k x 8 table draws no random numbers."""
-    unfilled = porting.build_unfilled(ff.GTransformer, dict(emb=8, heads=2, depth=1, seq_length=4, num_tokens=50_000))
+    unfilled = targets.build_unfilled(ff.GTransformer, dict(emb=8, heads=2, depth=1, seq_length=4, num_tokens=50_000))
     assert isinstance(unfilled.token_embedding.embedding.get_value(), jax.ShapeDtypeStruct)
     model = tf.GTransformer(8, 2, 1, 4, 50_000)
     porting.load_state_dict(unfilled, model.state_dict())

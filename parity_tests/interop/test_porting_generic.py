@@ -9,8 +9,8 @@ from flax import nnx
 
 import flax_transformer.models.former as ff
 import torch_reference.former as tf
-from flax_transformer.interop import porting
-from flax_transformer.interop.porting import StateDictError
+from flax_transformer.interop import porting, targets
+from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import compare
 from parity_tests.conftest import TOL
 from parity_tests.user_models import FlaxConvTagger, FlaxPostCTransformer, TorchConvTagger, TorchPostCTransformer
@@ -94,14 +94,14 @@ def test_own_model_round_trips_flax_to_torch():
 
 def test_modified_ctransformer_ports_with_no_table_edit():
     torch_model = TorchPostCTransformer(8, 2, 1, 6, 20, 3).eval()
-    twin = porting.build_unfilled(FlaxPostCTransformer, torch_model.init_kwargs())  # abstract, RNG streams set
+    twin = targets.build_unfilled(FlaxPostCTransformer, torch_model.init_kwargs())  # abstract, RNG streams set
     flax_model = porting.torch_to_flax(torch_model, twin)
     err, finite = compare.compare(torch_model, flax_model, (IDS,))
     assert finite and err <= TOL, err
     back = porting.flax_to_torch(flax_model, TorchPostCTransformer(8, 2, 1, 6, 20, 3))
     assert all(torch.equal(v, torch_model.state_dict()[k]) for k, v in back.state_dict().items())
     # the library's own CTransformer has no `post`: refused, both keys named, nothing loaded
-    plain = porting.build_unfilled(ff.CTransformer, torch_model.init_kwargs())
+    plain = targets.build_unfilled(ff.CTransformer, torch_model.init_kwargs())
     with pytest.raises(StateDictError, match=r"unexpected keys \(2\): post.weight, post.bias"):
         porting.torch_to_flax(torch_model, plain)
     assert isinstance(plain.toprobs.kernel.get_value(), jax.ShapeDtypeStruct)  # still unfilled
@@ -111,7 +111,7 @@ def test_former_library_names_port_with_rename():
     torch_model = tf.CTransformer(8, 2, 1, 6, 20, 3).eval()
     theirs = {k.replace(".mhattention.", ".attention."): v for k, v in torch_model.state_dict().items()}
     assert "tblocks.0.attention.tokeys.weight" in theirs
-    model = porting.build_unfilled(ff.CTransformer, torch_model.init_kwargs())
+    model = targets.build_unfilled(ff.CTransformer, torch_model.init_kwargs())
     with pytest.raises(StateDictError, match="rename=") as info:
         porting.load_state_dict(model, theirs)
     assert "tblocks.0.attention.tokeys.weight" in info.value.unexpected
@@ -194,7 +194,7 @@ def test_ported_weights_do_not_share_memory_with_the_torch_tensors():
         for p in torch_model.parameters():
             p.add_(1.0)
     np.testing.assert_array_equal(np.array(flax_model.toprobs.kernel[...]), before)
-    target = porting.build_unfilled(FlaxCTransformer, dict(emb=32, heads=4, depth=1, seq_length=16, num_tokens=100,
+    target = targets.build_unfilled(FlaxCTransformer, dict(emb=32, heads=4, depth=1, seq_length=16, num_tokens=100,
                                                            num_classes=2))
     state = {k: v.numpy() for k, v in torch_model.state_dict().items()}
     porting.load_state_dict(target, state)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from flax_transformer.interop import safetensors_io
-from flax_transformer.verification import export
+from flax_transformer.verification import (
+    export,
+)
 
 
 def test_a_torch_pt_source_with_nan_is_named_as_the_source(tmp_path):

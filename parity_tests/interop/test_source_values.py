@@ -16,6 +16,7 @@ import torch_reference.former as tf
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import hf, porting
 from flax_transformer.interop.safetensors_io import Lazy
+from flax_transformer.interop.values import nonfinite
 from flax_transformer.models.configs import GPTConfig
 from flax_transformer.verification import export
 from torch_reference.gpt import GPT2LMHeadModel
@@ -35,9 +36,9 @@ def test_nonfinite_names_each_tensor_with_its_counts():
     values = {"a": np.array([1.0, np.nan, np.inf, -np.inf], np.float32), "ids": np.arange(3),
               "b16": np.array([np.nan, 1], ml_dtypes.bfloat16), "t": torch.tensor([1.0, float("inf")]),
               "ok": np.ones(2, np.float32), "lazy": Lazy((2,), np.float32, lambda: np.array([np.nan, 0], np.float32))}
-    assert porting.nonfinite(values) == ["a (1 NaN, 2 inf of 4 values)", "b16 (1 NaN of 2 values)",
+    assert nonfinite(values) == ["a (1 NaN, 2 inf of 4 values)", "b16 (1 NaN of 2 values)",
                                          "t (1 inf of 2 values)", "lazy (1 NaN of 2 values)"]
-    assert porting.nonfinite([("x", np.zeros(3))]) == []
+    assert nonfinite([("x", np.zeros(3))]) == []
 
 
 @pytest.mark.parametrize("writer,name", [(export.save_safetensors, "m.safetensors"), (export.save_torch, "m.pt"),

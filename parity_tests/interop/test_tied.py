@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import porting
-from flax_transformer.interop.porting import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import compare
 from parity_tests.conftest import TOL
 from parity_tests.user_models_tied import LENGTH, VOCAB, FlaxTiedGPT, FlaxUntiedGPT, TorchTiedGPT

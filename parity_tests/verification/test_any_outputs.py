@@ -22,7 +22,7 @@ from torch import nn
 
 import flax_transformer.models.former as ff
 import torch_reference.former as tf
-from flax_transformer.interop import porting
+from flax_transformer.interop import porting, targets
 from flax_transformer.verification import bisect, bisect_report, compare
 from parity_tests.user_models import FlaxConvTagger, TorchConvTagger
 
@@ -266,7 +266,7 @@ def former_pair(rename=False):
     for block in torch_model.tblocks:
         block.__class__ = _FormerBlock
         block.attention = block._modules.pop("mhattention")
-    flax_model = porting.torch_to_flax(torch_model, porting.build_unfilled(ff.CTransformer, torch_model.init_kwargs()),
+    flax_model = porting.torch_to_flax(torch_model, targets.build_unfilled(ff.CTransformer, torch_model.init_kwargs()),
                                        rename=FORMER_NAMES)
     return torch_model, flax_model, (IDS[:, :6] % 20,)
 

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
+from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import certificate, certificate_check, export
 from flax_transformer.verification.certificate_schema import CertificateError, validate
 from parity_tests.user_models_tied import LENGTH, VOCAB, FlaxTiedGPT, TorchTiedGPT
@@ -104,7 +105,7 @@ def test_a_changed_tensor_is_named(exported, tmp_path, capsys):
 
 def test_wrong_references_and_pairs_refused(exported, tmp_path, capsys):
     flax_model, path = exported["flax_model"], tmp_path / "gpt.safetensors"
-    with pytest.raises(porting.StateDictError, match=r"tok_emb\.weight: .*\(32, 16\).*\(32, 8\)"):
+    with pytest.raises(StateDictError, match=r"tok_emb\.weight: .*\(32, 16\).*\(32, 8\)"):
         export.save_safetensors(flax_model, path, reference=TorchTiedGPT(d=8), rename=RENAME, inputs=(IDS,))
     other = TorchTiedGPT()
     other.ln_f.eps = 1e-2  # the same names and shapes, another computation: the check fails

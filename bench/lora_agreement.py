@@ -36,11 +36,11 @@ def main(argv=None) -> int:
     from peft import PeftModel
     from tqdm import tqdm
 
-    from flax_transformer.training import classify, pretrained
+    from flax_transformer.training import classify, hf_init
 
     jax.config.update("jax_default_matmul_precision", "highest")
     model, tokenizer, config = classify.load_run(args.run_dir)
-    folder = pretrained.init_folder(config)
+    folder = hf_init.classifier_folder(config)
     _, _, test = classify.load_splits(config, args.data_dir)
     texts, labels = [t for t, _ in test], np.array([label for _, label in test])
     base = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder), num_labels=config.num_classes)

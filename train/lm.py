@@ -24,7 +24,7 @@ from flax_transformer.cli.train_flags import (
     run_main,
     usage_error,
 )
-from flax_transformer.training import lm, lm_pretrained
+from flax_transformer.training import hf_init, lm
 
 
 def main(argv=None) -> int:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     def run():
         nonlocal config
         if config.model == "hf" and args.context is None and not from_run_json:
-            config = lm_pretrained.default_context(config)  # reads the folder's config.json: errors are one line
+            config = hf_init.default_context(config)  # reads the folder's config.json: errors are one line
         metrics = lm.train_and_evaluate(config, args.out, data_dir=args.data_dir, resume=args.resume,
                                         progress=not args.no_progress, export_torch=args.export_torch,
                                         overwrite=args.overwrite,

@@ -14,8 +14,9 @@ The modules import one way, each only from the lines above it (and from ``models
     rundir                                                     # the run directory: run.json, lock, logs, curves
     run_checkpoints                                            # the run's orbax checkpoints
     loop, torch_write                                          # fit; a model and its optimizer as a torch checkpoint
-    lm, seq2seq, pretrained, parity                            # the tasks; the hf classifier's parts; optimizer parity
-    classify                                                   # the classifier task (uses pretrained)
+    hf_init, probe                                             # a pretrained HF folder as init, its --export-hf; the linear probe
+    lm, seq2seq, parity                                        # the tasks; optimizer parity
+    classify                                                   # the classifier task
     run_loading                                                # a run directory back as a model (the task named in run.json)
     torch_export                                               # a run directory, by its path, as a torch checkpoint
 """

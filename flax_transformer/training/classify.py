@@ -35,19 +35,17 @@ from flax_transformer.training.batching import Bucketed, Rows, default_buckets
 from flax_transformer.training.config_bounds import BIG, check_config
 from flax_transformer.training.distributed import check_batch_size
 from flax_transformer.training.errors import RunError
+from flax_transformer.training.hf_init import (
+    build_classifier,
+    check_classifier_export_target,
+    classifier_folder,
+    classifier_tokenizer,
+    export_classifier,
+)
 from flax_transformer.training.loop import batch_evaluator, fit
 from flax_transformer.training.optim import OptimConfig, compute_dtype, from_task
 from flax_transformer.training.preflight import check_memory, check_output, step_bytes
-from flax_transformer.training.pretrained import (
-    Probe,
-    _check_export_target,
-    build_pretrained,
-    cached_features,
-    export_pretrained,
-    init_folder,
-    pooled_features,
-    pretrained_tokenizer,
-)
+from flax_transformer.training.probe import Probe, cached_features, pooled_features
 from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import (
@@ -312,10 +310,10 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     prepare_run_dir(run_dir, run_config, resume=resume)  # before the slow part: a wrong --resume fails now
     folder = tokenizer = None
     if config.model == "hf":  # the folder and its tokenizer are checked before anything is read or written
-        folder = init_folder(config)
-        tokenizer = pretrained_tokenizer(config, folder)
+        folder = classifier_folder(config)
+        tokenizer = classifier_tokenizer(config, folder)
     if export_hf is not None:
-        _check_export_target(config, export_hf, overwrite)
+        check_classifier_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
     lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
                           export_torch_state=export_torch_state, pooling=config.pooling)
@@ -366,7 +364,7 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
         return Bucketed(*encode(tokenizer, rows), batch_size=config.run.batch_size, buckets=buckets, pad_id=pad,
                         seed=config.run.seed, shuffle=shuffle)
     train_batches, val_batches, test_batches = make(train, True), make(val, False), make(test, False)
-    model = (build_pretrained(config, folder, mesh) if folder is not None
+    model = (build_classifier(config, folder, mesh) if folder is not None
              else build_model(config, tokenizer.get_vocab_size()))
     adapted = None
     if config.lora.enabled:  # LoRA on the hf model; lora.json records it (once)
@@ -419,7 +417,7 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
             metrics["peft_check"] = lora_runs.export_peft(
                 final, export_peft, folder=folder, task="classify", overwrite=overwrite, num_labels=config.num_classes,
                 texts=[text for text, _ in test[:4]], max_length=config.max_length, float32_base=None
-                if config.run.dtype == "float32" else lambda: build_pretrained(replace(config, dtype="float32"), folder))
+                if config.run.dtype == "float32" else lambda: build_classifier(replace(config, dtype="float32"), folder))
         final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in
     if export_torch is not None and is_main_process():
         export.save_safetensors(final, export_torch, overwrite=overwrite)
@@ -432,7 +430,7 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
               " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
     if export_hf is not None and is_main_process():
         labels = list(LABELS) if config.num_classes == 2 else None
-        metrics["export_check"] = export_pretrained(final, export_hf, tokenizer=tokenizer, folder=folder, labels=labels,
+        metrics["export_check"] = export_classifier(final, export_hf, tokenizer=tokenizer, folder=folder, labels=labels,
                                                     config=config, texts=[text for text, _ in test[:64]],
                                                     overwrite=overwrite)
     return metrics
@@ -458,15 +456,15 @@ def load_run(run_dir, *, step: int | None = None):
         if config.model != "hf":
             model, step = checkpoints.restore_model(build_model(config, tokenizer.get_vocab_size()), step)
         elif config.freeze_encoder:  # the checkpoints hold the head; the encoder is the init folder's
-            model = build_pretrained(config, init_folder(config))
+            model = build_classifier(config, classifier_folder(config))
             head, step = checkpoints.restore_model(Probe(model, seed=config.run.seed), step)
             head.attach(model)
         elif config.lora.enabled:  # the checkpoints hold the adapters and the head; the base is the init folder's
-            model = build_pretrained(config, init_folder(config))
-            wrt = lora_runs.adapt(model, config, task="classify", folder=init_folder(config), run_dir=run_dir).wrt
+            model = build_classifier(config, classifier_folder(config))
+            wrt = lora_runs.adapt(model, config, task="classify", folder=classifier_folder(config), run_dir=run_dir).wrt
             model, step = checkpoints.restore_model(model, step, wrt=wrt)
         else:
-            model, step = checkpoints.restore_model(build_pretrained(config, init_folder(config)), step)
+            model, step = checkpoints.restore_model(build_classifier(config, classifier_folder(config)), step)
     finally:
         checkpoints.close()
     model.eval()

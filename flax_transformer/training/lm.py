@@ -7,7 +7,7 @@ tokens, the rest is the validation stream. The model is ``gpt.GPTTransformer``
 (notebook 002, default), ``former.GTransformer`` (notebook 004) or ``llama.LlamaForCausalLM``
 (a Llama-style decoder: RMSNorm, RoPE, grouped-query attention, a gated MLP), or ``hf``: a
 pretrained HuggingFace causal LM folder (``init``; Llama, Mistral, Qwen2/3, Gemma, GPT-2), fine-tuned
-on the text through the folder's own tokenizer (``lm_pretrained``). At the end the run prints its
+on the text through the folder's own tokenizer (``hf_init``). At the end the run prints its
 validation loss and a sample continued from ``prompt``.
 
 A llama preset (``LMConfig.tiny(model="llama")``, ``--model llama --preset tiny``) keeps the gpt
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files
-from flax_transformer.training import data, lm_pretrained, lora_runs, tokenizers, torch_write
+from flax_transformer.training import data, hf_init, lora_runs, tokenizers, torch_write
 from flax_transformer.training.batching import Windows
 from flax_transformer.training.config_bounds import check_config
 from flax_transformer.training.distributed import check_batch_size
@@ -131,7 +131,7 @@ LLAMA_SIZES = {"tiny": dict(d_ff=192, kv_heads=1), "small": dict(d_ff=352, kv_he
 
 
 # A fine-tune (model "hf") keeps the folder's sizes and takes a small learning rate. Its context is the
-# preset's, cut to the model's positions when --context is not given (train.lm, lm_pretrained.default_context).
+# preset's, cut to the model's positions when --context is not given (train.lm, hf_init.default_context).
 # tiny: seconds on 2 CPU cores, for tests; small: the 2-core CPU fine-tune; base: a GPU run.
 HF_PRESETS = {
     "tiny": dict(context=64, batch_size=8, steps=20, lr=1e-4, warmup_steps=2, decay="linear", weight_decay=0.01,
@@ -178,7 +178,7 @@ def build_tokenizer(config: LMConfig, text: str):
 
 def encode(config: LMConfig, tokenizer, text: str) -> np.ndarray:
     if config.model == "hf":
-        return lm_pretrained.encode(tokenizer, text)
+        return hf_init.encode(tokenizer, text)
     if config.level == "char":
         return np.asarray(tokenizer.encode(text).ids, dtype=np.int32)
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -186,7 +186,7 @@ def encode(config: LMConfig, tokenizer, text: str) -> np.ndarray:
 
 def decode(config: LMConfig, tokenizer, ids) -> str:
     if config.model == "hf":
-        return lm_pretrained.decode(tokenizer, ids)
+        return hf_init.decode(tokenizer, ids)
     if config.level == "char":
         return tokenizer.decode([int(i) for i in ids])
     return " ".join(tokenizer.id_to_token(int(i)) for i in ids)
@@ -231,7 +231,7 @@ def loss_fn(model, batch):
 def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
     """The prompt's token ids; ``RunError`` unless it has 1 to ``context - 1`` of them."""
     try:
-        prompt = (lm_pretrained.prompt_ids(tokenizer, config.prompt) if config.model == "hf"
+        prompt = (hf_init.prompt_ids(tokenizer, config.prompt) if config.model == "hf"
                   else encode(config, tokenizer, config.prompt))
     except Exception:  # the Rust tokenizer refuses a character it has no id for (no unknown token at char level)
         unknown = sorted(set(config.prompt) - set(tokenizer.get_vocab()))
@@ -293,9 +293,9 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     if config.init is None:  # run.json as before the field: a run begun then still resumes (its fields compared)
         del run_config["init"]
     prepare_run_dir(run_dir, run_config, resume=resume)
-    folder = lm_pretrained.init_folder(config, run_dir=run_dir if resume else None) if config.model == "hf" else None
-    hf_tokenizer = lm_pretrained.pretrained_tokenizer(config, folder) if folder is not None else None
-    lm_pretrained.check_export_target(config, export_hf, overwrite)
+    folder = hf_init.lm_folder(config, run_dir=run_dir if resume else None) if config.model == "hf" else None
+    hf_tokenizer = hf_init.lm_tokenizer(config, folder) if folder is not None else None
+    hf_init.check_lm_export_target(config, export_hf, overwrite)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
     lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
                           export_torch_state=export_torch_state)
@@ -313,19 +313,19 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     train, val = _windows(config, stream, cut, config.text or "the text")
     prompt_ids(config, tokenizer)
     vocab = tokenizer.get_vocab_size()
-    sizes = (lm_pretrained.step_sizes(folder) if folder is not None else dict(
+    sizes = (hf_init.step_sizes(folder) if folder is not None else dict(
         width=max(config.d_embed, config.d_ff // 4), heads=config.heads, layers=config.n_layers, vocab=vocab))
     check_memory(step_bytes(batch=config.run.batch_size, length=config.context, attention=config.run.attention,
                             devices=mesh.size if mesh is not None else 1, **sizes), "--context or --batch-size")
-    model = lm_pretrained.build_pretrained(config, folder, mesh) if folder is not None else build_model(config, vocab)
+    model = hf_init.build_lm(config, folder, mesh) if folder is not None else build_model(config, vocab)
     adapted = (lora_runs.adapt(model, config, task="lm", folder=folder, run_dir=run_dir, fresh=not resume)
                if config.lora.enabled else None)
-    what = lm_pretrained.describe(folder) if folder is not None else f"{config.model} at {config.level} level"
+    what = hf_init.describe(folder) if folder is not None else f"{config.model} at {config.level} level"
     with open_run(run_dir, run_config, resume=resume):
         if not saved_tokenizer and is_main_process():
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
             if folder is not None:
-                lm_pretrained.record_init(run_dir, folder)
+                hf_init.record_init(run_dir, folder)
         if adapted is not None:
             adapted.write(run_dir)
         print(f"lm: {what}: {len(stream):,} tokens ({cut:,} train), vocabulary "
@@ -355,7 +355,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             if export_peft is not None:
                 metrics["peft_check"] = lora_runs.export_peft(
                     final, export_peft, folder=folder, task="lm", overwrite=overwrite, ids=next(val.fixed(1))["ids"][0],
-                    float32_base=None if config.run.dtype == "float32" else lambda: lm_pretrained.build_pretrained(
+                    float32_base=None if config.run.dtype == "float32" else lambda: hf_init.build_lm(
                         replace(config, dtype="float32"), folder))
             final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in
         if export_torch is not None and is_main_process():
@@ -368,7 +368,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
                   " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)
         if export_hf is not None and not result.interrupted and is_main_process():
-            metrics["export_check"] = lm_pretrained.export_pretrained(
+            metrics["export_check"] = hf_init.export_lm(
                 final, export_hf, folder=folder, text=text[-20 * config.context:], length=config.context,
                 overwrite=overwrite)
     return metrics
@@ -379,7 +379,7 @@ def load_run(run_dir, *, step: int | None = None):
     run_dir = Path(run_dir)
     config = config_of_run(run_dir, "lm", LMConfig)
     tokenizer = read_tokenizer(run_dir / "tokenizer.json")
-    model = (lm_pretrained.build_pretrained(config, lm_pretrained.init_folder(config, run_dir=run_dir))
+    model = (hf_init.build_lm(config, hf_init.lm_folder(config, run_dir=run_dir))
              if config.model == "hf" else build_model(config, tokenizer.get_vocab_size()))
     wrt = nnx.Param
     if config.lora.enabled:  # the checkpoints hold the adapters; the base is the init folder's

@@ -79,6 +79,7 @@ def _seq2seq_model(config):
 def test_filler_rows_change_no_classify_loss_metric_or_gradient(kind):
     from flax_transformer.training import classify
     from flax_transformer.training.batching import Bucketed, Rows
+    from flax_transformer.training.probe import Probe
 
     rng = np.random.default_rng(0)
     n = 5
@@ -87,7 +88,7 @@ def test_filler_rows_change_no_classify_loss_metric_or_gradient(kind):
     model = _classifier("encoder-mean" if kind == "probe" else kind)
     if kind == "probe":
         features = rng.standard_normal((n, 16)).astype(np.float32)
-        model = classify.Probe(model)
+        model = Probe(model)
         model.eval()
         make = lambda size: Rows({"features": features, "labels": labels}, batch_size=size, shuffle=False)  # noqa: E731
     else:

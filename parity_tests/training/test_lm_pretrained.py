@@ -134,18 +134,18 @@ def test_fine_tune_lowers_the_loss_and_exports_a_folder_transformers_loads(whole
 
 
 def test_the_stream_has_no_special_tokens_and_the_prompt_starts_as_the_template_says(whole, tmp_path):
-    from flax_transformer.training import lm_pretrained
+    from flax_transformer.training import hf_init
 
     tmp, _ = whole
     config = _config(tmp / "init", tmp / "text.txt")
-    tokenizer = lm_pretrained.pretrained_tokenizer(config, tmp / "init")
-    stream = lm_pretrained.encode(tokenizer, TEXT)
+    tokenizer = hf_init.lm_tokenizer(config, tmp / "init")
+    stream = hf_init.encode(tokenizer, TEXT)
     assert 1 not in stream and 2 not in stream and len(stream) > 1000  # no <s> or </s> inside the text
-    prompt = lm_pretrained.prompt_ids(tokenizer, "ROMEO: but")
-    assert prompt[0] == 1 and prompt[1:].tolist() == lm_pretrained.encode(tokenizer, "ROMEO: but").tolist()
-    assert lm_pretrained.decode(tokenizer, prompt) == "ROMEO: but"
+    prompt = hf_init.prompt_ids(tokenizer, "ROMEO: but")
+    assert prompt[0] == 1 and prompt[1:].tolist() == hf_init.encode(tokenizer, "ROMEO: but").tolist()
+    assert hf_init.decode(tokenizer, prompt) == "ROMEO: but"
     tokenizer.post_processor = None  # a template that adds nothing (GPT-2's, Qwen's): nothing before the prompt
-    assert lm_pretrained.prompt_ids(tokenizer, "ROMEO: but").tolist() == prompt[1:].tolist()
+    assert hf_init.prompt_ids(tokenizer, "ROMEO: but").tolist() == prompt[1:].tolist()
 
     # a folder's tokenizer.json that truncates (at 512, often) does not cut the stream
     truncating = tmp_path / "truncating"
@@ -153,8 +153,8 @@ def test_the_stream_has_no_special_tokens_and_the_prompt_starts_as_the_template_
     saved = json.loads((truncating / "tokenizer.json").read_text())
     saved["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
     (truncating / "tokenizer.json").write_text(json.dumps(saved))
-    tokenizer = lm_pretrained.pretrained_tokenizer(_config(truncating, tmp / "text.txt"), truncating)
-    assert lm_pretrained.encode(tokenizer, TEXT).tolist() == stream.tolist()
+    tokenizer = hf_init.lm_tokenizer(_config(truncating, tmp / "text.txt"), truncating)
+    assert hf_init.encode(tokenizer, TEXT).tolist() == stream.tolist()
 
 
 @pytest.mark.slow(reason="test_runs' resume test, test_fit_wrt's (the same fit and checkpoints)")
@@ -231,15 +231,15 @@ def test_gpt2_folder_exports_and_the_default_context(tmp_path):
     logits; without --context a run takes the preset's 64 cut to the model's 48 positions. (Its training is
     the llama run's: the same loop on the model from_pretrained gives.)"""
     from flax_transformer.interop import hf
-    from flax_transformer.training import lm_pretrained
+    from flax_transformer.training import hf_init
 
     folder = _folder(tmp_path / "gpt2", kind="gpt2", n_positions=48)
     config = lm.presets("hf")["tiny"](init=str(folder))
-    assert config.context == 64 and lm_pretrained.default_context(config).context == 48
+    assert config.context == 64 and hf_init.default_context(config).context == 48
     with pytest.raises(errors.RunError, match="--context 64 is longer than the model takes: 48 positions"):
-        lm_pretrained.pretrained_tokenizer(config, folder)
+        hf_init.lm_tokenizer(config, folder)
     model = hf.from_pretrained(folder)
-    report = lm_pretrained.export_pretrained(model, tmp_path / "export", folder=folder, text=TEXT, length=48)
+    report = hf_init.export_lm(model, tmp_path / "export", folder=folder, text=TEXT, length=48)
     assert report["same_ids"] and not any(report["loading_info"].values()) and report["max_abs_diff"] < 1e-5
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["model_type"] == "gpt2" and written["eos_token_id"] == 2

@@ -212,7 +212,7 @@ def test_lm_continues_a_peft_adapter_trained_in_torch(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from flax_transformer.interop import hf
-    from flax_transformer.training import lm_pretrained
+    from flax_transformer.training import hf_init
     from flax_transformer.training.batching import Windows
 
     from .test_lm_pretrained import TEXT, _config, _folder
@@ -221,8 +221,8 @@ def test_lm_continues_a_peft_adapter_trained_in_torch(tmp_path):
     folder = _folder(tmp_path / "init")
     config = _config(folder, tmp_path / "text.txt", steps=1, checkpoint_every=1, eval_every=1, eval_batches=1,
                      sample_tokens=1, init_adapter=str(tmp_path / "adapter"))
-    tokenizer = lm_pretrained.pretrained_tokenizer(config, folder)
-    stream = lm_pretrained.encode(tokenizer, TEXT)
+    tokenizer = hf_init.lm_tokenizer(config, folder)
+    stream = hf_init.encode(tokenizer, TEXT)
     train = Windows(stream[:int(len(stream) * (1 - config.val_fraction))], batch_size=config.run.batch_size,
                     length=config.context, seed=config.run.seed)
     torch.manual_seed(0)

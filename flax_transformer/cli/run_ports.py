@@ -73,7 +73,7 @@ def port_peft(args, dst: Path) -> int:
         return 0
     report = certificate_peft.AdapterReport(dst)
     report.measured = certificate_peft.measure(run.model, dst, base)
-    if not certificate_peft._passed(report.measured):
+    if not certificate_peft.measured_passed(report.measured):
         report.failures.append("the adapter through peft does not compute the run's model")
     print(f"verify: {report.summary()}")
     return 0 if report.ok else 1

@@ -34,7 +34,7 @@ from flax_transformer.verification.certificate import ExportSubject, platform_in
 from flax_transformer.verification.certificate_schema import CertificateError
 from flax_transformer.verification.reports import Report
 
-__all__ = ["FILE", "KIND", "AdapterReport", "AdapterSubject", "base_identity", "is_adapter", "measure", "recheck"]
+__all__ = ["FILE", "KIND", "AdapterReport", "AdapterSubject", "base_identity", "is_adapter", "measure", "measured_passed", "recheck"]
 
 FILE = "verification.json"
 KIND = "peft-lora-adapter"
@@ -226,7 +226,8 @@ def _copy_of(named: dict, key: str, modules) -> str | None:
     return None
 
 
-def _passed(measured: dict) -> bool:
+def measured_passed(measured: dict) -> bool:
+    """Whether a measurement (``measure``) meets its tolerances: the output, and every adapter gradient compared."""
     f, g = measured["forward"], measured["adapter_grads"]
     return (f["max_abs_err"] <= f["tolerance"] and g["max_rel_err"] <= g["tolerance"]
             and g["tensors"] == g["of"] > 0)  # NaN/inf compare False: never a pass
@@ -251,7 +252,7 @@ class AdapterSubject(ExportSubject):
         """Measure the written adapter through peft and return its certificate, or raise
         ``CertificateError`` (nothing is written) when it fails."""
         measured = measure(self.model, written, self.base)
-        if not _passed(measured):
+        if not measured_passed(measured):
             raise CertificateError(f"{final}: the adapter loaded in peft does not compute the JAX model's: "
                                    f"{_summary(measured)}; not written")
         return {"kind": KIND, "written": final.name, "adapter": _adapter_hashes(written),
@@ -339,7 +340,7 @@ def recheck(folder, *, base=None) -> AdapterReport:
         model = hf.from_pretrained(base)
     peft.load_peft(model, folder)
     report.measured = measure(model, folder, base)
-    if not _passed(report.measured):
+    if not measured_passed(report.measured):
         report.failures.append("the adapter through peft no longer computes the JAX model's")
     recorded = record["forward"].get("max_abs_err")
     if isinstance(recorded, (int, float)):

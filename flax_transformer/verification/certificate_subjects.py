@@ -281,7 +281,7 @@ def fill_flax(model, tensors: dict) -> None:
 
     from flax_transformer.interop import porting
 
-    params = porting._flax_params(model)
+    params = porting.flax_params(model)
     given = {k.replace("/", "."): v for k, v in tensors.items()}
     missing, unexpected = sorted(params.keys() - given.keys()), sorted(given.keys() - params.keys())
     shapes = [f"{k} {list(np.shape(given[k]))} in the file, {list(p.shape)} in the model"

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.interop import checkpoints, files, hf, orbax_quiet, porting, safetensors_io
+from flax_transformer.interop import checkpoints, files, hf, orbax_quiet, porting, safetensors_io, values
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.verification import certificate, pairs
 from flax_transformer.verification.certificate_subjects import (
@@ -68,14 +68,14 @@ def _named_values(model) -> dict:
     try:
         return safetensors_io.model_tensors(model)
     except (ValueError, TypeError, KeyError):  # not a model of the families: its own parameter paths
-        return {path: param[...] for path, param in porting._flax_params(model).items()}
+        return {path: param[...] for path, param in porting.flax_params(model).items()}
 
 
 def check_finite(model, *, source=None, hint: str = CERTIFY_HINT) -> None:
     """Raise ``NonFiniteWeights`` naming every parameter of ``model`` that holds NaN or inf (torch names,
     read one at a time). The certified exports call it before writing anything. ``source``: where the
     model came from, for the message."""
-    found = porting.nonfinite(_named_values(model))
+    found = values.nonfinite(_named_values(model))
     if found:
         whose = f"the model read from {source} holds" if source is not None else "the model holds"
         raise _refusal(found, whose, "these values come from its source (the checkpoint it was loaded from, or "
@@ -90,7 +90,7 @@ def check_source_finite(src, *, hint: str = CERTIFY_HINT) -> bool:
     src = Path(src)
     if not ((src.is_dir() and (src / "config.json").is_file()) or (src.is_file() and src.suffix in SOURCE_SUFFIXES)):
         return False
-    found = porting.nonfinite(safetensors_io.open_weights(src))
+    found = values.nonfinite(safetensors_io.open_weights(src))
     if found:
         raise _refusal(found, f"{src} holds", "these are the source's own values, found before any export, "
                                               "not made by the conversion or the writer", hint)
@@ -158,7 +158,7 @@ def _own(model, reference, rename, inputs) -> bool:
     if rename is not None or inputs is not None:
         raise ValueError("rename= and inputs= describe the check against a torch reference: give reference= too "
                          f"({REFERENCE_HINT})")
-    if porting._family_or_none(model) is None:
+    if porting.family_or_none(model) is None:
         raise TypeError(f"{type(model).__name__} is not a flax_transformer or torch_reference model; to export "
                         f"your own model, {REFERENCE_HINT}")
     return False

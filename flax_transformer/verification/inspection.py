@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import files, porting
+from flax_transformer.interop import files, layer_kinds, porting
 
 # ------------------------------------------------------------------- summary
 
@@ -29,12 +29,12 @@ def _shapes(model) -> dict[str, tuple[tuple[int, ...], str]]:
         again = {name for group in porting.tied_keys(model) for name in group[1:]}
         return {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in model.state_dict().items()
                 if k not in again}
-    family = porting._family(model)
+    family = porting.family_of(model)
     out = {}
-    for path, param in porting._flax_params(model).items():
+    for path, param in porting.flax_params(model).items():
         key, rule = porting.flax_path_to_torch(family, path)
         shape = tuple(param.shape)
-        out[key] = (shape[::-1] if rule == porting.TRANSPOSE else shape, str(param.dtype))
+        out[key] = (layer_kinds.torch_shape(rule, shape), str(param.dtype))
     return out
 
 

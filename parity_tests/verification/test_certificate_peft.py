@@ -69,10 +69,10 @@ def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path):
 def test_a_measurement_that_compared_fewer_gradients_than_it_should_is_not_a_pass():
     good = {"forward": {"max_abs_err": 0.0, "tolerance": 1e-5}, "adapter_grads": {"max_rel_err": 0.0,
                                                                                   "tolerance": 1e-5, "tensors": 2, "of": 2}}
-    assert certificate_peft._passed(good)
+    assert certificate_peft.measured_passed(good)
     for grads in ({"tensors": 1, "of": 2}, {"tensors": 0, "of": 0}, {"max_rel_err": float("nan")}):
-        assert not certificate_peft._passed({**good, "adapter_grads": {**good["adapter_grads"], **grads}})
-    assert not certificate_peft._passed({**good, "forward": {"max_abs_err": float("nan"), "tolerance": 1e-5}})
+        assert not certificate_peft.measured_passed({**good, "adapter_grads": {**good["adapter_grads"], **grads}})
+    assert not certificate_peft.measured_passed({**good, "forward": {"max_abs_err": float("nan"), "tolerance": 1e-5}})
 
 
 @pytest.mark.parametrize("head", [True, False])

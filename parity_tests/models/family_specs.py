@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import torch_reference.classic as tc
+import torch_reference.encoder as te
 import torch_reference.gpt as tg
+from flax_transformer.models.configs import EncoderConfig
 from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
 
 
@@ -28,10 +30,11 @@ from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mas
 class Level:
     """One module of a family, run at each of ``shapes`` with each of ``masks``.
 
+    A shape is the sizes (or options, such as an encoder's ``norm_first``) a case runs at, as a tuple.
     ``module(shape)`` builds the torch module; ``inputs(rng, case, shape)`` draws its arguments for a
     mask case. ``eager(case)``: also check it eagerly (op by op; costs more, so only where masks are
-    hardest or at model level). ``keep``: the (shape, case) pairs the default run keeps; the others
-    run with ``-m slow``.
+    hardest or at model level). ``keep``: the (shape, case) pairs the default run keeps, the others
+    run with ``-m slow``; None keeps every case.
     """
 
     name: str
@@ -39,7 +42,7 @@ class Level:
     inputs: Callable[[np.random.Generator, str, tuple], tuple]
     masks: tuple[str, ...]
     shapes: tuple[tuple, ...]
-    keep: frozenset = frozenset()
+    keep: frozenset | None = None
     eager: Callable[[str], bool] = lambda case: False
 
 
@@ -62,7 +65,8 @@ def cases(specs) -> list:
 def kept(specs) -> list[str]:
     """The ids of the cases the default run keeps (``keep_cases`` takes them)."""
     return [_case_id(spec.family, level, shape, case) for spec in specs for level in spec.levels
-            for shape, case in sorted(level.keep)]
+            for shape, case in (sorted(level.keep) if level.keep is not None else
+                                [(shape, case) for shape in level.shapes for case in level.masks])]
 
 
 def _floats(rng, *shape):
@@ -151,4 +155,56 @@ GPT = FamilySpec("gpt", (
           keep=GPT_KEEP, eager=lambda case: True),
 ))
 
-SPECS = (CLASSIC, GPT)
+
+# ------------------------------------------------------------------ encoder (notebook 001)
+# The attention and the layer take a (b, t, t) mask, True = may attend (padding and, if causal, no
+# look-ahead); the models a (b, t) padding mask, 1 = token. A shape is (heads, b, t) for the
+# attention, (norm_first,) for the layer and the models.
+
+
+def _encoder_config(heads=4, head_dim=6, **kw):
+    return EncoderConfig.tiny(hidden_size=heads * head_dim, num_attention_heads=heads, **kw)
+
+
+def _encoder_attention_inputs(rng, case, shape):
+    heads, b, t = shape
+    mask, causal = _mask_for(case, rng, b, t)
+    x = _floats(rng, b, t, _encoder_config(heads).hidden_size)
+    return x, full_mask(mask, b, t, causal)
+
+
+def _encoder_layer_config(shape):
+    return _encoder_config(norm_first=shape[0], hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)
+
+
+def _encoder_layer_inputs(rng, case, shape):
+    mask, causal = _mask_for(case, rng, 3, 7)
+    x = _floats(rng, 3, 7, _encoder_layer_config(shape).hidden_size)
+    return x, full_mask(mask, 3, 7, causal)
+
+
+def _encoder_model_inputs(rng, case, shape):
+    mask, _ = _mask_for(case, rng, 3, 9)
+    return rng.integers(0, _encoder_config().vocab_size, size=(3, 9)), mask
+
+
+NORM_FIRST = ((True,), (False,))
+MODEL_MASKS = ("none", "padding", "fully-masked-row")
+ENCODER_MODEL_KEEP = frozenset({((False,), "padding"), ((False,), "fully-masked-row")})
+
+ENCODER = FamilySpec("encoder", (
+    Level("attention", lambda s: te.MultiHeadAttention(_encoder_config(s[0])), _encoder_attention_inputs, MASK_CASES,
+          ((1, 1, 1), (3, 2, 7), (12, 3, 5)),
+          keep=frozenset({((1, 1, 1), "fully-masked-row"), ((12, 3, 5), "causal+padding"), ((3, 2, 7), "padding")}),
+          eager=lambda case: case == "fully-masked-row"),
+    Level("layer", lambda s: te.TransformerEncoderLayer(_encoder_layer_config(s)), _encoder_layer_inputs, MASK_CASES,
+          NORM_FIRST,
+          keep=frozenset({((False,), "causal+padding"), ((True,), "fully-masked-row"), ((True,), "padding")}),
+          eager=lambda case: case == "fully-masked-row"),
+    Level("model", lambda s: te.TransformerEncoder(_encoder_config(norm_first=s[0])), _encoder_model_inputs,
+          MODEL_MASKS, NORM_FIRST, keep=ENCODER_MODEL_KEEP, eager=lambda case: True),
+    Level("classifier", lambda s: te.TransformerForSequenceClassification(_encoder_config(norm_first=s[0])),
+          _encoder_model_inputs, MODEL_MASKS, NORM_FIRST, keep=ENCODER_MODEL_KEEP),
+))
+
+SPECS = (CLASSIC, GPT, ENCODER)

@@ -1,6 +1,8 @@
 """Parity of the ``encoder`` family (notebook 001): attention, layer, model.
 
 Tolerance: max abs error <= 1e-5 in fp32 with matmul precision "highest" (TOL).
+The multi-head attention, the layer and the models under every mask case, both directions: the
+spec-driven test_family_parity.py (family_specs.ENCODER); here, what is special to the family.
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ import flax_transformer.models.encoder as fe
 import torch_reference.encoder as te
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.verification.verify import MASK_CASES, _mask_for, full_mask, padding_mask
+from flax_transformer.verification.verify import _mask_for, padding_mask
 from parity_tests.conftest import TOL, assert_both_directions, assert_parameter_gradients_match
 
 from . import notebook_classes as nb
@@ -28,17 +30,6 @@ from . import notebook_classes as nb
 
 def config(heads=4, head_dim=6, **kw):
     return EncoderConfig.tiny(hidden_size=heads * head_dim, num_attention_heads=heads, **kw)
-
-
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("heads,b,t", [(1, 1, 1), (3, 2, 7), (12, 3, 5)])
-@pytest.mark.keep_cases("1-1-1-fully-masked-row", "12-3-5-causal+padding", "3-2-7-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_multi_head_attention(heads, b, t, case, rng):
-    cfg = config(heads)
-    mask, causal = _mask_for(case, rng, b, t)
-    x = rng.standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
-    assert_both_directions(te.MultiHeadAttention(cfg), (x, full_mask(mask, b, t, causal)),
-                           eager_too=case == "fully-masked-row")
 
 
 @pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
@@ -60,32 +51,10 @@ def test_scaled_dot_product_attention_function(rng):
     assert np.all(np.asarray(got)[1, 2] == 0) and np.all(want.numpy()[1, 2] == 0)
 
 
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("norm_first", [True, False])
-@pytest.mark.keep_cases("False-causal+padding", "True-fully-masked-row", "True-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_encoder_layer(norm_first, case, rng):
-    cfg = config(norm_first=norm_first, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2)
-    mask, causal = _mask_for(case, rng, 3, 7)
-    x = rng.standard_normal((3, 7, cfg.hidden_size)).astype(np.float32)
-    assert_both_directions(te.TransformerEncoderLayer(cfg), (x, full_mask(mask, 3, 7, causal)),
-                           eager_too=case == "fully-masked-row")
-
-
 def test_feed_forward_and_embeddings(rng):
     cfg = config(hidden_act="gelu")
     assert_both_directions(te.FeedForward(cfg), (rng.standard_normal((2, 5, cfg.hidden_size)).astype(np.float32),))
     assert_both_directions(te.Embeddings(cfg), (rng.integers(0, cfg.vocab_size, size=(2, 5)),))
-
-
-@pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])
-@pytest.mark.parametrize("norm_first", [True, False])
-@pytest.mark.keep_cases("False-fully-masked-row", "False-padding", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_models(norm_first, case, rng):
-    cfg = config(norm_first=norm_first)
-    mask, _ = _mask_for(case, rng, 3, 9)
-    ids = rng.integers(0, cfg.vocab_size, size=(3, 9))
-    assert_both_directions(te.TransformerEncoder(cfg), (ids, mask), eager_too=True)
-    assert_both_directions(te.TransformerForSequenceClassification(cfg), (ids, mask))
 
 
 @pytest.mark.parametrize("case", ["none", "padding", "fully-masked-row"])

@@ -260,7 +260,7 @@ def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) 
 
 
 def _summary(args) -> int:
-    from flax_transformer.verification import inspection
+    from flax_transformer.cli import inspection
 
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
@@ -306,7 +306,7 @@ LLAMA_PRESETS = {"llama-3.1-8b": "llama3_8b", "llama-3.2-1b": "llama3_1b", "mist
 
 
 def _attention_map(args) -> int:
-    from flax_transformer.verification import inspection
+    from flax_transformer.cli import inspection
 
     folder = args.checkpoint
     if folder is None:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from flax_transformer.cli import verify_flags
+from flax_transformer.cli import inspection, verify_flags
 from flax_transformer.cli.commands import main
 from flax_transformer.models.llama_config import LlamaConfig
-from flax_transformer.verification import inspection, verify
+from flax_transformer.verification import verify
 from parity_tests.conftest import TOL
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")

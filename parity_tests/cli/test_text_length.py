@@ -6,9 +6,8 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from flax_transformer.cli import bisect_cli
+from flax_transformer.cli import bisect_cli, inspection
 from flax_transformer.models.former import CTransformer
-from flax_transformer.verification import inspection
 
 
 @pytest.fixture(scope="module")

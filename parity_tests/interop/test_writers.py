@@ -117,8 +117,8 @@ def test_a_failed_orbax_overwrite_leaves_the_old_folder(tmp_path, monkeypatch):
 
 
 def test_every_writer_refuses_an_existing_output_without_overwrite(tmp_path):
+    from flax_transformer.cli import inspection
     from flax_transformer.interop import porting
-    from flax_transformer.verification import inspection
 
     former, bert = _former(), _bert()
     cases = [

@@ -1,5 +1,5 @@
 """Distribution-level agreement of torch and Flax language models: KL(torch || JAX) per token,
-top-1 and top-5 agreement (``lm_agreement.measure``), in fp32 and with the Flax model computing in
+top-1 and top-5 agreement (``measure.lm_agreement``), in fp32 and with the Flax model computing in
 bf16 (fp32 parameters) against the fp32 torch model.
 
     python bench/lm_agreement.py [--models gpt2 llama gpt] [--batch 4] [--length 32] [--seed 0]
@@ -32,7 +32,8 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import hf, porting
-from flax_transformer.verification import lm_agreement, verify
+from flax_transformer.verification import measure as core
+from flax_transformer.verification import verify
 
 MODELS = ("gpt2", "llama", "gpt")
 VOCAB = 2000
@@ -81,9 +82,9 @@ def measure(name: str, batch: int, length: int, seed: int) -> dict:
         with torch.no_grad():
             want = run(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     out = {}
-    for label, model, gates in (("fp32", fp32, lm_agreement.FP32), ("bf16", bf16, lm_agreement.BF16)):
+    for label, model, gates in (("fp32", fp32, core.LM_FP32), ("bf16", bf16, core.LM_BF16)):
         got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).astype(jnp.float32))
-        out[label] = lm_agreement.measure(want, got, mask, gates=gates)
+        out[label] = core.lm_agreement(want, got, mask, gates=gates)
         out[label + "_max_abs_err"] = float(np.abs(got - want)[mask.astype(bool)].max())
     return out
 

@@ -7,7 +7,7 @@ example inputs (outputs, and every parameter's gradient), and records:
 * the sha256 of every tensor (and of the files that describe the model),
 * the forward and backward errors and the tolerance, and the inputs they were measured on,
 * for a language model, its next-token agreement: KL(torch || JAX) and top-1/top-5 (``lm``, from
-  ``lm_agreement``; optional, so certificates written before it still verify),
+  ``measure.lm_agreement``; optional, so certificates written before it still verify),
 * the tensors' dtypes and the matmul precision,
 * the versions of jax, flax, torch, transformers (...) and the platform.
 
@@ -290,7 +290,7 @@ def value_of(entry: dict, relative: bool = True) -> str:
 
 
 def lm_line(entry: dict) -> str:
-    """A certificate's ``lm`` entry (``lm_agreement.LMAgreement.to_dict``) in one line."""
+    """A certificate's ``lm`` entry (``measure.LMAgreement.to_dict``) in one line."""
     if not entry.get("measured", True) or "not_measured" in entry:
         return f"LM agreement not measured: {entry.get('reason') or entry.get('not_measured')}"
     gates = entry["gates"]

@@ -143,7 +143,7 @@ def _check_error_entry(s: _Schema, key: str, entry) -> None:
 
 
 def _check_lm(s: _Schema, entry) -> None:
-    """``lm`` (a language model's certificate; older ones have none): ``lm_agreement.LMAgreement.to_dict``."""
+    """``lm`` (a language model's certificate; older ones have none): ``measure.LMAgreement.to_dict``."""
     s.kind("lm", entry, dict, "a JSON object")
     if "not_measured" in entry:
         s.text("lm.not_measured", entry["not_measured"], 500, empty=False)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
-from flax_transformer.verification import lm_agreement, measure
+from flax_transformer.verification import measure
 from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
@@ -42,7 +42,7 @@ from flax_transformer.verification.reports import TOLERANCE, CompareReport, Row
 def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, tol: float | None = None,
             grads: bool = False, use_jit: bool = True, seed: int = 0, fp64: bool = True,
             allow_nonfinite: bool = False, allow_skipped: bool = False, rename=None,
-            loss_fn=None, lm: bool = False, lm_mask=None, lm_gates: lm_agreement.Gates | None = None,
+            loss_fn=None, lm: bool = False, lm_mask=None, lm_gates: measure.LMGates | None = None,
             precision=None) -> CompareReport:
     """Run a torch model and its Flax twin in eval mode on the same inputs and compare them.
 
@@ -104,13 +104,13 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             ``lambda out: (out.logits ** 2).mean()``; no ``torch.*`` or ``jnp.*`` calls. Or give a
             pair ``(torch_fn, flax_fn)``, one per framework.
         lm: the pair is a language model: also measure the next-token distributions
-            (``lm_agreement.measure``: per-token KL(torch || JAX), mean and max, top-1 and top-5
+            (``measure.lm_agreement``: per-token KL(torch || JAX), mean and max, top-1 and top-5
             agreement) on the logits, the output itself, its ``.logits`` or its first element; a
             ``ValueError`` right after torch's forward, before the Flax model runs, when that is
             not floating-point ``[..., vocab]`` logits. The figures are in ``report.lm``, its
             summary and ``to_dict()["lm"]``, and the report passes only if they meet ``lm_gates``.
         lm_mask: ``logits.shape[:-1]``, nonzero at real tokens (padding is left out); None: all.
-        lm_gates: ``lm_agreement.FP32`` or ``BF16``; None: the one of the model's ``precision``.
+        lm_gates: ``measure.LM_FP32`` or ``LM_BF16``; None: the one of the model's ``precision``.
         precision: the float64 budget's rule (``precision.py``); None reads the Flax model's compute
             dtype. For a bfloat16 model torch also runs as a ``torch.bfloat16`` copy (forward, and
             backward with ``grads``), whose error against float64 sets the budget, by bf16's rule:
@@ -130,7 +130,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         raise ValueError(f"a {rule.name} model is judged against float64 alone (no abs tolerance holds at "
                          f"{rule.name}): fp64=False leaves nothing to judge it by")
     tol = (TOLERANCE if rule is _precision.FP32 else float("inf")) if tol is None else tol
-    lm_gates = lm_gates or (lm_agreement.FP32 if rule is _precision.FP32 else lm_agreement.BF16)
+    lm_gates = lm_gates or (measure.LM_FP32 if rule is _precision.FP32 else measure.LM_BF16)
     torch_fn, flax_fn = split_loss_fn(loss_fn)
     torch_model.eval()
     flax_model.eval()
@@ -140,7 +140,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         torch_out = torch_model(*t_args, **t_kwargs)
     if lm:  # checked before anything else runs: a wrong output is the caller's mistake, not a finding
         logits_at = measure.logits_path(torch_out)
-        torch_logits = lm_agreement.check_logits(measure.leaf(torch_out, logits_at), f"the torch model's {logits_at}")
+        torch_logits = measure.check_logits(measure.leaf(torch_out, logits_at), f"the torch model's {logits_at}")
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
     weights, torch_grads = None, {}
@@ -164,7 +164,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
                                            {p: jnp.asarray(w) for p, w in weights.items()}, t_paths, flax_fn)
     else:
         flax_out = _run(flax_model, j_args, j_kwargs, use_jit)
-    agreement = (lm_agreement.measure(torch_logits, measure.leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
+    agreement = (measure.lm_agreement(torch_logits, measure.leaf(flax_out, logits_at, torch_out), lm_mask, gates=lm_gates)
                  if lm else None)
     measured = fp64 and not why_not
     checks, others, skipped, mismatched = measure.outputs(torch_out, flax_out, ref_out, measured, low_out, rule)

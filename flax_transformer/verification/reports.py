@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flax_transformer.verification import lm_agreement
+from flax_transformer.verification import measure
 from flax_transformer.verification.precision import PRECISIONS, budget_rule
 
 
@@ -183,7 +183,7 @@ class CompareReport(Report):
     skipped: tuple[str, ...] = ()  # what could not be compared (an output leaf, the float64 reference)
     allow_nonfinite: bool = False
     allow_skipped: bool = False
-    lm: lm_agreement.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
+    lm: measure.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
     precision: str = "float32"  # the Flax model's compute dtype: the float64 budget's rule (``precision.py``)
 
     @property

@@ -368,7 +368,7 @@ def checkpoint_rows(path, *, load=None) -> list[Row]:
 
 
 def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row], list[tuple[str, object]]]:
-    """(``checkpoint_rows``' rows, [(what, ``lm_agreement.LMAgreement``)]): for a language model
+    """(``checkpoint_rows``' rows, [(what, ``measure.LMAgreement``)]): for a language model
     (``input_spec().generates``) each comparison also measures the next-token distributions,
     KL(torch || JAX) and top-1/top-5 agreement over the real tokens (the padding mask's ones);
     the list is empty for any other model. ``dtype="bf16"``: the Flax model computes in bf16
@@ -376,7 +376,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     transformers' too, with the bf16 LM gates."""
     from pathlib import Path
 
-    from flax_transformer.verification import certificate, certificate_subjects, lm_agreement, pairs
+    from flax_transformer.verification import certificate, certificate_subjects, measure, pairs
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):
@@ -422,7 +422,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
             err, finite = max_abs_err(want, got)
             rows.append(Row(family, name, case, "transformers vs flax", err, finite))
             if lm:
-                agreements.append((f"transformers vs flax, {case}", lm_agreement.measure(
+                agreements.append((f"transformers vs flax, {case}", measure.lm_agreement(
                     to_numpy(want), to_numpy(got), pairs.lm_mask(flax_model, (ids, mask)))))
     return rows, agreements
 

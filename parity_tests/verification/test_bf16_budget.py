@@ -19,7 +19,7 @@ from flax import nnx
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, bisect_report, compare, lm_agreement, measure, precision
+from flax_transformer.verification import bisect, bisect_report, compare, measure, precision
 from parity_tests.verification import test_llama_bisect as planted
 
 ATTN = planted.ATTN
@@ -118,7 +118,7 @@ def test_compare_judges_a_bf16_model_by_its_budget(monkeypatch):
     with pytest.raises(ValueError, match="fp64=False leaves nothing"):
         compare.compare(torch_model, flax_model, (planted.IDS,), fp64=False)
     lm = compare.compare(torch_model, flax_model, (planted.IDS,), lm=True)
-    assert lm.passed and lm.lm.gates is lm_agreement.BF16  # a bf16 model's LM gates by default
+    assert lm.passed and lm.lm.gates is measure.LM_BF16  # a bf16 model's LM gates by default
     assert lm.precision == "bfloat16" and lm.to_dict()["budget_rule"]["precision"] == "bfloat16"  # without grads too
     assert "no abs tolerance" in lm.summary()
     case = planted.BUGS["q-norm-after-rope"]

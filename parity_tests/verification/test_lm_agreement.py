@@ -1,5 +1,5 @@
 """Distribution-level checks for language models: KL(torch || JAX) per token, top-1 and top-5
-agreement (``lm_agreement``), in ``compare(..., lm=True)``, ``verify --checkpoint`` and the certificate.
+agreement (``measure.lm_agreement``), in ``compare(..., lm=True)``, ``verify --checkpoint`` and the certificate.
 
 Hand-computed cases first (exact KL, ties, masks, NaN), then a tiny ported gpt both ways, a tiny
 GPT-2 from transformers (random weights from a config) and the command on its certified folder.
@@ -24,7 +24,6 @@ from flax_transformer.verification import (
     certificate_schema,
     compare,
     export,
-    lm_agreement,
     measure,
     verify,
 )
@@ -44,7 +43,7 @@ def test_kl_of_known_distributions_is_exact():
     log-probabilities plus any constant."""
     p = np.log([[0.4, 0.6], [0.2, 0.8]])
     q = np.log([[0.9, 0.1], [0.2, 0.8]]) + 7.0  # a shift changes no distribution
-    r = lm_agreement.measure(p, q)
+    r = measure.lm_agreement(p, q)
     want = 0.4 * math.log(4 / 9) + 0.6 * math.log(6)
     assert r.kl_max == pytest.approx(want, rel=1e-12, abs=0)
     assert r.kl_mean == pytest.approx(want / 2, rel=1e-12, abs=0)
@@ -56,7 +55,7 @@ def test_kl_of_known_distributions_is_exact():
 
 def test_identical_logits_agree_fully_and_pass():
     x = _logits(np.random.default_rng(0), 2, 7, 50).astype(np.float32)
-    r = lm_agreement.measure(x, x.copy())
+    r = measure.lm_agreement(x, x.copy())
     assert (r.kl_mean, r.kl_max, r.top1, r.top5, r.tokens) == (0.0, 0.0, 1.0, 1.0, 14)
     assert r.passed and r.finite and r.problems() == []
     assert "pass" in r.lines()[-1] and "MaxText's 0.015" in r.lines()[0]
@@ -68,15 +67,15 @@ def test_a_planted_bug_raises_kl_above_the_gate_and_lowers_agreement(bug):
     y = x * 1.01 if bug == "temperature 1.01" else x.copy()
     if bug == "one position shifted":
         y[1, 3] = np.roll(x[1, 3], 1)  # one token's logits moved to the next vocabulary entries
-    r = lm_agreement.measure(x, y)
-    assert r.kl_max > 10 * lm_agreement.FP32.kl_max and not r.passed
+    r = measure.lm_agreement(x, y)
+    assert r.kl_max > 10 * measure.LM_FP32.kl_max and not r.passed
     if bug == "temperature 1.01":  # below MaxText's 0.015: a gate that loose would not see it
-        assert r.kl_max < lm_agreement.MAXTEXT_KL_GATE and r.top1 == 1.0
+        assert r.kl_max < measure.MAXTEXT_KL_GATE and r.top1 == 1.0
     if bug == "one position shifted":
         assert r.top1 == 15 / 16 and r.top5 == 15 / 16 and r.kl_max > 1.0
     # a correct fp32 port differs by rounding alone: float32 noise of the logits' size stays far inside
     noise = x + x * np.float32(2 ** -23) * np.random.default_rng(2).standard_normal(x.shape)
-    assert lm_agreement.measure(x, noise).passed
+    assert measure.lm_agreement(x, noise).passed
 
 
 @pytest.mark.parametrize("where", ["jax", "torch", "both"])
@@ -86,7 +85,7 @@ def test_nonfinite_logits_never_pass(where, bad):
     y = x.copy()
     for a in {"jax": (y,), "torch": (x,), "both": (x, y)}[where]:
         a[0, 2, 5] = bad
-    r = lm_agreement.measure(x, y)
+    r = measure.lm_agreement(x, y)
     assert not r.finite and not r.passed and math.isnan(r.kl_max) and math.isnan(r.kl_mean)
     assert r.top1 == 0.0 and "NaN/inf logits" in r.problems()
 
@@ -97,40 +96,40 @@ def test_masked_positions_are_left_out_and_no_real_token_is_not_a_pass():
     y[1, 3:] = -x[1, 3:]  # garbage at the padded positions
     mask = np.ones((2, 5), np.int64)
     mask[1, 3:] = 0
-    assert not lm_agreement.measure(x, y).passed
-    r = lm_agreement.measure(x, y, mask)
+    assert not measure.lm_agreement(x, y).passed
+    r = measure.lm_agreement(x, y, mask)
     assert r.passed and r.tokens == 8 and r.kl_max == 0.0
-    empty = lm_agreement.measure(x, y, np.zeros((2, 5)))
+    empty = measure.lm_agreement(x, y, np.zeros((2, 5)))
     assert not empty.measured and not empty.passed and empty.tokens == 0
     assert "not measured" in empty.lines()[0] and "FAIL" in empty.lines()[0]
     with pytest.raises(ValueError, match=r"mask's shape \[2, 4\]"):
-        lm_agreement.measure(x, y, mask[:, :4])
+        measure.lm_agreement(x, y, mask[:, :4])
 
 
 def test_near_ties_are_not_disagreements():
     """Two candidates within TIE_MARGIN in torch's log-probs are the same choice; 0.1 apart they are not."""
     base = np.array([[2.0, 2.0 - 1e-4, 0.0, -1.0, -2.0, -3.0, -4.0]])
     flipped = base[:, [1, 0, 2, 3, 4, 5, 6]]  # JAX prefers the other of the two near-equal ones
-    r = lm_agreement.measure(base, flipped, gates=lm_agreement.FP32)
+    r = measure.lm_agreement(base, flipped, gates=measure.LM_FP32)
     assert r.top1 == 1.0 and r.top1_near_ties == 1
     far = base.copy()
     far[0, 1] = 1.9
-    r = lm_agreement.measure(far, far[:, [1, 0, 2, 3, 4, 5, 6]])
+    r = measure.lm_agreement(far, far[:, [1, 0, 2, 3, 4, 5, 6]])
     assert r.top1 == 0.0 and r.top1_near_ties == 0 and not r.passed
     # the 5th and 6th places nearly tied: JAX's top-5 takes the 6th; the sets are equal up to the tie
     edge = np.array([[5.0, 4.0, 3.0, 2.0, 1.0, 1.0 - 1e-4, -3.0]])
-    assert lm_agreement.measure(edge, edge[:, [0, 1, 2, 3, 5, 4, 6]]).top5 == 1.0
+    assert measure.lm_agreement(edge, edge[:, [0, 1, 2, 3, 5, 4, 6]]).top5 == 1.0
     edge[0, 5] = 0.5
-    assert lm_agreement.measure(edge, edge[:, [0, 1, 2, 3, 5, 4, 6]]).top5 == 0.0
+    assert measure.lm_agreement(edge, edge[:, [0, 1, 2, 3, 5, 4, 6]]).top5 == 0.0
 
 
 def test_what_is_not_logits_is_refused():
     for bad, match in ((np.zeros((2, 3), np.int64), "floating-point"), (np.zeros(5), "shape \\[5\\]"),
                        (np.zeros((2, 3, 1)), "vocabulary of at least 2"), (None, "no such array")):
         with pytest.raises(ValueError, match=match):
-            lm_agreement.check_logits(bad)
+            measure.check_logits(bad)
     with pytest.raises(ValueError, match="shapes differ"):
-        lm_agreement.measure(np.zeros((2, 3)), np.zeros((2, 4)))
+        measure.lm_agreement(np.zeros((2, 3)), np.zeros((2, 4)))
     assert measure.logits_path({"loss": np.zeros(()), "logits": np.zeros((1, 2))}) == "output.logits"
     assert measure.logits_path((np.zeros((1, 2)), None)) == "output[0]"
 
@@ -159,7 +158,7 @@ def test_compare_lm_on_a_ported_gpt_both_ways_and_a_planted_bug():
     assert report.to_dict()["lm"]["top1"] == 1.0 and "LM KL(torch || JAX) per token over 15 tokens" in str(report)
     plain = compare.compare(torch_model, flax_model, (IDS, MASK), fp64=False)  # lm=False: as before
     assert plain.lm is None and plain.to_dict()["lm"] is None and "LM " not in str(plain)
-    failing = lm_agreement.measure(np.zeros((1, 3)), np.eye(1, 3))
+    failing = measure.lm_agreement(np.zeros((1, 3)), np.eye(1, 3))
     assert plain.passed and not dataclasses.replace(report, lm=failing).passed  # the verdict includes lm
     # flax -> torch: weights changed on the Flax side (numpy noise: no eager init to compile), ported to torch
     fresh, rng = nnx.clone(flax_model), np.random.default_rng(1)
@@ -171,7 +170,7 @@ def test_compare_lm_on_a_ported_gpt_both_ways_and_a_planted_bug():
     head = flax_model.lm_head if hasattr(flax_model, "lm_head") else flax_model.output_linear
     head.kernel.set_value(head.kernel[...] * 1.005)
     bad = compare.compare(torch_model, flax_model, (IDS, MASK), lm=True, lm_mask=MASK, fp64=False)
-    assert not bad.lm.passed and not bad.passed and bad.lm.kl_max > lm_agreement.FP32.kl_max
+    assert not bad.lm.passed and not bad.passed and bad.lm.kl_max > measure.LM_FP32.kl_max
     assert any(line.startswith("LM top-1 agreement") and "FAIL: KL mean" in line for line in bad.summary().splitlines())
 
 
@@ -222,8 +221,8 @@ def test_compare_lm_on_gpt2_from_transformers(gpt2_folder):
     with torch.no_grad():
         want = _Logits(reference)(torch.from_numpy(ids), torch.from_numpy(MASK)).numpy()
     got = np.asarray(verify.flax_module_call(bf16, ids, MASK).astype(jnp.float32))  # compiled: eager bf16 is slow
-    assert not lm_agreement.measure(want, got, MASK).passed
-    assert lm_agreement.measure(want, got, MASK, gates=lm_agreement.BF16).passed
+    assert not measure.lm_agreement(want, got, MASK).passed
+    assert measure.lm_agreement(want, got, MASK, gates=measure.LM_BF16).passed
 
 
 # ------------------------------------------------------------------ verify --checkpoint and the certificate
@@ -251,7 +250,7 @@ def test_verify_checkpoint_prints_kl_and_top_k_and_the_certificate_records_them(
 
 
 def test_the_schema_checks_the_lm_fields_and_a_failed_lm_check_refuses_the_export():
-    entry = lm_agreement.measure(np.zeros((2, 3)), np.zeros((2, 3))).to_dict()
+    entry = measure.lm_agreement(np.zeros((2, 3)), np.zeros((2, 3))).to_dict()
     record = {"certificate": certificate_schema.FORMAT, "format": "safetensors", "files": {"m": "0" * 64}, "tensors": {},
               "model": {"family": "gpt", "class": "GPTTransformer", "init_kwargs": {}}, "versions": {}, "platform": {},
               "forward": {"max_abs_err": 0.0, "finite": True, "tolerance": 1e-5},
@@ -261,19 +260,19 @@ def test_the_schema_checks_the_lm_fields_and_a_failed_lm_check_refuses_the_expor
         validate(record | {"lm": entry | {"top1": 2}}, "c.json")
     with pytest.raises(CertificateError, match="field lm.passed: true or false"):
         validate(record | {"lm": entry | {"passed": "yes"}}, "c.json")
-    failed = lm_agreement.measure(np.zeros((2, 3)), np.eye(2, 3) * 5).to_dict()
+    failed = measure.lm_agreement(np.zeros((2, 3)), np.eye(2, 3) * 5).to_dict()
     with pytest.raises(CertificateError, match="the export check failed: LM KL"):
         certificate.refuse_failed(record | {"lm": failed}, "m", "reloaded in torch")
 
 
 def test_one_token_over_the_max_gate_fails_though_the_mean_is_within_its_own():
     """100 tokens, one of them off (KL about 5e-7) and the rest exact: the mean (about 5e-9) is within
-    FP32's 1e-8, the max is not within 1e-7, and the max alone must fail the verdict."""
+    LM_FP32's 1e-8, the max is not within 1e-7, and the max alone must fail the verdict."""
     p = np.tile(np.arange(10, dtype=np.float64) * 0.3, (100, 1))  # well-separated logits: no near tie
     q = p.copy()
     q[0, 0] += 7e-3  # the least likely word of token 0
-    r = lm_agreement.measure(p, q)
-    assert r.kl_mean <= lm_agreement.FP32.kl_mean < lm_agreement.FP32.kl_max < r.kl_max  # the case is what it says
+    r = measure.lm_agreement(p, q)
+    assert r.kl_mean <= measure.LM_FP32.kl_mean < measure.LM_FP32.kl_max < r.kl_max  # the case is what it says
     assert r.top1 == 1.0 and r.top5 == 1.0
     assert not r.passed
     assert any("KL max" in problem for problem in r.problems()), r.problems()

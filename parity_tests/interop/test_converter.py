@@ -58,7 +58,7 @@ CASES = {  # row, the source state, the Context
                                 {f"{w}.{e}": RNG.normal(size=(3, 4)) for e in range(2) for w in "gu"}, Context()),
     "unstack": (Row("w", "w.{e}", (Unstack("e", 0, "experts"),)), {"w": RNG.normal(size=(4, 2, 3))}, Context(experts=4)),
     "named transpose": (Row("w", "w", (Transpose("e out in", "e in out"),)), {"w": RNG.normal(size=(2, 3, 5))}, Context()),
-    "meta rope": (Row("wq", "q", (RopePermute("heads"),)), {"wq": RNG.normal(size=(8, 3))}, Context(heads=2)),
+    "meta rope": (Row("wq", "q", (RopePermute("heads"),)), {"wq": RNG.normal(size=(32, 3))}, Context(heads=2)),
     "meta shards": (meta_llama.META_LLAMA_ROWS,
                     {**{f"{s}/layers.0.attention.wq.weight": RNG.normal(size=(4, 8)) for s in range(2)},
                      **{f"{s}/layers.0.attention.wo.weight": RNG.normal(size=(8, 4)) for s in range(2)},
@@ -99,6 +99,29 @@ def test_the_ops_compute_what_they_say():
     np.testing.assert_array_equal(safetensors_io.read(out["model.norm.weight"]), np.arange(8.0))
 
 
+def test_meta_s_rope_order_moves_rows_as_its_formula_says():
+    """Row j + c * d/2 of a head takes Meta's row 2j + c (d = 16 here: no permutation of this size is
+    its own inverse, so a forward used as its own inverse fails)."""
+    heads, d = 2, 16
+    wq = RNG.normal(size=(heads * d, 3))
+    q = to_canonical([CASES["meta rope"][0]], {"wq": wq}, context=Context(heads=heads))["q"]
+    for h in range(heads):
+        for j in range(d // 2):
+            for c in (0, 1):
+                np.testing.assert_array_equal(q[h * d + j + c * d // 2], wq[h * d + 2 * j + c])
+    twice = to_canonical([CASES["meta rope"][0]], {"wq": q}, context=Context(heads=heads))["q"]
+    assert not np.array_equal(twice, wq)
+
+
+def test_the_context_s_overrides_win_over_the_config():
+    class Config:
+        num_experts = 4
+    assert Context(Config(), num_experts=2).size("num_experts") == 2
+    assert Context(Config()).size("num_experts") == 4 and Context(None).size("num_experts") is None
+    with pytest.raises(ValueError, match="needs 'num_experts', and no config was given"):
+        Context(None).size("num_experts", required=True)
+
+
 def test_conversion_is_lazy_and_a_slice_reads_only_its_rows():
     reads = []
     full = RNG.normal(size=(6, 4)).astype(np.float32)
@@ -112,6 +135,11 @@ def test_conversion_is_lazy_and_a_slice_reads_only_its_rows():
     back = from_canonical(hf_tables.BERT_ROWS, out, context=Context(num_attention_heads=3))
     assert reads == [(2, 4)]  # joining again reads nothing until it is read
     np.testing.assert_array_equal(back["encoder.layer.0.attention.self.query.weight"].read(), full)
+    experts = np.arange(24.0).reshape(3, 2, 4)  # a lazy stacked tensor taken apart: each expert its own rows
+    lazy = safetensors_io.Lazy(experts.shape, experts.dtype, lambda: experts, lambda a, b: experts[a:b])
+    parts = from_canonical(hf_tables.MOE_ROWS[1:2], {"model.layers.0.mlp.experts.down_proj": lazy})
+    for e in range(3):
+        np.testing.assert_array_equal(parts[f"model.layers.0.mlp.experts.{e}.down_proj.weight"].read(), experts[e])
 
 
 # ------------------------------------------------------------------ all or nothing
@@ -145,6 +173,13 @@ def test_a_file_with_both_the_fused_and_the_per_expert_layout_is_refused():
         to_canonical(hf_tables.MOE_ROWS, state, context=Context(num_experts=3))
 
 
+def test_a_kept_unknown_key_that_a_row_also_makes_is_refused():
+    state = {"layers.0.attention.output_linear.weight": np.zeros(2),  # already canonical: kept as it is
+             "encoder.layer.0.attention.output.dense.weight": np.ones(2)}  # and made from the HF name
+    with pytest.raises(StateDictError, match=r"layers\.0\.attention\.output_linear\.weight \(made twice"):
+        to_canonical(hf_tables.BERT_ROWS, state)
+
+
 def test_an_expert_of_another_shape_is_named_with_every_expert_s_shape():
     state = _experts(shape=lambda e, w: (5, 6) if (e, w) == (2, "gate") else (4, 6))
     with pytest.raises(StateDictError) as error:
@@ -158,6 +193,10 @@ def test_coming_back_every_part_must_be_there_and_unknown_keys_are_refused():
     with pytest.raises(StateDictError) as error:
         from_canonical(hf_tables.BERT_ROWS, heads, context=Context(num_attention_heads=3))
     assert error.value.missing == ["layers.0.attention.heads.1.q.weight"]
+    heads = {f"layers.0.attention.heads.{h}.q.bias": np.zeros(2) for h in (1, 2)}
+    with pytest.raises(StateDictError) as error:  # no config: the heads must still start at 0
+        from_canonical(hf_tables.BERT_ROWS, heads)
+    assert error.value.missing == ["layers.0.attention.heads.0.q.bias"]
     with pytest.raises(ValueError, match="nothing.weight: no HuggingFace name"):
         from_canonical(hf_tables.BERT_ROWS, {"nothing.weight": np.zeros(1)}, format_name="HuggingFace")
     assert to_canonical(hf_tables.BERT_ROWS, {"nothing.weight": 1}) == {"nothing.weight": 1}  # for the strict load
@@ -185,7 +224,10 @@ def test_layouts_move_axes_by_name():
     with pytest.raises(ValueError, match="does not fit the layout"):
         to_flax(TRANSPOSE, a)  # a 3-d tensor is not a linear weight: refused, not reversed
     assert to_flax(CONV, RNG.normal(size=(8, 4, 3))).shape == (3, 4, 8)  # (out, in, w) -> (w, in, out)
-    assert to_flax(CONV, RNG.normal(size=(8, 4, 3, 2))).shape == (3, 2, 4, 8)
+    conv2d = RNG.normal(size=(8, 4, 3, 2))  # (out, in, h, w): a permutation that is not its own inverse
+    assert to_flax(CONV, conv2d).shape == (3, 2, 4, 8)
+    np.testing.assert_array_equal(to_torch(CONV, to_flax(CONV, conv2d)), conv2d)
+    assert torch_shape(CONV, (3, 2, 4, 8)) == (8, 4, 3, 2)
     assert to_flax(AS_IS, a).shape == a.shape and to_flax(AS_IS, np.float32(1)).shape == ()
 
 
@@ -261,5 +303,11 @@ def test_fp8_blocks_dequantise_as_transformers_with_partial_edge_tiles():
                                     torch.from_numpy(scale), [128, 128], torch.float32)
     np.testing.assert_array_equal(ours, theirs.numpy())
     back = from_canonical([row], {"w.weight": ours})
+    assert back["w.weight_scale_inv"].shape == (2, 2)
     again = to_canonical([row], back)["w.weight"]
     assert np.abs(again - ours).max() <= np.abs(ours).max() * 2 ** -3  # float8 keeps 3 mantissa bits
+    exact = {"w.weight": RNG.normal(size=(256, 128)).astype(ml_dtypes.float8_e4m3fn),  # whole tiles only
+             "w.weight_scale_inv": np.full((2, 1), 0.5, np.float32)}
+    assert to_canonical([row], exact)["w.weight"].shape == (256, 128)
+    with pytest.raises(StateDictError, match=r"scale \[3, 2\]"):
+        to_canonical([row], exact | {"w.weight_scale_inv": np.ones((3, 2), np.float32)})

@@ -107,7 +107,7 @@ def test_parameter_gradients(rng):
     assert_parameter_gradients_match(te.TransformerForSequenceClassification(cfg), (ids, mask), rng)
 
 
-@pytest.mark.slow(reason="test_former::test_jit_matches_eager, test_gpt's eager model rows")
+@pytest.mark.slow(reason="test_former::test_jit_matches_eager, test_family_parity's eager model rows (gpt-model)")
 def test_jit_matches_eager(rng):
     model = fe.TransformerForSequenceClassification(config(), rngs=nnx.Rngs(1))
     model.eval()
@@ -134,7 +134,7 @@ def test_dropout_follows_train_and_eval(rng):
 # ------------------------------------------------------- notebook checkpoints
 
 
-@pytest.mark.slow(reason="test_encoder's parity tests; notebooks 000 and 002's checkpoint tests")
+@pytest.mark.slow(reason="test_family_parity's encoder cases (the parity tests); notebooks 000 and 002's checkpoint tests")
 def test_notebook_001_classifier_checkpoint(rng):
     """A notebook-001 model built from a BERT-style namespace loads strictly and agrees."""
     torch.manual_seed(5)
@@ -187,7 +187,7 @@ def test_config_accepts_duck_types():
 @settings(max_examples=4, deadline=None)
 @given(heads=st.integers(1, 5), head_dim=st.integers(1, 5), layers=st.integers(1, 2), b=st.integers(1, 3),
        t=st.integers(1, 8), norm_first=st.booleans(), seed=st.integers(0, 2**16))
-@pytest.mark.slow(reason="test_encoder's parametrised parity tests")
+@pytest.mark.slow(reason="test_family_parity's encoder cases: the parametrised parity tests")
 def test_random_configurations(heads, head_dim, layers, b, t, norm_first, seed):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)

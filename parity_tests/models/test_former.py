@@ -1,6 +1,9 @@
 """Parity of the ``former`` family (notebooks 000/004): attention, block, model.
 
 Tolerance: max abs error <= 1e-5 in fp32 with matmul precision "highest" (TOL).
+The attention (narrow, wide, per-head scale), the block and both models under every mask case, both
+directions: the spec-driven test_family_parity.py (family_specs.FORMER); here, what is special to the
+family.
 """
 
 import io
@@ -17,65 +20,10 @@ from hypothesis import strategies as st
 import flax_transformer.models.former as ff
 import torch_reference.former as tf
 from flax_transformer.interop import porting
-from flax_transformer.verification.verify import MASK_CASES, _mask_for, padding_mask
-from parity_tests.conftest import TOL, assert_both_directions, assert_parameter_gradients_match
+from flax_transformer.verification.verify import padding_mask
+from parity_tests.conftest import TOL, assert_parameter_gradients_match
 
 from . import notebook_classes as nb
-
-# (variant, heads, batch, length): 1 to 12 heads, odd lengths, batch 1
-SHAPES = [("narrow", 1, 1, 1), ("narrow", 3, 2, 7), ("narrow", 4, 1, 9), ("narrow", 12, 3, 11),
-          ("wide", 1, 2, 5), ("wide", 6, 1, 3)]
-
-
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("variant,heads,b,t", SHAPES)
-@pytest.mark.keep_cases("narrow-1-1-1-none", "narrow-3-2-7-causal+padding", "narrow-3-2-7-fully-masked-row", "wide-1-2-5-padding", "wide-6-1-3-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_attention(variant, heads, b, t, case, rng):
-    emb = 4 * heads if variant == "narrow" else 8
-    mask, causal = _mask_for(case, rng, b, t)
-    cls = tf.MHSelfAttention if variant == "narrow" else tf.SelfAttention
-    module = cls(emb, heads, causal=causal)
-    x = rng.standard_normal((b, t, emb)).astype(np.float32)
-    assert_both_directions(module, (x, mask), eager_too=case in ("fully-masked-row", "causal+padding"))
-
-
-@pytest.mark.parametrize("case", MASK_CASES)
-def test_attention_per_head_scale(case, rng):
-    mask, causal = _mask_for(case, rng, 3, 7)
-    x = rng.standard_normal((3, 7, 24)).astype(np.float32)
-    assert_both_directions(tf.MHSelfAttention(24, 6, causal=causal, scale="head"), (x, mask))
-
-
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("variant", ["narrow", "wide"])
-@pytest.mark.keep_cases("narrow-causal+padding", "narrow-padding", "wide-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_block(variant, case, rng):
-    mask, causal = _mask_for(case, rng, 3, 7)
-    block = tf.TransformerBlock(16, 4, causal, 20, ff_hidden_mult=3, dropout=0.3, attention=variant)
-    x = rng.standard_normal((3, 7, 16)).astype(np.float32)
-    assert_both_directions(block, (x, mask), eager_too=case == "fully-masked-row")
-
-
-MODEL_CASES = ("none", "padding", "fully-masked-row")
-
-
-@pytest.mark.parametrize("case", MODEL_CASES)
-@pytest.mark.parametrize("max_pool", [True, False])
-@pytest.mark.keep_cases("False-none", "False-padding", "True-fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_ctransformer(max_pool, case, rng):
-    mask, _ = _mask_for(case, rng, 3, 9)
-    model = tf.CTransformer(16, 4, 2, 12, 40, 3, max_pool=max_pool, dropout=0.2, attention=["wide", "narrow"])
-    ids = rng.integers(0, 40, size=(3, 9))
-    assert_both_directions(model, (ids, mask), eager_too=True)
-
-
-@pytest.mark.parametrize("case", MODEL_CASES)
-@pytest.mark.keep_cases("fully-masked-row", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
-def test_gtransformer(case, rng):
-    mask, _ = _mask_for(case, rng, 2, 11)
-    model = tf.GTransformer(12, 3, 3, 11, 30, scale="head")
-    ids = rng.integers(0, 30, size=(2, 11))
-    assert_both_directions(model, (ids, mask), eager_too=True)
 
 
 def test_jit_matches_eager(rng):
@@ -227,7 +175,7 @@ def test_notebook_000_attention_and_004_self_attention_checkpoints(rng):
     scale=st.sampled_from(["emb", "head"]),
     seed=st.integers(0, 2**16),
 )
-@pytest.mark.slow(reason="test_former's parametrised parity tests (every attention, scale, pooling)")
+@pytest.mark.slow(reason="test_family_parity's former cases: the parametrised parity tests (every attention, scale, pooling)")
 def test_random_configurations(heads, head_width, depth, b, t, max_pool, variants, scale, seed):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)

@@ -69,7 +69,7 @@ def _child(case: str, folder: str, out: str, shard_size: str) -> None:
     if case == "load":
         model = hf.from_pretrained(folder)
     elif case == "load, read whole":
-        _, kind, config, _ = hf._open(folder)
+        _, kind, config, _ = hf.read_folder(folder)
         weights = hf_tables.hf_to_ours(kind, hf.read_weights(folder), config)
         model = targets.build_unfilled(TransformerEncoder, dict(config=config))
         porting.load_state_dict(model, weights)

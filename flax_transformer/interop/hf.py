@@ -83,7 +83,7 @@ def read_config(folder) -> dict:
     return files.read_json_object(folder, "config.json")
 
 
-def _open(path, *, classifier: bool = False) -> tuple[dict, str, object, dict]:
+def read_folder(path, *, classifier: bool = False) -> tuple[dict, str, object, dict]:
     """(config.json, model_type, our config, the folder's tensors unread) of an HF folder.
 
     A RoBERTa gets a pooler when the folder has one (``RobertaForSequenceClassification``
@@ -153,7 +153,7 @@ def _open_state(path) -> tuple[str, object, dict]:
     if meta_llama.is_meta_folder(path):
         config, state = meta_llama.open_folder(path)
         return "llama", config, state
-    _, kind, config, weights = _open(path)
+    _, kind, config, weights = read_folder(path)
     return kind, config, hf_to_ours(kind, weights, config)
 
 
@@ -229,7 +229,7 @@ def _classifier_state(path, num_labels, pooling, seed):
     folder, such as ``save_pretrained`` writes), else it is new: N(0, initializer_range)
     weights and zero biases, as transformers initialises it.
     """
-    raw, kind, config, weights = _open(path, classifier=True)
+    raw, kind, config, weights = read_folder(path, classifier=True)
     if kind not in ENCODERS:
         raise ValueError(f"{path} holds a {raw.get('model_type')!r} model; a sequence classifier needs a BERT, "
                          "DistilBERT or RoBERTa folder")
@@ -296,7 +296,7 @@ def torch_classifier_from_pretrained(path, *, num_labels: int | None = None, poo
 # ------------------------------------------------------------------- saving
 
 
-def _kind_of(model) -> tuple[str, object, bool]:
+def kind_of(model) -> tuple[str, object, bool]:
     """(model_type, config, is a sequence classifier) of a model ``save_pretrained`` writes."""
     name, module = type(model).__name__, type(model).__module__
     if name in ("TransformerEncoder", "TransformerForSequenceClassification") and module.endswith(".encoder"):
@@ -317,7 +317,7 @@ def _kind_of(model) -> tuple[str, object, bool]:
 def can_save(model) -> bool:
     """True for the models ``save_pretrained`` writes as a transformers model folder."""
     try:
-        _kind_of(model)
+        kind_of(model)
     except ValueError:
         return False
     return True
@@ -338,7 +338,7 @@ def _classifier_config(kind: str, config, labels) -> dict:
             "id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
 
 
-def _save_dtype(dtype):
+def save_dtype(dtype):
     if dtype is None:
         return None
     try:
@@ -386,8 +386,8 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     ``overwrite=True``.
     """
     path = files.check_target(path, kind="dir", overwrite=overwrite)
-    kind, config, classifier = _kind_of(model)
-    dtype = _save_dtype(dtype)
+    kind, config, classifier = kind_of(model)
+    dtype = save_dtype(dtype)
     if max_shard_size is not None:
         safetensors_io.parse_size(max_shard_size)  # a bad size fails before anything is written
     hf_config = (_classifier_config(kind, config, labels) if classifier

@@ -76,7 +76,7 @@ def _hf_key(model, key: str, *, whole: bool = False) -> str | None:
     the name of the tensor it is a slice of."""
     if not hf.can_save(model):
         return key
-    kind, _, classifier = hf._kind_of(model)
+    kind, _, classifier = hf.kind_of(model)
     if classifier:
         spec = ENCODERS[kind]
         if key.startswith("encoder."):
@@ -99,25 +99,25 @@ def hf_module_paths(model) -> dict[str, str]:
     transformers' model (BERT's per-head q/k/v slices are not), and for each projection over all
     heads that a ``lora.FusedLoRA`` takes (``<attention>.q_lora`` -> ``<layer>.attention.self.query``)."""
     out = {}
-    nodes = lora._nodes(model)
+    nodes = lora.module_nodes(model)
     path_of = {id(node): path for path, node in nodes.items()}
     for path, node in nodes.items():
         if path and isinstance(node, lora._ADAPTABLE):
-            dotted = lora._dotted(path)
+            dotted = lora.dotted_path(path)
             name = _hf_key(model, f"{dotted}.{_our_weight_key(node)}")
             if name is not None:
                 out[dotted] = _module_of(name)
         if path and hf.can_save(model):
-            for slot, projection, _ in lora._fused_slots(node, path):
-                first = lora._dotted(path_of[id(node.head_layers(projection)[0])])
-                out[lora._dotted(slot)] = _module_of(_hf_key(model, f"{first}.weight", whole=True))
+            for slot, projection, _ in lora.fused_slots(node, path):
+                first = lora.dotted_path(path_of[id(node.head_layers(projection)[0])])
+                out[lora.dotted_path(slot)] = _module_of(_hf_key(model, f"{first}.weight", whole=True))
     return out
 
 
 def _fused_shape(model, ours: str) -> tuple[int, int]:
     """(in, out) of the projection over all heads whose FusedLoRA path is ``ours``."""
     parent, _, slot = ours.rpartition(".")
-    attention = {lora._dotted(p): n for p, n in lora._nodes(model).items() if p}[parent]
+    attention = {lora.dotted_path(p): n for p, n in lora.module_nodes(model).items() if p}[parent]
     heads = attention.head_layers(slot[:-len("_lora")])
     return heads[0].kernel.shape[0], sum(h.kernel.shape[1] for h in heads)
 
@@ -341,7 +341,7 @@ def load_peft(model, folder, *, rngs=None):
     if not chosen:
         raise ValueError(f"{folder / CONFIG_FILE}: target_modules {targets!r} name no linear layer of the "
                          f"{type(model).__name__} (its modules are named like {sorted(paths.values())[:4]})")
-    nodes = {lora._dotted(p): n for p, n in lora._nodes(model).items() if p}
+    nodes = {lora.dotted_path(p): n for p, n in lora.module_nodes(model).items() if p}
     rank, expected = config["r"], {}
     for ours, theirs in chosen.items():
         base = nodes.get(ours)
@@ -351,7 +351,7 @@ def load_peft(model, folder, *, rngs=None):
             d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
         expected[f"{PREFIX}{theirs}.lora_A.weight"] = (ours, "lora_A", (rank, d_in))
         expected[f"{PREFIX}{theirs}.lora_B.weight"] = (ours, "lora_B", (d_out, rank))
-    saved = _saved_modules(model, config.get("modules_to_save"))  # PEFT key -> (flax path, rule, torch shape)
+    saved = saved_modules(model, config.get("modules_to_save"))  # PEFT key -> (flax path, rule, torch shape)
     missing = [k for k in [*expected, *saved] if k not in weights]
     unexpected = [k for k in weights if k not in expected and k not in saved]
     mismatched = [(k, tuple(weights[k].shape), shape) for k, (*_, shape) in [*expected.items(), *saved.items()]
@@ -376,7 +376,7 @@ def load_peft(model, folder, *, rngs=None):
     return model
 
 
-def _saved_modules(model, modules) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+def saved_modules(model, modules) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """PEFT key -> (our Flax path, its layout rule, torch shape) of every base tensor under a module of
     ``modules_to_save``. PEFT lists modules that the model may lack (SEQ_CLS's ``["classifier",
     "score"]``: one or the other exists); those name nothing and are skipped, as PEFT skips them."""

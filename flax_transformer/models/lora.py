@@ -217,16 +217,16 @@ def _added(weight, update):
 
 
 
-def _dotted(path) -> str:
+def dotted_path(path) -> str:
     return ".".join(str(p) for p in path)
 
 
 def layers(model) -> dict[str, _Adapter]:
     """Dotted path -> LoRA layer (or ``FusedLoRA``), for every adapter of ``model``, in graph order."""
-    return {_dotted(path): node for path, node in nnx.iter_graph(model) if isinstance(node, _ADAPTERS)}
+    return {dotted_path(path): node for path, node in nnx.iter_graph(model) if isinstance(node, _ADAPTERS)}
 
 
-def _fused_slots(node, path: tuple) -> list[tuple[tuple, str, tuple[str, ...]]]:
+def fused_slots(node, path: tuple) -> list[tuple[tuple, str, tuple[str, ...]]]:
     """(adapter path, projection, its transformers names) for each projection that ``node`` (an
     attention keeping one layer per head, which declares ``LORA_FUSED``) can take a ``FusedLoRA`` on."""
     return [((*path, f"{projection}_lora"), projection, names)
@@ -253,7 +253,7 @@ def _in_eval_mode(model) -> bool:
     return bool(dropouts) and all(d.deterministic for d in dropouts)
 
 
-def _nodes(model) -> dict[tuple, object]:
+def module_nodes(model) -> dict[tuple, object]:
     """Path tuple -> node, for the model (``()``) and everything under it."""
     return {(): model, **{tuple(path): node for path, node in nnx.iter_graph(model) if path}}
 
@@ -261,7 +261,7 @@ def _nodes(model) -> dict[tuple, object]:
 def find(model, targets: str | Sequence[str]) -> list[str]:
     """The dotted paths of the layers ``apply(model, targets=targets)`` would adapt, checked as it checks them."""
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    return [_dotted(path) for path in _find(model, targets, _nodes(model))]
+    return [dotted_path(path) for path in _find(model, targets, module_nodes(model))]
 
 
 def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
@@ -279,11 +279,11 @@ def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
     for path, node in nodes.items():
         if not path or not isinstance(node, nnx.Module):
             continue
-        dotted = _dotted(path)
-        for slot, _, names in _fused_slots(node, path):
+        dotted = dotted_path(path)
+        for slot, _, names in fused_slots(node, path):
             fused_names.update(names)
             matched = [t for t in targets if (t in names if _PLAIN_NAME.fullmatch(t)
-                                              else re.fullmatch(t, _dotted(slot)) is not None)]
+                                              else re.fullmatch(t, dotted_path(slot)) is not None)]
             for t in matched:
                 hits[t] += 1
             if matched:
@@ -333,7 +333,7 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
     _check_config(config)
     if layers(model):
         raise ValueError("the model already has LoRA layers; merge or remove them first (lora.remove)")
-    nodes = _nodes(model)
+    nodes = module_nodes(model)
     found = [(path, nodes.get(path)) for path in _find(model, targets, nodes)]
     deterministic = _in_eval_mode(model)
     for path, node in found:
@@ -363,7 +363,7 @@ def config_of(model) -> LoRAConfig | None:
 
 def _adapted(model) -> dict[tuple, tuple[_Adapter, object]]:
     """Path -> (adapter, its parent module) for every adapter of ``model``; ValueError without any."""
-    nodes = _nodes(model)
+    nodes = module_nodes(model)
     found = {path: (node, nodes[path[:-1]]) for path, node in nodes.items() if isinstance(node, _ADAPTERS)}
     if not found:
         raise ValueError(f"the {type(model).__name__} has no LoRA layers (lora.apply adds them)")
@@ -377,7 +377,7 @@ def merge(model):
     alone. Raises ValueError on a model that has no LoRA or is already merged. Returns ``model``.
     """
     found = _adapted(model)
-    merged = [_dotted(path) for path, (layer, _) in found.items() if layer.merged]
+    merged = [dotted_path(path) for path, (layer, _) in found.items() if layer.merged]
     if merged:
         raise ValueError(f"the LoRA layers are already merged ({merged[0]}, ...); unmerge first")
     for layer, parent in found.values():

@@ -143,7 +143,7 @@ def measure(model, folder, base) -> dict:
                 problems.append(f"{paths[path]}.{leaf} in peft's model is not the JAX model's (max |value| "
                                 f"{float(np.abs(got).max()) if got.size else 0:.2e} vs {float(np.abs(want).max()):.2e})")
             loaded += 1
-    saved = {ROOT + k[len(peft.PREFIX):]: v for k, v in peft._saved_modules(model, config.get("modules_to_save")).items()}
+    saved = {ROOT + k[len(peft.PREFIX):]: v for k, v in peft.saved_modules(model, config.get("modules_to_save")).items()}
     named = dict(theirs.named_parameters())
     params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for key, (path, rule, _) in saved.items():

@@ -266,7 +266,7 @@ def save_pretrained(model, path, *, overwrite: bool = False, certify: bool = Tru
         check_finite(model)
         state = None
         if dtype is not None:  # the model's values as the folder stores them
-            stored = np.dtype(hf._save_dtype(dtype))
+            stored = np.dtype(hf.save_dtype(dtype))
             state = {k: np.asarray(safetensors_io.read(v)).astype(stored)
                      for k, v in safetensors_io.model_tensors(model).items()}
         hook = certificate.sidecar("hf", FamilySubject(model, state))

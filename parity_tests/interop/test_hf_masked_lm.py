@@ -24,7 +24,7 @@ def _masked_lm_config(kind):
 
 @pytest.mark.parametrize("kind,cls", [
     ("bert", "BertForPreTraining"),  # bert-base-uncased on the hub: cls.predictions and cls.seq_relationship
-    ("bert", "BertForMaskedLM"),  # saved without a pooler: the encoder is built without one (hf._open)
+    ("bert", "BertForMaskedLM"),  # saved without a pooler: the encoder is built without one (hf.read_folder)
     ("distilbert", "DistilBertForMaskedLM"),  # distilbert-base-uncased on the hub
     ("roberta", "RobertaForMaskedLM"),  # roberta-base on the hub
 ])

@@ -14,15 +14,19 @@ import tempfile
 # of them compiled (the same tiny model, the same step) is loaded by the others instead of
 # compiled again. It lives in a temporary folder that the process that made it removes at exit:
 # each run starts cold, as CI does. max_size turns on jax's file lock, so concurrent writers and
-# readers of one entry never see it half written. Set JAX_COMPILATION_CACHE_DIR to choose another.
+# readers of one entry never see it half written. Set JAX_COMPILATION_CACHE_DIR to choose another
+# (.ci/run gives its two runs, the default one and the slow tests, one folder); the other three
+# settings apply to it too.
 # Only programs that took 0.5 s or more to compile are written: writing every eager op's tiny
 # program cost more than compiling it again (test_gpt + test_inputs: 80 -> 67 s; the CLI and
 # training tests, which share big programs across processes, the same at 0, 0.1 and 0.5).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="ft-test-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ |= {"JAX_COMPILATION_CACHE_DIR": _cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+for _name, _value in {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+                      "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}.items():
+    os.environ.setdefault(_name, _value)
 
 # torch on one thread in the tests (and the processes they start): the two xdist workers share two
 # cores, so torch's default of a thread per core would have four threads contend for two. Measured

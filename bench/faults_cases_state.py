@@ -63,7 +63,7 @@ cli_case("port RUN --to torch-state --verify of an intact run (control)", "22 co
          ["port", "run", "out.pt", "--to", "torch-state", "--verify"], codes=(0,), prepare=copy("run"))
 snippet_case("check_export of a torch state whose exp_avg_sq went negative after the export", "22.4 torch state", """
 import torch
-from flax_transformer.training.torch_export import check_export, export_run
+from flax_transformer.training.torch_state.run_export import check_export, export_run
 export_run("run", "good.pt")
 ckpt = torch.load("good.pt", weights_only=True)
 ckpt["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[0] = -1e-6

@@ -25,8 +25,8 @@ from safetensors.numpy import load_file, save_file
 from flax_transformer.interop import hf, porting
 from flax_transformer.models.configs import GPTConfig
 from flax_transformer.training import seq2seq
-from flax_transformer.training.torch_state import torch_optimizer
-from flax_transformer.training.torch_write import run_optim
+from flax_transformer.training.torch_state.to_jax import torch_optimizer
+from flax_transformer.training.torch_state.to_torch import run_optim
 from flax_transformer.verification import export
 from torch_reference.former import CTransformer
 from torch_reference.gpt import GPT2LMHeadModel
@@ -141,8 +141,8 @@ import numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
 from flax_transformer.training.run_checkpoints import Checkpoints
-from flax_transformer.training.torch_export import restore_run
-from flax_transformer.training.torch_state import _field_and_param
+from flax_transformer.training.torch_state.run_export import restore_run
+from flax_transformer.training.torch_state.to_jax import _field_and_param
 
 def poisoned(optimizer, field, value):
     hit = []

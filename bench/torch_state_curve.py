@@ -11,11 +11,11 @@ update ``steps`` it saves a torch training checkpoint, and ``python -m train.seq
 --init-from-torch`` continues it in JAX to ``2 * steps``. The figure shows torch's curve and the
 JAX run's logged curve (``metrics.jsonl``, 10-step means) after the switch.
 
-``--both-ways``: the family's full model (``parity._setup``'s, dropout 0) learns a task it can learn (sequences
+``--both-ways``: the family's full model (``parity.setup``'s, dropout 0) learns a task it can learn (sequences
 that count up). Left: ``steps`` updates in torch, the torch training
 checkpoint (``torch.save``, ``import_torch_state``), ``steps`` in JAX, over ``2 * steps`` in torch
 uninterrupted. Right: the way back (JAX, ``torch_training_state``, torch) over JAX uninterrupted.
-AdamW, the library's warmup and cosine decay, clipping: ``parity.continuity``.
+AdamW, the library's warmup and cosine decay, clipping: ``continuity.continuity``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def entry_point_figure(args) -> int:
     from flax_transformer.interop import files, porting
     from flax_transformer.training import seq2seq
     from flax_transformer.training.optim import from_task
-    from flax_transformer.training.torch_state import torch_optimizer
+    from flax_transformer.training.torch_state.to_jax import torch_optimizer
 
     total = 2 * args.steps
     config = seq2seq.Seq2SeqConfig.tiny(steps=total)
@@ -134,7 +134,7 @@ def entry_point_figure(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--both-ways", action="store_true",
-                        help="instead, parity.continuity of --family on a counting task, both directions")
+                        help="instead, continuity.continuity of --family on a counting task, both directions")
     parser.add_argument("--family", default="gpt", choices=["former", "encoder", "gpt", "classic"])
     parser.add_argument("--steps", type=int, default=None,
                         help="updates before the switch, as many after (default 200; 100 with --both-ways)")
@@ -146,14 +146,14 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     from flax_transformer.interop import files
-    from flax_transformer.training import parity
+    from flax_transformer.training.torch_state import continuity
 
     files.check_target(args.out, overwrite=args.overwrite)
     if not args.both_ways:
         args.steps = args.steps or 200
         return entry_point_figure(args)
     args.steps = args.steps or 100
-    results = parity.continuity(args.family, steps=args.steps, lr=3e-3, warmup_steps=args.steps // 5,
+    results = continuity.continuity(args.family, steps=args.steps, lr=3e-3, warmup_steps=args.steps // 5,
                                 make_batch=counting_task(args.family))
     import matplotlib
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                      f"largest loss difference {result.loss_err:.1e}, parameters {result.param_err:.1e}")
         ax.set_xlabel("update")
         ax.legend(fontsize=8)
-        print(parity.format_continuity(result).splitlines()[-2 if result.noise_params else -1])
+        print(continuity.format_continuity(result).splitlines()[-2 if result.noise_params else -1])
         print(f"{result.direction}: largest loss difference {result.loss_err:.2e}, passed {result.passed}")
     axes[0].set_ylabel("training loss")
     fig.tight_layout()

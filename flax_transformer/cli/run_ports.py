@@ -84,16 +84,16 @@ def port_torch_state(args, dst: Path) -> int:
     if args.family or args.cls or args.config:
         raise ValueError("--to torch-state reads a run directory, which says its model: no --family/--class/--config")
     from flax_transformer.interop import files
-    from flax_transformer.training import torch_export, torch_write
+    from flax_transformer.training.torch_state import run_export, to_torch
 
     files.check_target(dst, kind="file", overwrite=args.overwrite)
-    model, optimizer, optim, step = torch_export.restore_run(args.src)
-    torch_write.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
+    model, optimizer, optim, step = run_export.restore_run(args.src)
+    to_torch.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
     print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
     if not args.verify:
         return 0
     # read it back as torch does and as the import does, and compare with the run's own state
-    problems = torch_export.check_export(args.src, dst, step=step)
+    problems = run_export.check_export(args.src, dst, step=step)
     for problem in problems:
         print(f"  {problem}")
     print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "

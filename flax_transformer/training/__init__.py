@@ -9,16 +9,17 @@ The modules import one way, each only from the lines above it (and from ``models
 ``interop``, ``verification``; never from ``cli``)::
 
     errors, config_bounds, batching, data, tokenizers, step, malloc   # import nothing of this package
-    optim, preflight, distributed, torch_state                 # the optimizer; memory/output checks; the mesh; torch's optimizer state
+    optim, preflight, distributed                              # the optimizer; memory/output checks; the mesh
+    torch_state.checks, torch_state.to_jax                     # torch's optimizer state: checked; continued in JAX
     run_config                                                 # RunConfig, and the task configs' nesting
     rundir                                                     # the run directory: run.json, lock, logs, curves
     run_checkpoints                                            # the run's orbax checkpoints
-    loop, torch_write                                          # fit; a model and its optimizer as a torch checkpoint
+    loop, torch_state.to_torch                                 # fit; a model and its optimizer as a torch checkpoint
     hf_init, probe                                             # a pretrained HF folder as init, its --export-hf; the linear probe
-    lm, seq2seq, parity                                        # the tasks; optimizer parity
+    lm, seq2seq, parity, torch_state.continuity                # the tasks; optimizer parity; a run across a torch checkpoint
     classify                                                   # the classifier task
     run_loading                                                # a run directory back as a model (the task named in run.json)
-    torch_export                                               # a run directory, by its path, as a torch checkpoint
+    torch_state.run_export                                     # a run directory, by its path, as a torch checkpoint
 """
 
 from flax_transformer.training.batching import Bucketed, Windows, default_buckets

@@ -30,7 +30,7 @@ from flax import nnx
 
 from flax_transformer.interop import files
 from flax_transformer.models.configs import EncoderConfig
-from flax_transformer.training import data, lora_runs, tokenizers, torch_write
+from flax_transformer.training import data, lora_runs, tokenizers
 from flax_transformer.training.batching import Bucketed, Rows, default_buckets
 from flax_transformer.training.config_bounds import BIG, check_config
 from flax_transformer.training.distributed import check_batch_size
@@ -57,6 +57,7 @@ from flax_transformer.training.rundir import (
     prepare_run_dir,
     read_tokenizer,
 )
+from flax_transformer.training.torch_state import to_torch
 from flax_transformer.verification import export
 
 LABELS = ("negative", "positive")
@@ -317,7 +318,7 @@ def train_and_evaluate(config: ClassifyConfig, run_dir, *, data_dir=None, resume
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
     lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
                           export_torch_state=export_torch_state, pooling=config.pooling)
-    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+    to_torch.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     _check_memory(config, folder, mesh)
@@ -424,7 +425,7 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
         print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
               "in torch, with their certificate beside them", file=sys.stderr)
     if export_torch_state is not None and is_main_process():
-        torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0], from_task(config, steps),
+        to_torch.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0], from_task(config, steps),
                                       overwrite=overwrite)
         print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
               " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)

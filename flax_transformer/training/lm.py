@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop import files
-from flax_transformer.training import data, hf_init, lora_runs, tokenizers, torch_write
+from flax_transformer.training import data, hf_init, lora_runs, tokenizers
 from flax_transformer.training.batching import Windows
 from flax_transformer.training.config_bounds import check_config
 from flax_transformer.training.distributed import check_batch_size
@@ -42,6 +42,7 @@ from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
 from flax_transformer.training.rundir import config_of_run, is_main_process, open_run, prepare_run_dir, read_tokenizer
 from flax_transformer.training.step import cross_entropy
+from flax_transformer.training.torch_state import to_torch
 from flax_transformer.verification import export
 
 
@@ -299,7 +300,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
     lora_runs.check_flags(config, export_peft=export_peft, overwrite=overwrite, init_from_torch=init_from_torch,
                           export_torch_state=export_torch_state)
-    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+    to_torch.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     text = read_corpus(config, data_dir)
@@ -363,7 +364,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
                   "in torch, with their certificate beside them", file=sys.stderr)
         if export_torch_state is not None and not result.interrupted and is_main_process():
-            torch_write.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0],
+            to_torch.export_checkpoint(run_dir, export_torch_state, load_run(run_dir)[0],
                                           from_task(config, config.run.steps), overwrite=overwrite)
             print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
                   " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)

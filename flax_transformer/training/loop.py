@@ -206,7 +206,7 @@ def _start(model, optim, checkpoints, run_dir, *, keep: int, resume: bool, mesh,
     optimizer = nnx.Optimizer(model, make_optimizer(optim), wrt=wrt)
     start = 0
     if init_from_torch is not None and not resume:
-        from flax_transformer.training.torch_state import import_torch_state
+        from flax_transformer.training.torch_state.to_jax import import_torch_state
 
         start = import_torch_state(init_from_torch, model, optim, optimizer=optimizer)[1]
         print(f"Starting {run_dir} from {init_from_torch} at step {start}", file=sys.stderr)

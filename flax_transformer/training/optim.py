@@ -132,7 +132,7 @@ def make_optimizer(config: OptimConfig, mask=None) -> optax.GradientTransformati
 
     ``mask`` (a function of the parameters, as ``decay_mask``) replaces ``decay_mask``: a run
     continued from a torch optimizer whose groups decay other parameters
-    (``torch_state.import_torch_state``)."""
+    (``torch_state.to_jax.import_torch_state``)."""
     lr = schedule(config)
     if config.optimizer == "adam":
         core = optax.adam(lr, b1=config.b1, b2=config.b2, eps=config.eps)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.training import torch_write
 from flax_transformer.training.config_bounds import check_config
 from flax_transformer.training.distributed import check_batch_size
 from flax_transformer.training.loop import batch_evaluator, fit
@@ -27,6 +26,7 @@ from flax_transformer.training.preflight import check_memory, check_output, step
 from flax_transformer.training.run_config import RunConfig, replace
 from flax_transformer.training.rundir import is_main_process, open_run, prepare_run_dir
 from flax_transformer.training.step import cross_entropy
+from flax_transformer.training.torch_state import to_torch
 from flax_transformer.verification import export
 
 PAD, BOS, EOS, DIGIT0 = 0, 1, 2, 3
@@ -159,7 +159,7 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
     run_config = {"task": "seq2seq", **dataclasses.asdict(config)}
     prepare_run_dir(run_dir, run_config, resume=resume)
     check_output(export_torch, kind="file", overwrite=overwrite, flag="--export-torch")
-    torch_write.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
+    to_torch.check_entry_flags(config, init_from_torch=init_from_torch, export_torch_state=export_torch_state,
                                   overwrite=overwrite, resume=resume)
     check_batch_size(config.run.batch_size, mesh)
     check_memory(step_bytes(batch=config.run.batch_size, length=config.max_digits + 2,
@@ -189,7 +189,7 @@ def train_and_evaluate(config: Seq2SeqConfig, run_dir, *, data_dir=None, resume:
             print(f"Exported {export_torch}: the trained weights under torch_reference's names (safetensors), checked "
                   "in torch, with their certificate beside them", file=sys.stderr)
         if export_torch_state is not None and not result.interrupted and is_main_process():
-            torch_write.export_checkpoint(run_dir, export_torch_state, build_model(config),
+            to_torch.export_checkpoint(run_dir, export_torch_state, build_model(config),
                                           from_task(config, config.run.steps), overwrite=overwrite)
             print(f"Exported {export_torch_state}: a torch training checkpoint at step {result.step} (model, Adam moments,"
                   " LambdaLR, step) that a plain torch loop or --init-from-torch continues", file=sys.stderr)

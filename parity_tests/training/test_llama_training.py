@@ -155,7 +155,7 @@ def test_torch_state_round_trip_continues_as_resume(whole, tmp_path):
     """Exported at step 4 and started again with ``init_from_torch`` (``--init-from-torch``), the run
     trains steps 5..8 exactly as the uninterrupted one; its ``--export-torch-state`` file equals the
     uninterrupted run's, and ``port --to torch-state --verify``'s check finds nothing."""
-    from flax_transformer.training.torch_export import check_export, export_run
+    from flax_transformer.training.torch_state.run_export import check_export, export_run
 
     folder, _ = whole
     export_run(folder / "whole", tmp_path / "at4.pt", step=4)

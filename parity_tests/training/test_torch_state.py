@@ -1,6 +1,6 @@
-"""A training run crosses frameworks through a torch training checkpoint (``training/torch_state.py``).
+"""A training run crosses frameworks through a torch training checkpoint (``training/torch_state/``).
 
-Trajectory continuity for every family's full model (both directions, ``parity.continuity``),
+Trajectory continuity for every family's full model (both directions, ``continuity.continuity``),
 every refusal (nothing changed), bf16 runs, and an exported JAX run imported again continuing
 bit for bit.
 """
@@ -20,9 +20,10 @@ from flax import nnx
 from flax_transformer.interop import porting
 from flax_transformer.training import OptimConfig, make_optimizer, make_steps, parity
 from flax_transformer.training.step import cross_entropy
-from flax_transformer.training.torch_state import import_torch_state, library_decayed, torch_optimizer
-from flax_transformer.training.torch_state_checks import TorchStateError
-from flax_transformer.training.torch_write import save_torch_state, torch_training_state
+from flax_transformer.training.torch_state import continuity
+from flax_transformer.training.torch_state.checks import TorchStateError
+from flax_transformer.training.torch_state.to_jax import import_torch_state, library_decayed, torch_optimizer
+from flax_transformer.training.torch_state.to_torch import save_torch_state, torch_training_state
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +35,8 @@ def standard_promotion():
 
 @functools.cache
 def _continuity(family):
-    """``parity.continuity(family, steps=2)``, computed once per test process (the CLI test reuses it)."""
-    return parity.continuity(family, steps=2)
+    """``continuity.continuity(family, steps=2)``, computed once per test process (the CLI test reuses it)."""
+    return continuity.continuity(family, steps=2)
 
 
 @pytest.mark.parametrize("family", parity.MODELS)
@@ -44,7 +45,7 @@ def test_trajectory_continues_across_frameworks(family):
     """K torch steps, the file, K JAX steps == 2K torch steps; K JAX, the file, K torch == 2K JAX.
     Losses every step, parameters and Adam moments at the end; warmup + cosine decay across the switch."""
     for result in _continuity(family):
-        report = parity.format_continuity(result)
+        report = continuity.format_continuity(result)
         assert result.loss_err <= 1e-5, report
         assert result.param_err <= 1e-5, report
         assert result.moment_err <= 1e-4, report
@@ -240,8 +241,8 @@ def test_a_finished_run_is_named_with_the_way_to_extend_it():
     """A file whose cosine decay ended (learning rate 0) given a longer schedule (a larger ``--steps``)
     is refused as a finished run, not as a learning-rate mismatch; once its optimizer steps on the
     longer schedule, the longer run accepts it."""
-    from flax_transformer.training.torch_state import check_torch_state
-    from flax_transformer.training.torch_state_checks import lr_factor
+    from flax_transformer.training.torch_state.checks import lr_factor
+    from flax_transformer.training.torch_state.to_jax import check_torch_state
 
     short = OptimConfig(lr=1e-2, warmup_steps=1, decay="cosine", total_steps=2, weight_decay=0.1)
     longer = dataclasses.replace(short, total_steps=10)
@@ -321,14 +322,14 @@ def test_verify_through_torch_state_prints_both_curves_and_fails_on_a_break(monk
         calls.append((family, steps, optimizer))
         return copy.deepcopy(results)
 
-    monkeypatch.setattr(parity, "continuity", once)
+    monkeypatch.setattr(continuity, "continuity", once)
     assert cli.main(["verify", "--train-steps", "2", "--through-torch-state"]) == 0
     out = capsys.readouterr().out
     assert calls == [(f, 2, o) for f in parity.MODELS for o in ("adam", "adamw")]
     assert "torch->jax" in out and "jax->torch" in out and "<- switch" in out and "0 failed" in out
     broken = copy.deepcopy(results)
     broken[1].losses[-1] += 1e-3
-    monkeypatch.setattr(parity, "continuity", lambda family, **kw: copy.deepcopy(broken))
+    monkeypatch.setattr(continuity, "continuity", lambda family, **kw: copy.deepcopy(broken))
     assert cli.main(["verify", "--train-steps", "2", "--through-torch-state", "--family", "gpt"]) == 1
     assert "FAIL" in capsys.readouterr().out
     assert cli.main(["verify", "--through-torch-state"]) == 2
@@ -364,7 +365,7 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
     Refusals come before anything is created."""
     from flax_transformer.cli import commands as cli
     from flax_transformer.training import seq2seq
-    from flax_transformer.training.torch_export import export_run
+    from flax_transformer.training.torch_state.run_export import export_run
     from train.seq2seq import main
 
     flags = ["--preset", "tiny", "--steps", "8", "--no-progress"]
@@ -388,11 +389,11 @@ def test_entry_point_continues_an_exported_run_exactly_as_resume(tmp_path, capsy
     for i, state in theirs["optimizer"]["state"].items():
         assert all(torch.equal(ours["optimizer"]["state"][i][m], state[m]) for m in state), i
     # --verify reads the file back as torch and as the import do: a changed moment is caught
-    from flax_transformer.training import torch_export
+    from flax_transformer.training.torch_state import run_export
 
     theirs["optimizer"]["state"][0]["exp_avg"] *= 1.5
     torch.save(theirs, tmp_path / "tampered.pt")
-    problems = torch_export.check_export(whole, tmp_path / "tampered.pt")
+    problems = run_export.check_export(whole, tmp_path / "tampered.pt")
     assert problems and all("optimizer state" in p for p in problems), problems
     capsys.readouterr()
 

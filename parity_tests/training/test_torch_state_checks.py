@@ -16,8 +16,8 @@ from flax import nnx
 import torch_reference.former as tf
 from flax_transformer.interop import porting
 from flax_transformer.models.former import CTransformer
-from flax_transformer.training import torch_state
 from flax_transformer.training.optim import OptimConfig
+from flax_transformer.training.torch_state import checks, to_jax
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +38,29 @@ def _checkpoint(**state_changes) -> dict:
 
 
 def test_moments_are_adams_own_two_of_one_shape():
-    torch_state.check_torch_state(_checkpoint(), ADAM)
+    to_jax.check_torch_state(_checkpoint(), ADAM)
     # mutant T10: an AMSGrad entry (or any other) was let through
-    with pytest.raises(torch_state.TorchStateError, match=r"state\[0\] has .*max_exp_avg_sq.*not Adam's"):
-        torch_state.check_torch_state(_checkpoint(max_exp_avg_sq=torch.zeros(3)), ADAM)
+    with pytest.raises(checks.TorchStateError, match=r"state\[0\] has .*max_exp_avg_sq.*not Adam's"):
+        to_jax.check_torch_state(_checkpoint(max_exp_avg_sq=torch.zeros(3)), ADAM)
     # mutant T11: moments of two shapes passed the checks that run before anything is created
-    with pytest.raises(torch_state.TorchStateError, match=r"state\[0\] exp_avg has shape \(3,\) and exp_avg_sq \(4,\)"):
-        torch_state.check_torch_state(_checkpoint(exp_avg_sq=torch.zeros(4)), ADAM)
+    with pytest.raises(checks.TorchStateError, match=r"state\[0\] exp_avg has shape \(3,\) and exp_avg_sq \(4,\)"):
+        to_jax.check_torch_state(_checkpoint(exp_avg_sq=torch.zeros(4)), ADAM)
 
 
 def test_a_parameter_without_optimizer_state_after_some_steps_is_refused(tiny_former):
     # mutant T9: its moments were taken as zeros, whatever the step
     torch_model = porting.flax_to_torch(tiny_former)
-    optimizer, scheduler = torch_state.torch_optimizer(torch_model, ADAM)
+    optimizer, scheduler = to_jax.torch_optimizer(torch_model, ADAM)
     torch_model(torch.zeros(2, 6, dtype=torch.long)).square().sum().backward()
     optimizer.step()
     scheduler.step()
     ckpt = {"model": torch_model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "step": 1}
-    torch_state.read_torch_state(ckpt, tiny_former, ADAM)  # whole: accepted
+    to_jax.read_torch_state(ckpt, tiny_former, ADAM)  # whole: accepted
     name = ckpt["optimizer"]["param_groups"][0]["param_names"][0]
     del ckpt["optimizer"]["state"][0]
-    with pytest.raises(torch_state.TorchStateError, match=rf"no state for {name} after 1 steps"):
-        torch_state.read_torch_state(ckpt, tiny_former, ADAM)
+    with pytest.raises(checks.TorchStateError, match=rf"no state for {name} after 1 steps"):
+        to_jax.read_torch_state(ckpt, tiny_former, ADAM)
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +70,12 @@ def former():
 
 
 def test_the_torch_state_round_trip_check_is_bit_for_bit(tmp_path, monkeypatch, former):
-    """Guards ``torch_export.check_export``'s round trip being bit for bit (``array_equal``), not
+    """Guards ``run_export.check_export``'s round trip being bit for bit (``array_equal``), not
     ``allclose``: a parameter, or an Adam moment, one float32 step (``np.nextafter``) off is reported.
     The run is an in-memory one (Adam moments set as after a step), given to ``check_export`` in place
     of a run directory."""
-    from flax_transformer.training import torch_export
     from flax_transformer.training.optim import OptimConfig, make_optimizer
+    from flax_transformer.training.torch_state import run_export, to_torch
 
     optim = OptimConfig(optimizer="adamw", lr=1e-2, warmup_steps=2, weight_decay=0.1)
     model = nnx.clone(former)
@@ -93,10 +93,10 @@ def test_the_torch_state_round_trip_check_is_bit_for_bit(tmp_path, monkeypatch, 
     def restore_run(run_dir, *, step=None, optim=optim):  # a fresh copy of the run's model and optimizer
         return *nnx.clone((model, optimizer)), optim, 1
 
-    monkeypatch.setattr(torch_export, "restore_run", restore_run)
+    monkeypatch.setattr(run_export, "restore_run", restore_run)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes a Python float with its int32 count
-        path = torch_export.save_torch_state(tmp_path / "run.pt", model, optimizer, optim)
-        assert torch_export.check_export("run", path) == []
+        path = to_torch.save_torch_state(tmp_path / "run.pt", model, optimizer, optim)
+        assert run_export.check_export("run", path) == []
         key = next(iter(torch.load(path, weights_only=True)["model"]))
         for what, where in (("parameter", ("model", key)), ("optimizer state", ("optimizer", "state", 0, "exp_avg"))):
             tampered = torch.load(path, weights_only=True)
@@ -107,5 +107,5 @@ def test_the_torch_state_round_trip_check_is_bit_for_bit(tmp_path, monkeypatch, 
             value.flat[0] = np.nextafter(value.flat[0], np.float32(np.inf), dtype=np.float32)  # one float32 step
             holder[where[-1]] = torch.from_numpy(value)
             torch.save(tampered, tmp_path / "tampered.pt")
-            problems = torch_export.check_export("run", tmp_path / "tampered.pt")
+            problems = run_export.check_export("run", tmp_path / "tampered.pt")
             assert len(problems) == 1 and problems[0].startswith(what) and "differs" in problems[0], problems

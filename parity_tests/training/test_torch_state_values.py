@@ -21,13 +21,13 @@ from flax import nnx
 
 from flax_transformer.interop import porting
 from flax_transformer.training import OptimConfig
-from flax_transformer.training.torch_state import (
+from flax_transformer.training.torch_state.checks import TorchStateError
+from flax_transformer.training.torch_state.to_jax import (
     _field_and_param,
     check_torch_state,
     import_torch_state,
     torch_optimizer,
 )
-from flax_transformer.training.torch_state_checks import TorchStateError
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +156,7 @@ def test_import_refuses_bad_numbers_naming_file_and_entry(case, tiny_checkpoint,
 def seq2seq_checkpoint():
     """A torch training checkpoint of ``train.seq2seq --preset tiny --steps 8``'s model, at step 2."""
     from flax_transformer.training import seq2seq
-    from flax_transformer.training.torch_write import run_optim
+    from flax_transformer.training.torch_state.to_torch import run_optim
 
     config = seq2seq.Seq2SeqConfig.tiny(steps=8)
     twin = porting.flax_to_torch(seq2seq.build_model(config))
@@ -207,7 +207,7 @@ def _poisoned(optimizer, field: str, value: float) -> str:
     ("mu", float("nan"), r"the optimizer's exp_avg of [\w.]+ holds 1 NaN value"),
 ])
 def test_save_torch_state_refuses_a_bad_moment(field, value, match, tiny_checkpoint, tmp_path):
-    from flax_transformer.training.torch_write import save_torch_state
+    from flax_transformer.training.torch_state.to_torch import save_torch_state
 
     model = porting.torch_to_flax(_tiny(seed=1))
     optimizer, _ = import_torch_state(copy.deepcopy(tiny_checkpoint), model, CONFIG)
@@ -239,7 +239,7 @@ def _steps(run) -> list[int]:
 @pytest.mark.slow(reason="test_port_refuses_to_write_a_run_whose_moment_is_inf, test_save_torch_state_refuses_a_bad_moment")
 def test_verify_fails_on_a_bad_moment_naming_it(trained_run, tmp_path):
     """``port --to torch-state --verify``'s check: a file whose exp_avg_sq went below 0 fails, and says so."""
-    from flax_transformer.training.torch_export import check_export, export_run
+    from flax_transformer.training.torch_state.run_export import check_export, export_run
 
     export_run(trained_run, tmp_path / "good.pt")
     assert check_export(trained_run, tmp_path / "good.pt") == []
@@ -257,7 +257,7 @@ def test_port_refuses_to_write_a_run_whose_moment_is_inf(trained_run, tmp_path, 
     refuses to write it (one line naming the moment, exit 2) instead of passing."""
     from flax_transformer.cli import commands as cli
     from flax_transformer.training.run_checkpoints import Checkpoints
-    from flax_transformer.training.torch_export import restore_run
+    from flax_transformer.training.torch_state.run_export import restore_run
 
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
@@ -335,7 +335,7 @@ def test_load_run_reads_the_newer_checkpoint(training_run, trained_run):
 def test_port_reads_the_newer_checkpoint(training_run):
     """``port RUN_DIR --to torch-state`` restores model and optimizer (``restore_checkpoint``) the same way."""
     from flax_transformer.training import seq2seq
-    from flax_transformer.training.torch_write import restore_checkpoint, run_optim
+    from flax_transformer.training.torch_state.to_torch import restore_checkpoint, run_optim
 
     run, events = training_run
     config = seq2seq.Seq2SeqConfig.tiny(steps=6)

@@ -11,7 +11,7 @@ carries its dropout streams (``"jax"``), so importing it again continues exactly
 This module sits below the tasks (``classify``, ``lm``, ``seq2seq``), which export their run at
 its end with ``export_checkpoint`` and check their flags with ``check_entry_flags``; a run
 directory by its path alone (``export_run``, ``restore_run``: the task found in ``run.json``)
-is ``torch_export``'s, above the tasks.
+is ``run_export``'s, above the tasks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from flax_transformer.interop import files, porting
 from flax_transformer.training.optim import OptimConfig, from_task, make_optimizer
 from flax_transformer.training.preflight import check_output
 from flax_transformer.training.run_checkpoints import Checkpoints
-from flax_transformer.training.torch_state import (
+from flax_transformer.training.torch_state.checks import TorchStateError, lr_factor, value_problem
+from flax_transformer.training.torch_state.to_jax import (
     _config_json,
     _dotted,
     _field_and_param,
@@ -37,7 +38,6 @@ from flax_transformer.training.torch_state import (
     check_torch_state,
     torch_optimizer,
 )
-from flax_transformer.training.torch_state_checks import TorchStateError, lr_factor, value_problem
 
 # ----------------------------------------------------------------------------- writing
 

@@ -1,4 +1,4 @@
-"""A run directory, by its path alone, as a PyTorch training checkpoint: ``torch_write``'s writing, and run directories.
+"""A run directory, by its path alone, as a PyTorch training checkpoint: ``to_torch``'s writing, and run directories.
 
     save_torch_state("ckpt.pt", model, optimizer, optim)     # a model and its nnx.Optimizer
     export_run("runs/lm", "ckpt.pt")                           # a run directory's latest checkpoint
@@ -9,7 +9,7 @@ and a plain torch loop continues the run (docs/training.md shows it). An export 
 carries its dropout streams (``"jax"``), so importing it again continues exactly as ``--resume``.
 
 The writing itself (``torch_training_state``, ``save_torch_state``, ``check_entry_flags``, ...)
-is ``torch_write``'s, below the tasks, and given here too. This module sits above the tasks:
+is ``to_torch``'s, below the tasks, and given here too. This module sits above the tasks:
 ``restore_run`` asks ``run_loading.load_run`` for the run's model (the task named in ``run.json``).
 """
 
@@ -23,9 +23,9 @@ from flax import nnx
 from flax_transformer.interop import files, porting
 from flax_transformer.training.optim import OptimConfig
 from flax_transformer.training.run_loading import load_run
-from flax_transformer.training.torch_state import import_torch_state, load_torch_state, torch_optimizer
-from flax_transformer.training.torch_state_checks import TorchStateError
-from flax_transformer.training.torch_write import (
+from flax_transformer.training.torch_state.checks import TorchStateError
+from flax_transformer.training.torch_state.to_jax import import_torch_state, load_torch_state, torch_optimizer
+from flax_transformer.training.torch_state.to_torch import (
     restore_checkpoint,
     run_optim,
     save_torch_state,

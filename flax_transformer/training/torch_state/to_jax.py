@@ -1,7 +1,7 @@
 """A training run as a PyTorch training checkpoint, and back: Adam moments, step, schedule, decay mask.
 
     optimizer, step = import_torch_state("ckpt.pt", model, optim)   # fills model; optax state at step N
-    torch_export.save_torch_state("ckpt.pt", model, optimizer, optim)   # the way back, the same layout
+    to_torch.save_torch_state("ckpt.pt", model, optimizer, optim)   # the way back, the same layout
 
 The file is the usual torch layout (``torch.save``; read with ``torch.load(weights_only=True)``)::
 
@@ -42,7 +42,7 @@ one, a parameter index or name in two groups), state for an index no group holds
 a per-parameter ``step`` that is not the checkpoint's (for any parameter), a moment that is not
 finite or an ``exp_avg_sq`` below 0, a weight that is not finite. Each refusal is one line naming
 the file and the entry (``ckpt.pt: the optimizer's state[3] (encoder.0.weight) exp_avg_sq holds
-1 inf value (of 96): ...``). ``torch_write.save_torch_state`` refuses to write such numbers.
+1 inf value (of 96): ...``). ``to_torch.save_torch_state`` refuses to write such numbers.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from flax import nnx
 
 from flax_transformer.interop import porting
 from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer
-from flax_transformer.training.torch_state_checks import (
+from flax_transformer.training.torch_state.checks import (
     _ADAM_KEYS,
     TorchStateError,
     _check_groups,

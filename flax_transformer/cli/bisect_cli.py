@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.verification.pairs import call_factory
+from flax_transformer.verification.certificate_subjects import call_factory
 
 
 def load_model(path):
@@ -78,7 +78,6 @@ def run(args) -> int:
         certificate_subjects,
         compare,
         measure,
-        pairs,
         reports,
     )
 
@@ -115,11 +114,11 @@ def run(args) -> int:
             raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; "
                              f"{args.checkpoint} is a {'training run' if not bare else 'bare state_dict'} "
                              "(port it first: flax-transformer port SRC DST)")
-        flax_model, torch_model = (certificate_subjects.load_pair(args.checkpoint)
+        flax_model, torch_model = (certificate_subjects.certified_pair(args.checkpoint)
                                    if bare and certificate.find(args.checkpoint) else
-                                   pairs.load_pair(args.checkpoint, load=load_model, dtype=dtype))
+                                   certificate_subjects.load_pair(args.checkpoint, load=load_model, dtype=dtype))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
-                     else pairs.example_inputs(flax_model, seed=args.seed))
+                     else certificate_subjects.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}
     call_args, call_kwargs = measure.fp32_inputs(tuple(call_args)), measure.fp32_inputs(call_kwargs)
     what = args.pair or args.checkpoint

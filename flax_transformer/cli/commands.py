@@ -145,14 +145,13 @@ def _verify_through_torch_state(args, start) -> int:
     """``verify --train-steps K --through-torch-state``: K steps, a torch training checkpoint, K steps in the
     other framework, against 2K uninterrupted, both ways, for every family."""
     from flax_transformer.training import parity
-    from flax_transformer.training.torch_state import continuity
 
     failed = 0
     for family in args.family or parity.MODELS:
         for optimizer in ("adam", "adamw"):
-            for result in continuity.continuity(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed):
+            for result in parity.continuity(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed):
                 failed += not result.passed
-                print(continuity.format_continuity(result))
+                print(parity.format_continuity(result))
                 print(f"  -> {'pass' if result.passed else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
     print(f"{failed} failed (1e-05 on losses and relative on parameters, 1e-04 relative on Adam moments, "
           f"{time.perf_counter() - start:.1f} s)")
@@ -162,7 +161,7 @@ def _verify_through_torch_state(args, start) -> int:
 def _port(args) -> int:
     _highest_precision()
     from flax_transformer.interop import checkpoints, files, hf
-    from flax_transformer.verification import certificate, compare, export, pairs, reports
+    from flax_transformer.verification import certificate, certificate_subjects, compare, export, reports
 
     dst = Path(args.dst)
     if args.to == "torch-state":
@@ -178,7 +177,7 @@ def _port(args) -> int:
     # the target is checked before anything is read: a wrong DST fails at once and creates nothing
     kind = "dir" if (args.to or ("hf" if dst.suffix == "" else "file")) in ("hf", "orbax") else "file"
     files.check_target(dst, kind=kind, overwrite=args.overwrite)
-    flax_model, torch_model = pairs.load_pair(args.src, args.family, args.cls, args.config,
+    flax_model, torch_model = certificate_subjects.load_pair(args.src, args.family, args.cls, args.config,
                                               load=run_ports.lora_loader(args.merge))
     if not args.no_certify:  # NaN/inf in SRC is named as SRC's, before any export (named as in SRC where it can be)
         hint = "--no-certify writes them anyway"
@@ -209,11 +208,11 @@ def _port(args) -> int:
 
         reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
-        err, finite = compare.compare(reloaded.eval(), flax_model, pairs.example_inputs(flax_model))
+        err, finite = compare.compare(reloaded.eval(), flax_model, certificate_subjects.example_inputs(flax_model))
     else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
         reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf._kind_of(flax_model)[2]
                     else checkpoints.load(dst))
-        err, finite = compare.compare(torch_model, reloaded, pairs.example_inputs(reloaded))
+        err, finite = compare.compare(torch_model, reloaded, certificate_subjects.example_inputs(reloaded))
     # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
     tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (reports.TOLERANCE, "")
     ok = finite and err <= tolerance
@@ -231,7 +230,7 @@ def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) 
     import numpy as np
 
     from flax_transformer.interop import hf
-    from flax_transformer.verification import pairs, verify
+    from flax_transformer.verification import certificate_subjects, verify
 
     try:
         import torch
@@ -244,7 +243,7 @@ def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) 
     except Exception as error:  # noqa: BLE001 - whatever transformers raises, the folder is not one it reads
         print(f"verify: transformers cannot load {src}: {type(error).__name__}: {str(error).splitlines()[0]} -> FAIL")
         return False
-    ids, mask = pairs.example_inputs(reloaded)
+    ids, mask = certificate_subjects.example_inputs(reloaded)
     want = hf.transformers_output(reference, ids, mask)
     if isinstance(reloaded, torch.nn.Module):
         with torch.no_grad():

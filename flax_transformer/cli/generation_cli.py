@@ -28,7 +28,7 @@ def prompt_ids(folder, text: str) -> list[int]:
 def run(args) -> int:
     from flax_transformer.interop import files
     from flax_transformer.training.run_loading import load_model  # as bisect_cli.load_model: run directories too
-    from flax_transformer.verification import pairs, reports
+    from flax_transformer.verification import certificate_subjects, reports
     from flax_transformer.verification.generation_bisect import bisect_generation, check_inputs
 
     if not args.checkpoint:
@@ -47,7 +47,7 @@ def run(args) -> int:
     if args.json:
         files.check_target(args.json, kind="file", overwrite=args.overwrite)
     ids = prompt_ids(args.checkpoint, args.prompt)
-    flax_model, torch_model = pairs.load_pair(args.checkpoint, load=load_model)
+    flax_model, torch_model = certificate_subjects.load_pair(args.checkpoint, load=load_model)
     check_inputs(flax_model, ids, new)  # a prompt too long, a model without a cache: one line, before any work
     try:
         report = bisect_generation(torch_model, flax_model, ids, new, use_jit=not args.no_jit,

@@ -15,7 +15,6 @@ from flax_transformer.interop import files
 from flax_transformer.verification import certificate as cert
 from flax_transformer.verification import certificate_subjects as subjects
 from flax_transformer.verification import measure as core
-from flax_transformer.verification import pairs
 from flax_transformer.verification.certificate_schema import USER, CertificateError, brief, key_name
 from flax_transformer.verification.reports import Report
 
@@ -271,8 +270,8 @@ def recheck_user(path: Path, record: dict, pair) -> RecheckReport:
             f"{path} is an export of your own model ({model['module']}.{model['class']}): re-check it with the "
             f"factory of its torch and Flax models, {how} (flax-transformer verify --checkpoint PATH --pair "
             f"{model.get('reference') or 'MODULE:FACTORY'})")
-    name = pairs.factory_name(pair)
-    torch_model, flax_model, args, kwargs = pairs.call_factory(pair)
+    name = subjects.factory_name(pair)
+    torch_model, flax_model, args, kwargs = subjects.call_factory(pair)
     for key, module, obj in (("class", "module", torch_model), ("flax_class", "flax_module", flax_model)):
         if type(obj).__qualname__ != model[key]:  # by class name: a file's module name depends on how it is imported
             raise ValueError(f"{name} gives a {type(obj).__qualname__}; {path}'s certificate was made with a "

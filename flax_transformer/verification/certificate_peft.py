@@ -115,7 +115,7 @@ def measure(model, folder, base) -> dict:
     from flax import nnx
 
     from flax_transformer.models import lora
-    from flax_transformer.verification.pairs import example_inputs
+    from flax_transformer.verification.certificate_subjects import example_inputs
 
     folder, base = Path(folder), Path(base)
     config = json.loads((folder / peft.CONFIG_FILE).read_text(encoding="utf-8"))

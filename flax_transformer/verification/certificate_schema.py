@@ -26,7 +26,7 @@ class CertificateError(ValueError):
 MAX_BYTES = 16 << 20  # 16 MiB: all-MiniLM-L6-v2's certificate is ~40 KB; a 1000-layer model's stays under 16 MiB
 # the recorded inputs: every export records INPUTS (seed 0, batch 2, length 9); these bounds only keep a
 # tampered certificate from driving the re-check's allocation (a length beyond the model's context is
-# cut to it when the inputs are drawn, at export as now: pairs.example_inputs)
+# cut to it when the inputs are drawn, at export as now: certificate_subjects.example_inputs)
 INPUT_BOUNDS = {"seed": (0, 2**32 - 1), "batch": (1, 64), "length": (1, 4096)}  # seed: a random key keeps 32 bits
 MAX_TOKENS = 4096  # batch x length
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",

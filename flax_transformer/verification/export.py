@@ -39,7 +39,7 @@ import numpy as np
 
 from flax_transformer.interop import checkpoints, files, hf, orbax_quiet, porting, safetensors_io, values
 from flax_transformer.interop.values import to_numpy
-from flax_transformer.verification import certificate, pairs
+from flax_transformer.verification import certificate, certificate_subjects
 from flax_transformer.verification.certificate_subjects import (
     FamilySubject,
     UserSubject,
@@ -173,11 +173,11 @@ def _reference(reference):
     if not (isinstance(reference, str) or callable(reference)):
         raise TypeError(f"reference= must be a torch nn.Module, a factory or 'MODULE:FACTORY', got "
                         f"{type(reference).__name__}; {REFERENCE_HINT}")
-    name = pairs.factory_name(reference)
-    made = pairs.run_factory(pairs.load_factory(reference) if isinstance(reference, str) else reference, name)
+    name = certificate_subjects.factory_name(reference)
+    made = certificate_subjects.run_factory(certificate_subjects.load_factory(reference) if isinstance(reference, str) else reference, name)
     if isinstance(made, torch.nn.Module):
         return made, reference if isinstance(reference, str) else None, None
-    torch_model, _, args, kwargs = pairs.unpack_pair(made, name)
+    torch_model, _, args, kwargs = certificate_subjects.unpack_pair(made, name)
     return torch_model, reference if isinstance(reference, str) else None, (args, kwargs)
 
 
@@ -192,8 +192,8 @@ def _inputs(model, inputs, given, spec) -> tuple[tuple, dict, str]:
         return (*given, f"the args of the reference factory {spec or 'given'}")
     if callable(getattr(model, "input_spec", None)):
         shape = certificate.INPUTS
-        return (pairs.example_inputs(model, **shape), {},
-                f"pairs.example_inputs from input_spec() (seed {shape['seed']}, batch {shape['batch']}, "
+        return (certificate_subjects.example_inputs(model, **shape), {},
+                f"certificate_subjects.example_inputs from input_spec() (seed {shape['seed']}, batch {shape['batch']}, "
                 f"length {shape['length']})")
     raise ValueError(f"{type(model).__name__} has no input_spec() to draw example inputs from: pass inputs=(the "
                      "model's arguments, e.g. (ids,)) to certify it on them")

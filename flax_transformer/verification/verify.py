@@ -376,23 +376,23 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     transformers' too, with the bf16 LM gates."""
     from pathlib import Path
 
-    from flax_transformer.verification import certificate, certificate_subjects, measure, pairs
+    from flax_transformer.verification import certificate, certificate_subjects, measure
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):
         raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; {path} is a "
                          f"{'bare state_dict' if bare else 'training run'} (port it first: flax-transformer port SRC DST)")
-    flax_model, torch_model = (certificate_subjects.load_pair(path) if bare and certificate.find(path) else
-                               pairs.load_pair(path, load=load, dtype=dtype))
+    flax_model, torch_model = (certificate_subjects.certified_pair(path) if bare and certificate.find(path) else
+                               certificate_subjects.load_pair(path, load=load, dtype=dtype))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
-    args = pairs.example_inputs(flax_model)
+    args = certificate_subjects.example_inputs(flax_model)
     spec = flax_model.input_spec()
     lm = spec.generates
     masks = 2 if spec.encoder_decoder else 1  # the trailing mask arguments
     no_mask = tuple(None if i >= len(args) - masks else a for i, a in enumerate(args))
     rows, agreements = [], []
     for case, inputs in (("none", no_mask), ("padding", args)):
-        mask = pairs.lm_mask(flax_model, inputs) if lm else None
+        mask = certificate_subjects.lm_mask(flax_model, inputs) if lm else None
         report = compare(torch_model, flax_model, inputs, lm=lm, lm_mask=mask)
         rows.append(dataclasses.replace(report.rows[0], case=case, direction="torch twin vs flax"))
         if report.lm is not None:
@@ -409,7 +409,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
         for case, (ids, mask) in (("none", no_mask), ("padding", args)):
             if dtype != "fp32":  # bf16: judged against transformers' model in float64, by bf16's budget
                 report = compare(_Transformers(reference, name == "TransformerEncoder"), flax_model, (ids, mask),
-                                 lm=lm, lm_mask=pairs.lm_mask(flax_model, (ids, mask)) if lm else None)
+                                 lm=lm, lm_mask=certificate_subjects.lm_mask(flax_model, (ids, mask)) if lm else None)
                 rows.append(dataclasses.replace(report.rows[0], case=case, direction="transformers vs flax"))
                 if report.lm is not None:
                     agreements.append((f"transformers vs flax, {case}", report.lm))
@@ -423,7 +423,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
             rows.append(Row(family, name, case, "transformers vs flax", err, finite))
             if lm:
                 agreements.append((f"transformers vs flax, {case}", measure.lm_agreement(
-                    to_numpy(want), to_numpy(got), pairs.lm_mask(flax_model, (ids, mask)))))
+                    to_numpy(want), to_numpy(got), certificate_subjects.lm_mask(flax_model, (ids, mask)))))
     return rows, agreements
 
 

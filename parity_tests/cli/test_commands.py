@@ -253,13 +253,13 @@ def test_attention_map_png_and_html(tmp_path, capsys):
     assert not (tmp_path / "b.png").exists()
 
 
-@pytest.mark.slow(reason="the verify --checkpoint tests of each family (pairs.example_inputs, drawn from input_spec), test_generate's per-family greedy tests")
+@pytest.mark.slow(reason="the verify --checkpoint tests of each family (certificate_subjects.example_inputs, drawn from input_spec), test_generate's per-family greedy tests")
 def test_every_whole_model_says_what_it_reads():
     """``input_spec()`` replaces the tools' class-name tables: the same in both frameworks, and the
     example inputs drawn from it run the model and stay in range."""
     from flax_transformer.interop import porting
     from flax_transformer.models.generate import generate
-    from flax_transformer.verification import pairs
+    from flax_transformer.verification import certificate_subjects
 
     whole = [s for s in verify.specs() if s.name in verify.MODELS and (s.family, s.name) != ("classic",
                                                                                              "TransformerEncoder")]
@@ -268,7 +268,7 @@ def test_every_whole_model_says_what_it_reads():
         torch_model = spec.build(False).eval()
         flax_model = porting.torch_to_flax(torch_model)
         assert torch_model.input_spec() == flax_model.input_spec(), spec.name
-        args = pairs.example_inputs(flax_model, seed=1)
+        args = certificate_subjects.example_inputs(flax_model, seed=1)
         ids = args[0]
         assert ids.max() < flax_model.input_spec().vocab_size and ids.shape[1] <= flax_model.input_spec().max_length
         err, finite = compare.compare(torch_model, flax_model, args)

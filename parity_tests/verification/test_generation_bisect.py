@@ -191,16 +191,16 @@ def test_cli_prints_each_step_and_exits_0_when_all_agree(folder, capsys):
 
 
 def test_cli_exits_1_when_a_step_diverges(folder, capsys, monkeypatch):
-    from flax_transformer.verification import pairs
+    from flax_transformer.verification import certificate_subjects
 
-    load = pairs.load_pair
+    load = certificate_subjects.load_pair
 
     def broken(*args, **kwargs):
         flax_model, torch_model = load(*args, **kwargs)
         flax_model.model.layers[0].self_attn.sliding_window = 2  # no window in torch: position 2 on differs
         return flax_model, torch_model
 
-    monkeypatch.setattr(pairs, "load_pair", broken)
+    monkeypatch.setattr(certificate_subjects, "load_pair", broken)
     # the module search is the library's (tested above) and the slowest part: answered here without running
     monkeypatch.setattr(generation_bisect, "bisect", lambda *args, **kwargs: SimpleNamespace(first_divergent="m"))
     assert _verify("--checkpoint", folder, "--bisect-generate", "--prompt", "the cat", "--max-new-tokens", 3) == 1

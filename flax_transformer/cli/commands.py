@@ -145,13 +145,14 @@ def _verify_through_torch_state(args, start) -> int:
     """``verify --train-steps K --through-torch-state``: K steps, a torch training checkpoint, K steps in the
     other framework, against 2K uninterrupted, both ways, for every family."""
     from flax_transformer.training import parity
+    from flax_transformer.training.torch_state import continuity
 
     failed = 0
     for family in args.family or parity.MODELS:
         for optimizer in ("adam", "adamw"):
-            for result in parity.continuity(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed):
+            for result in continuity.continuity(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed):
                 failed += not result.passed
-                print(parity.format_continuity(result))
+                print(continuity.format_continuity(result))
                 print(f"  -> {'pass' if result.passed else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
     print(f"{failed} failed (1e-05 on losses and relative on parameters, 1e-04 relative on Adam moments, "
           f"{time.perf_counter() - start:.1f} s)")

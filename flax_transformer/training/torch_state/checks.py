@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from flax_transformer.interop import porting
+from flax_transformer.interop import values
 from flax_transformer.training.optim import OptimConfig
 
 # the group settings of torch's Adam/AdamW that this module reads or must see at their defaults
@@ -32,7 +32,7 @@ def _numpy(value, what: str) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
         raise TorchStateError(f"{what} is a {type(value).__name__}, not a tensor")
     # a copy: JAX on CPU may keep a view of a numpy array, and torch updates its tensors in place
-    return np.array(porting._to_numpy(value))
+    return np.array(values.to_numpy(value))
 
 
 def _close(a: float, b: float) -> bool:

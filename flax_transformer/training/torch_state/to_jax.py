@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import porting
+from flax_transformer.interop import porting, targets
 from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer
 from flax_transformer.training.torch_state.checks import (
     _ADAM_KEYS,
@@ -101,7 +101,7 @@ def _holder(model, values):
 def _flax_twin(model):
     """``model`` if it is a Flax model, else the unfilled Flax twin of a torch_reference one."""
     if type(model).__module__.startswith("torch_reference"):
-        return porting.build_unfilled(porting.flax_class(model), dict(model.init_kwargs()))
+        return targets.build_unfilled(porting.flax_class(model), dict(model.init_kwargs()))
     return model
 
 

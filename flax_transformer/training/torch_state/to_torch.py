@@ -53,7 +53,7 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
     """
     import torch
 
-    family = porting._family(model)
+    family = porting.family_of(model)
     step = int(optimizer.step[...])
     flat: dict[str, dict] = {"mu": {}, "nu": {}}
     for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.as_pure(optimizer.opt_state))[0]:

@@ -20,15 +20,9 @@ A certificate's subject is how the flow of ``certificate`` (make, sidecar) and `
   parameter tree (orbax). The check reads the written file back into a fresh copy of the reference
   (strict ``load_state_dict``; orbax through the Flax model and ``porting.flax_to_torch``) and
   compares it with the Flax model by ``compare(..., grads=True, rename=...)`` on the given inputs
-  (``measure_user``). The certificate then records, beside what every certificate records:
-
-  * ``model``: ``{"family": "user", "class", "module"}`` of the torch reference, ``flax_class``,
-    ``flax_module``, ``reference`` (the ``MODULE:FACTORY`` it was given as, else null) and
-    ``rename`` (porting's ``[regex, replacement]`` pairs: torch names -> the Flax model's);
-  * ``inputs``: ``{"args": [...], "kwargs": {...}, "drawn_by"}``, each input ``null``, a number
-    (``{"value"}``) or an array's ``{"shape", "dtype", "sha256"}``, so that a re-check on other
-    inputs is refused rather than compared with figures measured on these.
-
+  (``measure_user``). The certificate also records the reference's ``model`` (classes, the
+  ``MODULE:FACTORY`` it was given as, ``rename``) and the ``inputs`` (each one's shape, dtype and
+  sha256, so that a re-check on other inputs is refused); ``certificate_schema`` checks the fields.
   ``certificate_check.recheck(path, pair="MODULE:FACTORY")`` re-checks it with the factory's models.
 
 A PEFT adapter folder is the third subject (``certificate_peft.AdapterSubject``): its record is its

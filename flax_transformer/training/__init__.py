@@ -6,7 +6,8 @@ presets and a ``train_and_evaluate(config, run_dir)``; ``train/`` holds their th
 command-line entry points.
 
 The modules import one way, each only from the lines above it (and from ``models``,
-``interop``, ``verification``; never from ``cli``)::
+``interop``, ``verification``; never from ``cli``). Import each by its full path: this ``__init__``
+holds no names::
 
     errors, config_bounds, batching, data, tokenizers, step, malloc   # import nothing of this package
     optim, preflight, distributed                              # the optimizer; memory/output checks; the mesh
@@ -21,15 +22,3 @@ The modules import one way, each only from the lines above it (and from ``models
     run_loading                                                # a run directory back as a model (the task named in run.json)
     torch_state.run_export                                     # a run directory, by its path, as a torch checkpoint
 """
-
-from flax_transformer.training.batching import Bucketed, Windows, default_buckets
-from flax_transformer.training.errors import NonFiniteLoss, RunError
-from flax_transformer.training.loop import FitResult, batch_evaluator, fit
-from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
-from flax_transformer.training.run_checkpoints import Checkpoints
-from flax_transformer.training.rundir import create_run_dir, plot_curves, prepare_run_dir
-from flax_transformer.training.step import cross_entropy, make_steps
-
-__all__ = ["Bucketed", "Windows", "default_buckets", "Checkpoints", "FitResult", "NonFiniteLoss", "RunError",
-           "batch_evaluator", "create_run_dir", "fit", "plot_curves", "prepare_run_dir", "OptimConfig", "decay_mask", "make_optimizer",
-           "schedule", "cross_entropy", "make_steps"]

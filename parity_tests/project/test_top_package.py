@@ -47,3 +47,13 @@ def test_the_package_defines_no_names():
     public = {name for name in vars(flax_transformer) if not name.startswith("_")}
     layers = {"models", "interop", "verification", "training", "cli"}
     assert public <= layers, public - layers
+
+
+@pytest.mark.parametrize("package", ["flax_transformer.models", "flax_transformer.training",
+                                     "flax_transformer.training.torch_state"])
+def test_layer_packages_define_no_names(package):
+    """Their names are imported from the modules that define them, not from the package (one path per name)."""
+    module = importlib.import_module(package)
+    names = {name for name, value in vars(module).items()
+             if not name.startswith("_") and getattr(value, "__name__", "").rpartition(".")[0] != package}
+    assert not names, names

@@ -101,8 +101,8 @@ def test_an_infinite_loss_stops_the_run(tmp_path):
 def test_make_steps_reports_the_gradient_norm():
     from flax import nnx
 
-    from flax_transformer.training import make_optimizer, make_steps
-    from flax_transformer.training.optim import OptimConfig
+    from flax_transformer.training.optim import OptimConfig, make_optimizer
+    from flax_transformer.training.step import make_steps
 
     model = _tiny_model()
     optimizer = nnx.Optimizer(model, make_optimizer(OptimConfig(lr=0.1)), wrt=nnx.Param)
@@ -115,7 +115,7 @@ def test_make_steps_reports_the_gradient_norm():
 
 
 def test_cross_entropy_with_nothing_to_count_is_zero_not_nan():
-    from flax_transformer.training import cross_entropy
+    from flax_transformer.training.step import cross_entropy
 
     logits, labels = jax.numpy.ones((2, 3, 5)), jax.numpy.zeros((2, 3), jax.numpy.int32)
     loss, grad = jax.value_and_grad(lambda x: cross_entropy(x, labels, jax.numpy.zeros((2, 3), bool)))(logits)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from flax import nnx
 
-from flax_transformer.training import OptimConfig, decay_mask, make_optimizer, schedule
+from flax_transformer.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
 
 
 def test_warmup_is_the_notebooks_lambda_lr():
@@ -61,7 +61,7 @@ def standard_promotion():
 def test_train_step_learns_compiles_once_and_follows_the_mode(standard_promotion):
     """A tiny classifier learns "does token 1 occur?"; the step is traced once for one batch shape."""
     from flax_transformer.models.former import CTransformer
-    from flax_transformer.training import cross_entropy, make_steps
+    from flax_transformer.training.step import cross_entropy, make_steps
 
     traces = []
 

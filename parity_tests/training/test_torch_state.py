@@ -18,8 +18,9 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import porting
-from flax_transformer.training import OptimConfig, make_optimizer, make_steps, parity
-from flax_transformer.training.step import cross_entropy
+from flax_transformer.training import parity
+from flax_transformer.training.optim import OptimConfig, make_optimizer
+from flax_transformer.training.step import cross_entropy, make_steps
 from flax_transformer.training.torch_state import continuity
 from flax_transformer.training.torch_state.checks import TorchStateError
 from flax_transformer.training.torch_state.to_jax import import_torch_state, library_decayed, torch_optimizer

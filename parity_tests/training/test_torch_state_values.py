@@ -20,7 +20,7 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import porting
-from flax_transformer.training import OptimConfig
+from flax_transformer.training.optim import OptimConfig
 from flax_transformer.training.torch_state.checks import TorchStateError
 from flax_transformer.training.torch_state.to_jax import (
     _field_and_param,

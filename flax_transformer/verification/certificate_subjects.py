@@ -369,7 +369,7 @@ def measure(flax_model, torch_model, *, seed: int = cert.INPUTS["seed"], batch: 
     args = example_inputs(flax_model, seed=seed, batch=batch, length=length)
     inputs = {"seed": seed, "batch": batch, "length": length,
               "shapes": [None if a is None else list(np.shape(a)) for a in args],
-              "drawn_by": "pairs.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
+              "drawn_by": "certificate_subjects.example_inputs (numpy default_rng(seed) token ids; the last row right-padded)"}
     lm = flax_model.input_spec().generates  # a language model: its next-token distributions too (measure.lm_agreement)
     with jax.default_matmul_precision("highest"):  # forward and backward, one compile
         report = compare(torch_model, flax_model, args, grads=True, seed=seed, lm=lm,

@@ -211,7 +211,7 @@ def _port(args) -> int:
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
         err, finite = compare.compare(reloaded.eval(), flax_model, certificate_subjects.example_inputs(flax_model))
     else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
-        reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf._kind_of(flax_model)[2]
+        reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf.kind_of(flax_model)[2]
                     else checkpoints.load(dst))
         err, finite = compare.compare(torch_model, reloaded, certificate_subjects.example_inputs(reloaded))
     # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
@@ -278,7 +278,7 @@ def _summary(args) -> int:
 
 def _presets():
     """Named model shapes for ``summary`` (built without initialising any weights)."""
-    from flax_transformer.interop import porting
+    from flax_transformer.interop import targets
     from flax_transformer.models.configs import EncoderConfig, GPTConfig
     from flax_transformer.models.llama_config import LlamaConfig
 
@@ -286,7 +286,7 @@ def _presets():
         import importlib
 
         cls = getattr(importlib.import_module(f"flax_transformer.models.{module}"), name)
-        return lambda: porting.build_unfilled(cls, kwargs)
+        return lambda: targets.build_unfilled(cls, kwargs)
 
     return {
         "former-000": make("former", "CTransformer", emb=128, heads=8, depth=3, seq_length=256, num_tokens=50_000,

@@ -344,9 +344,9 @@ def _check_memory(config: ClassifyConfig, folder, mesh) -> None:
         return  # the head trains on cached features; the encoder runs without gradients
     sizes = dict(width=config.emb, heads=config.heads, layers=config.depth, vocab=config.num_classes)
     if folder is not None:
-        from flax_transformer.interop import hf
+        from flax_transformer.interop import hf, hf_tables
 
-        encoder = hf.config_of(hf.read_config(folder))[1]  # BERT's, DistilBERT's or RoBERTa's names
+        encoder = hf_tables.config_of(hf.read_config(folder))[1]  # BERT's, DistilBERT's or RoBERTa's names
         sizes = dict(width=encoder.hidden_size, heads=encoder.num_attention_heads, layers=encoder.num_hidden_layers,
                      vocab=config.num_classes)
     check_memory(step_bytes(batch=config.run.batch_size, length=config.max_length, devices=mesh.size if mesh else 1,

@@ -22,7 +22,8 @@ field by field (``read``, ``certificate_schema.validate``: one line naming the f
 recomputes the hashes (a changed tensor is named), reruns the measurement on the recorded inputs,
 and compares versions (see its ``RecheckReport`` for what fails and what is a note).
 
-This module is the flow: it makes (``make``) and reads (``read``) certificates and writes no file.
+This module is the flow: it makes (``make``) and reads (``read``) certificates and writes no file;
+what a certificate records (hashes, versions, platform) and its schema are ``certificate_schema``'s.
 The writers of ``interop`` take its ``sidecar`` hook, and ``export`` puts the two together. What a
 certificate is about is its *subject* (``ExportSubject``, in ``certificate_subjects``: a family's
 model, a user's own model against its torch reference; ``certificate_peft``: a PEFT adapter): the
@@ -32,16 +33,29 @@ subject describes itself, reloads what was written and measures it; the flow doe
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
-import platform
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
 from flax_transformer.interop import files
-from flax_transformer.verification.certificate_schema import FORMAT, MAX_BYTES, CertificateError, brief, validate
+from flax_transformer.verification.certificate_schema import (
+    FORMAT,
+    MAX_BYTES,
+    CertificateError,
+    brief,
+    file_hashes,
+    float64_note,
+    lm_line,
+    not_compared_note,
+    platform_info,
+    read_tensors,
+    tensor_hashes,
+    torch_available,
+    validate,
+    value_of,
+    versions,
+)
 from flax_transformer.verification.precision import FP32
 from flax_transformer.verification.reports import TOLERANCE, grads_row
 
@@ -60,8 +74,7 @@ FORWARD_RELATIVE_TO = "max(1, max|output|)"  # the torch output
 # A re-check in the same environment fails on an error above max(2 x recorded, recorded + 1e-7):
 # thread counts and reduction order can move fp32 rounding a little between two correct runs.
 RECHECK_FACTOR, RECHECK_SLACK = 2.0, 1e-7
-VERSIONED = ("flax_transformer", "jax", "jaxlib", "flax", "torch", "transformers", "numpy", "safetensors",
-             "orbax-checkpoint")
+
 
 
 
@@ -75,86 +88,6 @@ def find(path) -> Path | None:
     """The certificate of ``path`` if it has one."""
     cert = path_for(path)
     return cert if cert.is_file() else None
-
-
-# ------------------------------------------------------------------ what is recorded
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_tensors(path, fmt: str) -> dict[str, np.ndarray]:
-    """Every tensor of a written export, under the names it has in the file (numpy; bf16 stays bf16)."""
-    from flax_transformer.interop import checkpoints, hf, orbax_quiet, safetensors_io
-
-    path = Path(path)
-    if fmt == "safetensors":
-        return checkpoints.read_safetensors(path)[0]
-    if fmt == "torch":  # by content: the temporary file being checked has no suffix
-        return safetensors_io.read_torch_pickle(path)
-    if fmt == "hf":
-        return hf.read_weights(path)
-    import jax
-    import orbax.checkpoint as ocp
-
-    with orbax_quiet.errors_raised_not_logged(wait_limit_s=0.0), ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.restore(path.absolute() / "params")
-    # Flax paths joined with "/": tblocks/0/ff/0/kernel
-    return {"/".join(str(getattr(k, "key", k)) for k in keys): np.asarray(v)
-            for keys, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def tensor_hashes(tensors: dict) -> dict[str, dict]:
-    """{name: {"sha256" of the C-order bytes, "dtype", "shape"}}."""
-    out = {}
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        out[name] = {"sha256": sha256(a.tobytes()), "dtype": str(a.dtype), "shape": list(a.shape)}
-    return out
-
-
-def file_hashes(path, fmt: str, name: str | None = None) -> dict[str, str]:
-    """sha256 of the weights file of a single-file export (under its final ``name``), or of a
-    folder's files that describe the model (its tensors are hashed one by one)."""
-    path = Path(path)
-    if fmt in ("safetensors", "torch"):
-        return {name or path.name: files.sha256_file(path)}
-    if fmt == "orbax":  # orbax's own files carry no weights of their own: its tensors are hashed one by one
-        return {n: files.sha256_file(path / n) for n in ("flax_transformer.json",) if (path / n).is_file()}
-    return {p.name: files.sha256_file(p) for p in sorted(path.iterdir())  # config, weights, a sharded index
-            if p.is_file() and (p.name == "config.json" or p.suffix in (".safetensors", ".bin")
-                                or p.name.endswith(".index.json"))}
-
-
-def versions() -> dict[str, str | None]:
-    """Installed versions (None: not installed). torch counts only if it imports."""
-    out = {}
-    for name in VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    if out["torch"] is not None and torch_available() is None:
-        out["torch"] = None
-    return out
-
-
-def platform_info() -> dict[str, str]:
-    import jax
-
-    device = jax.devices()[0]
-    return {"python": platform.python_version(), "system": platform.platform(), "machine": platform.machine(),
-            "jax_backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device))}
-
-
-def torch_available():
-    """torch, if it imports; else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
 
 
 # ------------------------------------------------------------------------ measuring
@@ -259,44 +192,6 @@ def make(written, fmt: str, subject: ExportSubject, *, name: str | None = None) 
         record |= subject.measure(flax_model, torch_model)
     refuse_failed(record, name or written.name, subject.reloaded)
     return record
-
-
-def error_of(entry: dict, relative: bool = True) -> float:
-    """The error held to the tolerance: relative where recorded (a forward entry written before
-    the forward error was relative has ``max_abs_err`` alone), else the absolute one."""
-    if relative and "max_rel_err" in entry:
-        return float(entry["max_rel_err"])
-    return float(entry.get("max_abs_err", entry.get("max_rel_err")))
-
-
-def float64_note(entry: dict) -> str:
-    """"" when the entry met the float64 rule (or has none: certificates before it), else the figures."""
-    f = entry.get("float64")
-    if not f or f.get("passed", True):
-        return ""
-    figures = (f"JAX {f['jax_err']:.2e} vs torch {f['torch_err']:.2e} against float64, budget {f['budget']:.2e}"
-               if f.get("budget") is not None else "not measured")
-    return f"; float64 rule failed: {figures}"
-
-
-def not_compared_note(entry: dict) -> str:
-    return f"; not compared: {entry['not_compared']}" if entry.get("not_compared") else ""
-
-
-def value_of(entry: dict, relative: bool = True) -> str:
-    if "not_measured" in entry:
-        return entry["not_measured"]
-    return f"{error_of(entry, relative):.2e}" + ("" if entry["finite"] else " (NaN/inf)")
-
-
-def lm_line(entry: dict) -> str:
-    """A certificate's ``lm`` entry (``measure.LMAgreement.to_dict``) in one line."""
-    if not entry.get("measured", True) or "not_measured" in entry:
-        return f"LM agreement not measured: {entry.get('reason') or entry.get('not_measured')}"
-    gates = entry["gates"]
-    return (f"LM KL(torch || JAX) mean {entry['kl_mean']:.2e}, max {entry['kl_max']:.2e} over {entry['tokens']} "
-            f"tokens (gate {gates['kl_max']:g}), top-1 {entry['top1']:.4f}, top-5 {entry['top5']:.4f} (gates "
-            f"{gates['top1']:g}, {gates['top5']:g})")
 
 
 def to_json(record: dict) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flax_transformer.interop import files
 from flax_transformer.verification import certificate as cert
+from flax_transformer.verification import certificate_schema as schema
 from flax_transformer.verification import certificate_subjects as subjects
 from flax_transformer.verification import measure as core
 from flax_transformer.verification.certificate_schema import USER, CertificateError, brief, key_name
@@ -76,7 +77,7 @@ def _check_hashes(report: RecheckReport, path: Path, record: dict) -> dict | Non
     if fmt in ("safetensors", "torch"):  # the one weights file, whatever it is called now (renamed with its certificate)
         found = {name: files.sha256_file(path) for name in record["files"]}  # one entry: the schema says so
     else:
-        found = cert.file_hashes(path, fmt)
+        found = schema.file_hashes(path, fmt)
     missing, changed = [], []
     for fname, digest in record["files"].items():
         shown = brief(fname if fname == path.name or fmt in ("orbax", "hf") else
@@ -91,11 +92,11 @@ def _check_hashes(report: RecheckReport, path: Path, record: dict) -> dict | Non
     _group(report, "files not in the certificate (added after the export)", added,
            lambda f: f"file {f} is not in the certificate (added after the export)")
     try:
-        tensors = cert.read_tensors(path, fmt)
+        tensors = schema.read_tensors(path, fmt)
     except (OSError, ValueError) as error:
         report.failures.append(f"cannot read the tensors: {brief(error)}")
         return None
-    now, recorded = cert.tensor_hashes(tensors), record["tensors"]
+    now, recorded = schema.tensor_hashes(tensors), record["tensors"]
     gone, new, differ = [], [], []
     for key in sorted(set(recorded) | set(now)):
         if key not in now:
@@ -123,25 +124,25 @@ def _compare_errors(report: RecheckReport, record: dict, measured: dict, same_en
     for key in ("forward", "backward"):
         was, now = record[key], measured[key]
         if "not_measured" in now:
-            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {cert.value_of(was)})"
+            at_export = "" if was.get("not_measured") == now["not_measured"] else f" (at export: {schema.value_of(was)})"
             report.notes.append(f"{key}: {now['not_measured']}{at_export}")
             continue
-        value = cert.error_of(now)  # held to the tolerance: relative to the outputs' / gradients' scale
+        value = schema.error_of(now)  # held to the tolerance: relative to the outputs' / gradients' scale
         # a recorded tolerance can tighten the library's, never loosen it
         tolerance = min(float(was.get("tolerance", now["tolerance"])), float(now["tolerance"]))
         # like with like: a forward entry from before the relative error has the absolute one alone
         relative = "not_measured" in was or "max_rel_err" in was
-        recorded = None if "not_measured" in was else cert.error_of(was, relative)
+        recorded = None if "not_measured" in was else schema.error_of(was, relative)
         if recorded is None:
             report.notes.append(f"{key}: {was['not_measured']} at export; measured now")
         label = ("backward max relative gradient err" if key == "backward" else
                  "forward max relative err" if relative else "forward max abs err")
-        shown = cert.value_of(now, relative)
+        shown = schema.value_of(now, relative)
         both = f"{label} {shown} now, " + (f"{recorded:.2e} at export" if recorded is not None else
                                            "none recorded") + f" (tolerance {tolerance:g})"
-        compared = cert.error_of(now, relative)
+        compared = schema.error_of(now, relative)
         if not now["finite"] or value > tolerance or not now.get("float64", {}).get("passed", True):
-            report.failures.append(both + cert.float64_note(now))
+            report.failures.append(both + schema.float64_note(now))
         elif recorded is not None and compared > max(cert.RECHECK_FACTOR * recorded, recorded + cert.RECHECK_SLACK):
             (report.notes if not same_environment else report.failures).append(
                 both + ("; larger than recorded, with the versions or platform changed" if not same_environment
@@ -153,7 +154,7 @@ def _compare_errors(report: RecheckReport, record: dict, measured: dict, same_en
 
 def _environment_notes(record: dict) -> list[str]:
     """Versions and platform fields that changed since the export, each with both values."""
-    now_versions, now_platform = cert.versions(), cert.platform_info()
+    now_versions, now_platform = schema.versions(), schema.platform_info()
     changed = [f"{k} {record['versions'].get(k)} at export, {now_versions.get(k)} now"
                for k in sorted(set(record["versions"]) | set(now_versions))
                if record["versions"].get(k) != now_versions.get(k)]
@@ -203,7 +204,7 @@ def recheck(path, pair=None) -> RecheckReport:
         report.notes.append("no inputs recorded in the certificate: re-measured on the library's defaults (seed "
                             f"{inputs['seed']}, batch {inputs['batch']}, length {inputs['length']}), as every export "
                             "measures")
-    if cert.torch_available() is None:
+    if schema.torch_available() is None:
         measured = cert.not_measured("not re-measured: torch not installed")
     else:
         fmt, description = record["format"], record["model"]
@@ -229,7 +230,7 @@ def _compare_lm(report: RecheckReport, record: dict, measured: dict) -> None:
             report.notes.append("LM agreement: not re-measured" + (
                 f" ({measured['forward']['not_measured']})" if "not_measured" in measured["forward"] else ""))
         return
-    line = cert.lm_line(now) + " now" + (f"; at export KL max {was['kl_max']:.2e}" if was and "kl_max" in was else "")
+    line = schema.lm_line(now) + " now" + (f"; at export KL max {was['kl_max']:.2e}" if was and "kl_max" in was else "")
     (report.passes if now["passed"] else report.failures).append(line)
 
 

@@ -30,8 +30,14 @@ import numpy as np
 
 from flax_transformer.interop import files, peft, safetensors_io
 from flax_transformer.interop.layer_kinds import to_flax, to_torch
-from flax_transformer.verification.certificate import ExportSubject, platform_info, sha256, tensor_hashes, versions
-from flax_transformer.verification.certificate_schema import CertificateError
+from flax_transformer.verification.certificate import ExportSubject
+from flax_transformer.verification.certificate_schema import (
+    CertificateError,
+    platform_info,
+    sha256,
+    tensor_hashes,
+    versions,
+)
 from flax_transformer.verification.reports import Report
 
 __all__ = ["FILE", "KIND", "AdapterReport", "AdapterSubject", "base_identity", "is_adapter", "measure", "measured_passed", "recheck"]

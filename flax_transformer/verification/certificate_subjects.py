@@ -46,6 +46,7 @@ from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.models.input_specs import input_spec
 from flax_transformer.verification import certificate as cert
+from flax_transformer.verification import certificate_schema as schema
 from flax_transformer.verification import measure as core
 from flax_transformer.verification.certificate_schema import FORMATS, USER, USER_FORMATS, CertificateError, brief
 from flax_transformer.verification.compare import compare
@@ -291,7 +292,7 @@ def torch_model_of(path, fmt: str, description: dict, tensors: dict | None = Non
         return porting.flax_to_torch(checkpoints.load_orbax(path)).eval()
     model = checkpoints.build(description, framework="torch")
     if tensors is None:
-        tensors = cert.read_tensors(path, fmt)
+        tensors = schema.read_tensors(path, fmt)
     model.load_state_dict(hf.torch_state(tensors))
     return model.eval()
 
@@ -307,7 +308,7 @@ def flax_model_of(path, fmt: str, description: dict, tensors: dict | None = None
     if fmt == "orbax":  # re-homed as the export's twin was, so the check's compiled code is shared
         return fp32_twin(checkpoints.load_orbax(path))
     model = checkpoints.build(description)  # as checkpoints.load, whatever the file's suffix
-    porting.load_state_dict(model, tensors if tensors is not None else cert.read_tensors(path, fmt), strict=True)
+    porting.load_state_dict(model, tensors if tensors is not None else schema.read_tensors(path, fmt), strict=True)
     model.eval()
     return model
 

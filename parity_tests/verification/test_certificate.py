@@ -52,7 +52,7 @@ def test_every_export_writes_a_certificate_that_rechecks(tmp_path, former, fmt):
     assert cert == (path / "verification.json" if path.is_dir() else tmp_path / f"{name}.verification.json")
     record = json.loads(cert.read_text())
     assert record["format"] == fmt and record["model"]["class"] in ("CTransformer", "GPT2LMHeadModel")
-    tensors = certificate.read_tensors(path, fmt)
+    tensors = certificate_schema.read_tensors(path, fmt)
     assert set(record["tensors"]) == set(tensors) and len(tensors) > 10
     dtype = "bfloat16" if fmt == "hf" else "float32"
     assert all(len(t["sha256"]) == 64 and t["dtype"] == dtype for t in record["tensors"].values())
@@ -127,7 +127,7 @@ def test_a_larger_error_and_a_changed_version_are_reported_with_both_values(tmp_
     cert.write_text(json.dumps(record))
     report = certificate_check.recheck(path)
     assert report.passed, report.format()
-    assert f"jax 0.0.1 at export, {certificate.versions()['jax']} now" in report.notes
+    assert f"jax 0.0.1 at export, {certificate_schema.versions()['jax']} now" in report.notes
     assert any("larger than recorded" in n and f"{measured:.2e} now" in n for n in report.notes)
     record["backward"]["tolerance"] = measured / 2  # above the tolerance: a failure whatever changed
     cert.write_text(json.dumps(record))

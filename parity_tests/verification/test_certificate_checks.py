@@ -19,7 +19,7 @@ from flax import nnx
 import torch_reference.former as tf
 from flax_transformer.interop import files, porting, safetensors_io
 from flax_transformer.models.former import CTransformer
-from flax_transformer.verification import certificate, certificate_check, certificate_schema, certificate_subjects
+from flax_transformer.verification import certificate_check, certificate_schema, certificate_subjects
 from flax_transformer.verification import compare as compare_module
 from flax_transformer.verification.compare import TOLERANCE
 
@@ -89,7 +89,7 @@ def test_the_recheck_names_a_tensor_the_certificate_does_not_list(tmp_path):
     path = tmp_path / "m.safetensors"
     safetensors_io.write_safetensors({"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}, path)
     record = {"format": "safetensors", "files": {path.name: files.sha256_file(path)},
-              "tensors": certificate.tensor_hashes({"a": np.ones(3, np.float32)})}
+              "tensors": certificate_schema.tensor_hashes({"a": np.ones(3, np.float32)})}
     report = certificate_check.RecheckReport(path, tmp_path / "c.json")
     certificate_check._check_hashes(report, path, record)
     assert report.failures == ["tensor 'b' is not in the certificate"] and not report.passes, report.failures

@@ -29,7 +29,8 @@ _MOVED = {
     **{name: f"flax_transformer.interop.{name}" for name in (
         "checkpoints", "files", "hf", "layer_kinds", "peft", "porting", "safetensors_io")},
     **{name: f"flax_transformer.verification.{name}" for name in (
-        "bisect", "certificate", "certificate_check", "export", "verify")},
+        "bisect", "certificate", "export", "verify")},
+    "certificate_check": "flax_transformer.verification.certificate",
     "pairs": "flax_transformer.verification.certificate_subjects",
     "inspection": "flax_transformer.cli.inspection",
     "ATTENTION_IMPLEMENTATIONS": "flax_transformer.models.attention.ATTENTION_IMPLEMENTATIONS",

@@ -114,7 +114,7 @@ def run(args) -> int:
             raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; "
                              f"{args.checkpoint} is a {'training run' if not bare else 'bare state_dict'} "
                              "(port it first: flax-transformer port SRC DST)")
-        flax_model, torch_model = (certificate_subjects.certified_pair(args.checkpoint)
+        flax_model, torch_model = (certificate.certified_pair(args.checkpoint)
                                    if bare and certificate.find(args.checkpoint) else
                                    certificate_subjects.load_pair(args.checkpoint, load=load_model, dtype=dtype))
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text

@@ -81,7 +81,6 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     is of the weights, re-checked in float32 as it was made)."""
     from flax_transformer.verification import (
         certificate,
-        certificate_check,
         certificate_peft,
         certificate_schema,
         reports,
@@ -96,10 +95,10 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
         print(f"{report.summary()}\n({time.perf_counter() - start:.1f} s)")
         return 0 if report.ok else 1
     if pair is not None:
-        report = certificate_check.recheck(path, pair=pair)
+        report = certificate.recheck(path, pair=pair)
         print(f"{report.format()}\n({time.perf_counter() - start:.1f} s)")
         return 0 if report.passed else 1
-    report = certificate_check.recheck(path) if certificate.find(path) else None
+    report = certificate.recheck(path) if certificate.find(path) else None
     try:
         rows, agreements = verify.checkpoint_report(path, load=load_model, dtype=dtype)
     except (OSError, ValueError) as error:

@@ -1,7 +1,7 @@
 """Does the Flax model compute what its torch twin computes? ``compare`` (one pair, a report),
 ``verify`` (the tables of the ``verify`` command), ``bisect`` (the first module that diverges,
-against float64 torch), ``certificate`` and ``certificate_check`` (what an export records, and its
-re-check), ``export`` (certified writers), ``certificate_subjects`` (a checkpoint or a user's
+against float64 torch), ``certificate`` (an export's certificate: made, read and re-checked;
+what it records and its schema in ``certificate_schema``), ``export`` (certified writers), ``certificate_subjects`` (a checkpoint or a user's
 ``MODULE:FACTORY`` as a pair, example inputs, what a certificate is about).
 
 One measuring core (``measure``: the float64 reference, torch at a lower precision, the fp32 twin,

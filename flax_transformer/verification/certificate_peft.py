@@ -30,9 +30,9 @@ import numpy as np
 
 from flax_transformer.interop import files, peft, safetensors_io
 from flax_transformer.interop.layer_kinds import to_flax, to_torch
-from flax_transformer.verification.certificate import ExportSubject
 from flax_transformer.verification.certificate_schema import (
     CertificateError,
+    ExportSubject,
     platform_info,
     sha256,
     tensor_hashes,

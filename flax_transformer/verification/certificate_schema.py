@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.interop import files
+from flax_transformer.verification.precision import FP32
+from flax_transformer.verification.reports import TOLERANCE, grads_row
 
 FORMAT = "flax_transformer verification certificate 1"
 FORMATS = ("safetensors", "torch", "orbax", "hf")
@@ -113,6 +115,77 @@ def torch_available():
     except ImportError:
         return None
     return torch
+
+
+# ------------------------------------------------------------------ what is measured
+
+
+INPUTS = {"seed": 0, "batch": 2, "length": 9}  # one small batch: the whole check stays cheap
+# A parameter's gradient sums over every position of the batch (an embedding's over its rows too),
+# and torch and XLA sum in different orders: with real weights the fp32 rounding grows past 1e-5
+# (all-MiniLM-L6-v2: 0.9e-5 to 1.7e-5 on three seeds, worst on attention queries). A porting bug
+# (a transpose, a wrong bias) gives relative errors of order 1, so 1e-4 still catches every one.
+BACKWARD_TOLERANCE = 1e-4
+# The forward error is relative to the outputs' scale, max(1, max |torch output|), as the backward's
+# is to the gradient's: fp32 rounding grows with the values (a GPT-2's logits up to ~80 differ by
+# 3e-5 in absolute terms), so an absolute 1e-5 would refuse a correct model with large outputs.
+FORWARD_RELATIVE_TO = "max(1, max|output|)"  # the torch output
+
+
+FLOAT64_RULE = FP32.formula() + " (precision.budget)"  # the rule as a certificate records it
+
+
+def float64_entry(row) -> dict:
+    """A row's errors against the float64 torch copy, its budget and whether JAX is within it."""
+    return {"jax_err": row.jax_err, "torch_err": row.torch_err, "budget": row.budget, "rule": FLOAT64_RULE,
+            "passed": row.within_budget is not False and not row.skipped}
+
+
+def entries(report) -> dict:
+    """{"forward", "backward"} of a certificate from ``compare(..., grads=True)``'s report."""
+    err, finite, scale, rel = float(report.max_abs_err), bool(report.finite), max(1.0, report.scale), report.max_rel_err
+    grads = grads_row(report, "", "", "", "grads")
+    grad_err, grad_finite = float(report.grad_err), bool(report.grad_finite)
+    forward64, backward64 = float64_entry(report.rows[0]), float64_entry(grads)
+    forward = {"max_abs_err": err, "scale": scale, "max_rel_err": rel, "relative_to": FORWARD_RELATIVE_TO,
+               "finite": finite, "tolerance": TOLERANCE, "float64": forward64,
+               "passed": finite and rel <= TOLERANCE and forward64["passed"] and not report.rows[0].mismatched}
+    backward = {"max_rel_err": grad_err, "finite": grad_finite, "worst": str(report.worst_grad_key),
+                "tolerance": BACKWARD_TOLERANCE, "float64": backward64,
+                "passed": grad_finite and grad_err <= BACKWARD_TOLERANCE and backward64["passed"]}
+    # what was not compared, or differs outright (a user's model: an output leaf, a gradient with no twin)
+    for entry, row in ((forward, report.rows[0]), (backward, grads)):
+        if row.skipped or row.mismatched:
+            entry["not_compared"] = brief("; ".join(filter(None, (row.skipped, row.mismatched))), 500)
+    return {"forward": forward, "backward": backward}
+
+
+class ExportSubject:
+    """What an export's certificate is about (``certificate_subjects``): ``formats`` it can be
+    written as; ``describe()`` (the certificate's ``model``), ``inputs()`` (fields recorded before
+    the measurement), ``load(written, fmt, description, tensors, name)`` (the (Flax, torch) pair
+    that measures what was written) and ``measure(flax_model, torch_model)`` (``inputs``,
+    ``forward``, ``backward``, ``lm``); ``reloaded`` says how, for a refusal. A subject whose record
+    is its own (a PEFT adapter) gives ``record(written, fmt, final)``; the others are recorded by
+    ``certificate.make``, the whole flow."""
+
+    formats: tuple[str, ...] = ()
+    reloaded = "reloaded in torch"
+    needs_torch = True  # without torch the check is recorded as not measured
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+    def inputs(self) -> dict:
+        return {}
+
+    def load(self, written: Path, fmt: str, description: dict, tensors: dict, name: str | None):
+        raise NotImplementedError
+
+    def measure(self, flax_model, torch_model) -> dict:
+        raise NotImplementedError
+
+    record = None  # or record(written, fmt, final): the certificate of what was written, to go in at final
 
 
 # ------------------------------------------------------------- a record in words

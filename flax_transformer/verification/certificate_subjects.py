@@ -7,8 +7,7 @@ are drawn from what the model says it reads (``model.input_spec()``, ``example_i
 model comes as ``MODULE:FACTORY`` (``verify --pair``, the certified exports' ``reference=`` and their
 re-check): ``FACTORY()`` returns (torch model, Flax model, args[, kwargs]) (``call_factory``).
 
-A certificate's subject is how the flow of ``certificate`` (make, sidecar) and ``certificate_check``
-(re-check) describe, reload and measure what it certifies:
+A certificate's subject is how the flow of ``certificate`` (make, sidecar, re-check) describe, reload and measure what it certifies:
 
 * ``FamilySubject``: a model of the library's families, exported as safetensors, torch, orbax or
   an HF folder; the written file is reloaded as its torch twin (``torch_model_of``) and measured
@@ -23,7 +22,7 @@ A certificate's subject is how the flow of ``certificate`` (make, sidecar) and `
   (``measure_user``). The certificate also records the reference's ``model`` (classes, the
   ``MODULE:FACTORY`` it was given as, ``rename``) and the ``inputs`` (each one's shape, dtype and
   sha256, so that a re-check on other inputs is refused); ``certificate_schema`` checks the fields.
-  ``certificate_check.recheck(path, pair="MODULE:FACTORY")`` re-checks it with the factory's models.
+  ``certificate.recheck(path, pair="MODULE:FACTORY")`` re-checks it with the factory's models.
 
 A PEFT adapter folder is the third subject (``certificate_peft.AdapterSubject``): its record is its
 own, made through the same ``certificate.sidecar``.
@@ -45,7 +44,6 @@ import numpy as np
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.models.input_specs import input_spec
-from flax_transformer.verification import certificate as cert
 from flax_transformer.verification import certificate_schema as schema
 from flax_transformer.verification import measure as core
 from flax_transformer.verification.certificate_schema import FORMATS, USER, USER_FORMATS, CertificateError, brief
@@ -222,7 +220,7 @@ def _kind(x) -> str:
 # ------------------------------------------------- a certificate's subjects
 
 
-class FamilySubject(cert.ExportSubject):
+class FamilySubject(schema.ExportSubject):
     """A model of the library's families (``state``: the values the file holds where they differ
     from the model's: a bf16 export is certified on its bf16 values)."""
 
@@ -246,7 +244,7 @@ class FamilySubject(cert.ExportSubject):
         return measure(flax_model, torch_model)
 
 
-class UserSubject(cert.ExportSubject):
+class UserSubject(schema.ExportSubject):
     """A user's own model, against ``reference`` (a torch model), on ``args``/``kwargs``."""
 
     formats = USER_FORMATS
@@ -313,22 +311,6 @@ def flax_model_of(path, fmt: str, description: dict, tensors: dict | None = None
     return model
 
 
-def certified_pair(path):
-    """(Flax model, torch model) of a certified export, each read from the files; a bare torch
-    ``.pt`` needs no ``--family``/``--class``/``--config`` here: its certificate describes it."""
-    record = cert.read(path)
-    if record["model"]["family"] == USER:  # the library cannot build it: the user's factory does
-        model = record["model"]
-        raise CertificateError(f"{path} is an export of your own model ({model['module']}.{model['class']}): the "
-                               "library cannot build it; re-check it with its factory (certificate_check.recheck("
-                               "PATH, pair='MODULE:FACTORY'), flax-transformer verify --checkpoint PATH --pair "
-                               "MODULE:FACTORY), or bisect that pair with --pair")
-    # the Flax model first: built abstract and loaded strictly, it holds the description to the file's
-    # tensors before torch allocates anything from it
-    flax_model = flax_model_of(path, record["format"], record["model"])
-    return flax_model, torch_model_of(path, record["format"], record["model"])
-
-
 def fp32_twin(model, state: dict | None = None):
     """The exported model as a Flax model computing in float32 (eval mode), with the same values.
 
@@ -351,15 +333,15 @@ def fp32_twin(model, state: dict | None = None):
                               twin, porting.state_dict(model) if state is None else state, strict=True))
 
 
-def measure(flax_model, torch_model, *, seed: int = cert.INPUTS["seed"], batch: int = cert.INPUTS["batch"],
-            length: int = cert.INPUTS["length"]) -> dict:
+def measure(flax_model, torch_model, *, seed: int = schema.INPUTS["seed"], batch: int = schema.INPUTS["batch"],
+            length: int = schema.INPUTS["length"]) -> dict:
     """{"inputs", "forward", "backward"}: ``flax_model`` against ``torch_model`` on example inputs.
 
     forward: the largest |torch - flax| over the outputs (``max_abs_err``), and relative to the
     outputs' scale ``max(1, max |torch output|)`` (``max_rel_err``, the one held to the tolerance).
     backward: the largest parameter gradient error relative to the gradient's scale
     (``compare.compare(..., grads=True)``). Both in fp32 with matmul precision "highest", against
-    ``reports.TOLERANCE`` and ``certificate.BACKWARD_TOLERANCE``; and both against a float64 torch copy of
+    ``reports.TOLERANCE`` and ``certificate_schema.BACKWARD_TOLERANCE``; and both against a float64 torch copy of
     the model by ``bisect``'s budget rule (``float64``: JAX's and torch's errors, the budget).
     Any non-finite value, or anything not compared, fails."""
     import jax
@@ -375,7 +357,7 @@ def measure(flax_model, torch_model, *, seed: int = cert.INPUTS["seed"], batch: 
     with jax.default_matmul_precision("highest"):  # forward and backward, one compile
         report = compare(torch_model, flax_model, args, grads=True, seed=seed, lm=lm,
                          lm_mask=lm_mask(flax_model, args) if lm else None)
-    return {"inputs": inputs} | cert.entries(report) | ({"lm": report.lm.to_dict()} if lm else {})
+    return {"inputs": inputs} | schema.entries(report) | ({"lm": report.lm.to_dict()} if lm else {})
 
 
 # ------------------------------------------------------------------ your own model
@@ -512,4 +494,4 @@ def measure_user(flax_model, torch_model, args, kwargs=None, *, rename=None) -> 
 
     with jax.default_matmul_precision("highest"):
         report = compare(torch_model, flax_model, tuple(args), dict(kwargs or {}), grads=True, rename=rename or None)
-    return cert.entries(report)
+    return schema.entries(report)

@@ -382,7 +382,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):
         raise ValueError(f"--dtype {dtype} takes an HF folder, a safetensors file or an orbax folder; {path} is a "
                          f"{'bare state_dict' if bare else 'training run'} (port it first: flax-transformer port SRC DST)")
-    flax_model, torch_model = (certificate_subjects.certified_pair(path) if bare and certificate.find(path) else
+    flax_model, torch_model = (certificate.certified_pair(path) if bare and certificate.find(path) else
                                certificate_subjects.load_pair(path, load=load, dtype=dtype))
     family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
     args = certificate_subjects.example_inputs(flax_model)

@@ -133,11 +133,11 @@ def test_the_torch_export_gives_the_same_logits(whole):
     from safetensors.torch import load_file
 
     from flax_transformer.interop import checkpoints
-    from flax_transformer.verification import certificate_check
+    from flax_transformer.verification import certificate
 
     folder, _ = whole
     export = folder / "whole.safetensors"
-    assert certificate_check.recheck(export).passed
+    assert certificate.recheck(export).passed
     _, description = checkpoints.read_safetensors(export)
     twin = checkpoints.build(description, framework="torch")
     assert type(twin).__module__ == "torch_reference.llama"

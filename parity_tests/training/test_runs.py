@@ -27,7 +27,7 @@ from flax_transformer.training.loop import fit
 from flax_transformer.training.optim import OptimConfig
 from flax_transformer.training.run_loading import load_model, load_run
 from flax_transformer.training.rundir import create_run_dir
-from flax_transformer.verification import certificate_check
+from flax_transformer.verification import certificate
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
@@ -183,7 +183,7 @@ def test_classify_tiny_end_to_end_then_predict_and_export(fake_data, tmp_path, c
     out, err = capsys.readouterr()
     assert f"Exported {export}: the trained weights" in err  # as --export-hf says what it wrote
     assert "test accuracy" in out
-    assert certificate_check.recheck(export).passed  # the export's certificate (model.safetensors.verification.json)
+    assert certificate.recheck(export).passed  # the export's certificate (model.safetensors.verification.json)
     _assert_run_files(run)
     assert (run / "tokenizer.json").is_file()
     train = records(run, "train")

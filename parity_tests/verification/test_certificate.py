@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import files, porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_check, certificate_schema, export
+from flax_transformer.verification import certificate, certificate_schema, export
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_every_export_writes_a_certificate_that_rechecks(tmp_path, former, fmt):
     assert record["matmul_precision"] == "highest"
     assert {"jax", "flax", "torch", "transformers"} <= {k for k, v in record["versions"].items() if v}
     assert record["platform"]["jax_backend"] and record["platform"]["python"]
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and not report.notes, report.format()
     assert f"forward max relative err {record['forward']['max_rel_err']:.2e}" in report.format()
 
@@ -90,7 +90,7 @@ def test_a_certificate_catches_a_changed_tensor(tmp_path, former, capsys):
     assert "certificate: 3 passed, 0 failed" in capsys.readouterr().out
     victim = "tblocks.0.ff.0.weight"
     _rewrite_tensor(path, victim, lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, -a, a))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert not report.passed
     assert [f for f in report.failures if f.startswith("tensor")] == [
         next(f for f in report.failures if f.startswith(f"tensor {victim!r} changed (sha256 "))]  # that one, named
@@ -112,26 +112,26 @@ def test_a_larger_error_and_a_changed_version_are_reported_with_both_values(tmp_
     assert 0 < measured < 1e-7
     record["backward"]["max_rel_err"] = measured / 100  # the certificate claims a smaller error than re-measured
     cert.write_text(json.dumps(record))
-    report = certificate_check.recheck(path)  # but the growth stays within the margin's 1e-7: rounding, a pass
+    report = certificate.recheck(path)  # but the growth stays within the margin's 1e-7: rounding, a pass
     assert report.passed and not report.notes, report.format()
     monkeypatch.setattr(certificate, "RECHECK_SLACK", 0.0)  # this tiny model's errors are below the slack
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert not report.passed and len(report.failures) == 1, report.format()
     assert f"{measured:.2e} now, {measured / 100:.2e} at export" in report.failures[0]
     record["backward"]["max_rel_err"] = measured / 1.5  # larger, but within the re-check margin (2x): a pass
     cert.write_text(json.dumps(record))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and not report.notes, report.format()
     record["backward"]["max_rel_err"] = measured / 100
     record["versions"]["jax"] = "0.0.1"  # after an upgrade a larger error within the tolerance is a note
     cert.write_text(json.dumps(record))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed, report.format()
     assert f"jax 0.0.1 at export, {certificate_schema.versions()['jax']} now" in report.notes
     assert any("larger than recorded" in n and f"{measured:.2e} now" in n for n in report.notes)
     record["backward"]["tolerance"] = measured / 2  # above the tolerance: a failure whatever changed
     cert.write_text(json.dumps(record))
-    assert not certificate_check.recheck(path).passed
+    assert not certificate.recheck(path).passed
     assert main(["verify", "--checkpoint", str(path)]) == 1
     cert.write_text("{")  # not a certificate: one line, exit 2
     assert main(["verify", "--checkpoint", str(path)]) == 2
@@ -145,7 +145,7 @@ def test_a_certificate_for_other_weights_is_caught(tmp_path, former):
     porting.load_state_dict(other, {k: v * 2 for k, v in porting.state_dict(former).items()})
     b = export.save_safetensors(other, tmp_path / "b.safetensors")
     certificate.path_for(a).write_bytes(certificate.path_for(b).read_bytes())
-    report = certificate_check.recheck(a)
+    report = certificate.recheck(a)
     assert report.failures[0].startswith("file a.safetensors (certified as b.safetensors) changed")
     assert report.failures[1].startswith("tensors changed (15): ")  # every tensor: one summary line
 
@@ -164,7 +164,7 @@ def test_a_failed_weights_swap_puts_the_old_certificate_back(tmp_path, former, m
         export.save_safetensors(former, path, overwrite=True)
     monkeypatch.undo()
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before  # both byte-identical, no temp left
-    assert certificate_check.recheck(path).passed
+    assert certificate.recheck(path).passed
 
 
 def test_an_export_that_fails_its_check_writes_nothing(tmp_path, former, monkeypatch):
@@ -196,10 +196,10 @@ def test_without_torch_the_certificate_records_hashes_and_says_why_errors_are_mi
     record = json.loads(certificate.path_for(path).read_text())
     assert record["forward"] == record["backward"] == {"not_measured": "not measured: torch not installed"}
     assert record["versions"]["torch"] is None and record["versions"]["jax"] and len(record["tensors"]) > 10
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and any("torch not installed" in n for n in report.notes)
     monkeypatch.undo()  # with torch back, the re-check measures what the export could not
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and any("not measured: torch not installed at export" in n for n in report.notes)
 
 
@@ -223,7 +223,7 @@ def test_the_exported_model_keeps_its_mode(tmp_path, former):
         assert former.do.deterministic is False
     finally:
         former.eval()
-    assert certificate_check.recheck(tmp_path / "m.safetensors").passed
+    assert certificate.recheck(tmp_path / "m.safetensors").passed
 
 
 def _loud_gpt2():
@@ -250,11 +250,11 @@ def test_the_forward_error_is_relative_to_the_outputs_scale(tmp_path, monkeypatc
     forward = record["forward"]
     assert 50 < forward["scale"] < 200 and forward["relative_to"] == "max(1, max|output|)", forward
     assert forward["passed"] and forward["max_rel_err"] == forward["max_abs_err"] / forward["scale"] <= 1e-5
-    assert certificate_check.recheck(path).passed
+    assert certificate.recheck(path).passed
     # a certificate written before the forward error was relative (max_abs_err alone) still re-checks
     record["forward"] = {k: forward[k] for k in ("max_abs_err", "finite", "tolerance", "passed")}
     cert.write_text(json.dumps(record))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and any(p.startswith("forward max abs err") for p in report.passes), report.format()
     # a planted error of relative size 1e-4 on logits ~100 fails, and nothing is written
     real = files.save_safetensors_file
@@ -270,8 +270,8 @@ def test_the_forward_error_is_relative_to_the_outputs_scale(tmp_path, monkeypatc
 
 def test_a_file_added_to_a_folder_after_export_fails_the_recheck(tmp_path):
     path = export.save_pretrained(_gpt2(), tmp_path / "hf")
-    assert certificate_check.recheck(path).passed
+    assert certificate.recheck(path).passed
     (path / "stray.bin").write_bytes(b"not in the certificate")
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert not report.passed
     assert report.failures == ["file stray.bin is not in the certificate (added after the export)"], report.format()

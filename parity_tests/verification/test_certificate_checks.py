@@ -19,7 +19,7 @@ from flax import nnx
 import torch_reference.former as tf
 from flax_transformer.interop import files, porting, safetensors_io
 from flax_transformer.models.former import CTransformer
-from flax_transformer.verification import certificate_check, certificate_schema, certificate_subjects
+from flax_transformer.verification import certificate, certificate_schema, certificate_subjects
 from flax_transformer.verification import compare as compare_module
 from flax_transformer.verification.compare import TOLERANCE
 
@@ -78,8 +78,8 @@ def test_the_recheck_fails_on_the_float64_rule():
     # mutant K11: the re-check held the errors to the tolerance only
     was = {"max_rel_err": 1e-7, "finite": True, "tolerance": 1e-5}
     now = was | {"float64": {"jax_err": 1e-6, "torch_err": 1e-8, "budget": 1e-7, "passed": False}}
-    report = certificate_check.RecheckReport(None, None)
-    certificate_check._compare_errors(report, {"forward": was, "backward": was}, {"forward": now, "backward": was}, True)
+    report = certificate.RecheckReport(None, None)
+    certificate._compare_errors(report, {"forward": was, "backward": was}, {"forward": now, "backward": was}, True)
     assert len(report.failures) == 1 and "float64 rule failed" in report.failures[0], report.failures
     assert report.failures[0].startswith("forward"), report.failures
 
@@ -90,18 +90,18 @@ def test_the_recheck_names_a_tensor_the_certificate_does_not_list(tmp_path):
     safetensors_io.write_safetensors({"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}, path)
     record = {"format": "safetensors", "files": {path.name: files.sha256_file(path)},
               "tensors": certificate_schema.tensor_hashes({"a": np.ones(3, np.float32)})}
-    report = certificate_check.RecheckReport(path, tmp_path / "c.json")
-    certificate_check._check_hashes(report, path, record)
+    report = certificate.RecheckReport(path, tmp_path / "c.json")
+    certificate._check_hashes(report, path, record)
     assert report.failures == ["tensor 'b' is not in the certificate"] and not report.passes, report.failures
 
 
 def test_up_to_shown_failures_are_one_line_each():
     # mutant K14: exactly SHOWN items became "... and 0 more"
-    shown = certificate_check.SHOWN
-    report = certificate_check.RecheckReport(None, None)
-    certificate_check._group(report, "tensors missing", [f"t{i}" for i in range(shown)], lambda k: f"tensor {k}")
+    shown = certificate.SHOWN
+    report = certificate.RecheckReport(None, None)
+    certificate._group(report, "tensors missing", [f"t{i}" for i in range(shown)], lambda k: f"tensor {k}")
     assert report.failures == [f"tensor t{i}" for i in range(shown)]
-    certificate_check._group(report, "tensors missing", [f"t{i}" for i in range(shown + 1)], None)
+    certificate._group(report, "tensors missing", [f"t{i}" for i in range(shown + 1)], None)
     assert report.failures[-1] == f"tensors missing ({shown + 1}): {', '.join(f't{i}' for i in range(shown))} … and 1 more"
 
 
@@ -114,11 +114,7 @@ def former():
 def test_a_threefold_error_growth_in_the_same_environment_fails_the_recheck(tmp_path, former, monkeypatch):
     """Guards the re-check's margin (``RECHECK_FACTOR``, 2): an error re-measured 3x the recorded one,
     same versions and platform, is a failure (a factor of 20 would let it pass)."""
-    from flax_transformer.verification import (
-        certificate,
-        certificate_check,
-        export,
-    )
+    from flax_transformer.verification import export
 
     path = export.save_safetensors(former, tmp_path / "m.safetensors")
     monkeypatch.setattr(certificate, "RECHECK_SLACK", 0.0)  # this tiny model's errors are below the 1e-7 slack
@@ -128,7 +124,7 @@ def test_a_threefold_error_growth_in_the_same_environment_fails_the_recheck(tmp_
     assert measured > 0, record["backward"]
     record["backward"]["max_rel_err"] = measured / 3  # re-measured: 3x what the certificate claims
     cert.write_text(json.dumps(record))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert not report.passed and len(report.failures) == 1, report.format()
     assert "larger than recorded" in report.failures[0] and "same versions" in report.failures[0], report.format()
     assert f"{measured:.2e} now, {measured / 3:.2e} at export" in report.failures[0], report.format()
@@ -146,11 +142,7 @@ def test_a_failed_certificate_write_leaves_no_weights_without_their_certificate(
     """Guards the certificate going in with the weights (inside the writer's swap), not after it: a
     fault at the certificate's write leaves the old weights with the old certificate, and a first
     export leaves nothing at all (never weights without a certificate)."""
-    from flax_transformer.verification import (
-        certificate,
-        certificate_check,
-        export,
-    )
+    from flax_transformer.verification import export
 
     save, name = export.save_safetensors, "m.safetensors"  # save_torch: the same files.write_file
     monkeypatch.setattr(files, "write_bytes", _no_space_for(".verification.json", files.write_bytes))
@@ -171,4 +163,4 @@ def test_a_failed_certificate_write_leaves_no_weights_without_their_certificate(
             with pytest.raises((OSError, ZeroDivisionError)):
                 save(other, path, overwrite=True)
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old weights, old certificate
-    assert certificate_check.recheck(path).passed
+    assert certificate.recheck(path).passed

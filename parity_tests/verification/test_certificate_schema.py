@@ -15,7 +15,7 @@ import torch
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_check, certificate_schema, export
+from flax_transformer.verification import certificate, certificate_schema, export
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def _refused(path, capsys, *expected):
     """Refused by the library and the CLI alike: one line naming the certificate and ``expected``, exit 2."""
     cert = str(certificate.path_for(path))
     with pytest.raises(certificate_schema.CertificateError) as caught:
-        certificate_check.recheck(path)
+        certificate.recheck(path)
     message = str(caught.value)
     assert "\n" not in message and len(message) < 400 and cert in message, message
     for text in expected:
@@ -104,10 +104,10 @@ def test_a_certificate_that_is_no_json_object_is_refused_in_one_line(exported, t
 
 def test_a_recorded_tolerance_can_tighten_the_recheck_never_loosen_it(exported, tmp_path):
     path = _copy(exported, tmp_path, lambda record: _set(record, ("forward", "tolerance"), 0.5))
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert report.passed and any(p.startswith("forward") and "(tolerance 1e-05)" in p for p in report.passes)
     path = _copy(exported, tmp_path, lambda record: _set(record, ("forward", "tolerance"), 1e-12))
-    assert not certificate_check.recheck(path).passed
+    assert not certificate.recheck(path).passed
 
 
 def test_a_certificate_without_inputs_is_re_measured_never_echoed(exported, tmp_path, capsys):
@@ -119,7 +119,7 @@ def test_a_certificate_without_inputs_is_re_measured_never_echoed(exported, tmp_
         record["inputs"] = None
         record["forward"]["max_rel_err"] = record["backward"]["max_rel_err"] = fake
     path = _copy(exported, tmp_path, change)
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     text = report.format()
     assert f"{fake:.2e} now" not in text, text
     assert sum(f"{fake:.2e} at export" in line for line in report.passes + report.failures) == 2, text
@@ -148,7 +148,7 @@ def test_a_stray_weights_file_in_a_certified_folder_gives_short_lines_and_fails(
     path = tmp_path / "hf"
     shutil.copytree(sharded_hf, path)
     shutil.copy(exported, path / "model.safetensors")
-    report = certificate_check.recheck(path)
+    report = certificate.recheck(path)
     assert not report.passed and len(report.failures) <= 5, report.format()
     assert "file model.safetensors is not in the certificate (added after the export)" in report.failures
     assert any(f.startswith("tensors missing (28): ") and f.endswith("… and 23 more") for f in report.failures)

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.models.state_dict_errors import StateDictError
-from flax_transformer.verification import certificate, certificate_check, export
+from flax_transformer.verification import certificate, export
 from flax_transformer.verification.certificate_schema import CertificateError, validate
 from parity_tests.user_models_tied import LENGTH, VOCAB, FlaxTiedGPT, TorchTiedGPT
 
@@ -78,7 +78,7 @@ def test_exports_hold_the_reference_names_and_recheck(exported, capsys):
                                                 f"the args of the reference factory {SPEC}")
         assert record["forward"]["passed"] and record["backward"]["passed"] and record["forward"]["max_abs_err"] > 0
         assert ("lm_head.weight" in record["tensors"]) == (fmt != "orbax")  # orbax: the Flax tree, no head
-        report = certificate_check.recheck(exported[fmt], pair=SPEC)
+        report = certificate.recheck(exported[fmt], pair=SPEC)
         assert report.passed and not report.notes and len(report.passes) == 3, report.format()
     capsys.readouterr()
     assert main(["verify", "--checkpoint", str(exported["torch"]), "--pair", SPEC]) == 0
@@ -97,7 +97,7 @@ def test_a_changed_tensor_is_named(exported, tmp_path, capsys):
     assert "FAIL  tensor 'blocks.0.c_fc.weight' changed (sha256" in out and "certificate: 2 passed, 2 failed" in out
     tensors["lm_head.weight"][0, 0] += 1  # one copy of the tied tensor: the two names now disagree
     save_file(tensors, path, metadata={"format": "pt"})
-    report = certificate_check.recheck(path, pair=SPEC)
+    report = certificate.recheck(path, pair=SPEC)
     assert "tensor 'lm_head.weight' changed" in report.format()
     assert any("lm_head.weight and tok_emb.weight are declared one tensor (tied_keys) but differ" in f
                for f in report.failures), report.format()
@@ -114,7 +114,7 @@ def test_wrong_references_and_pairs_refused(exported, tmp_path, capsys):
         export.save_torch(flax_model, tmp_path / "gpt.pt", reference=other, rename=RENAME, inputs=(IDS,))
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match=r"gives a FlaxTiedGPT; .* made with a FinalNormGPT"):
-        certificate_check.recheck(exported["torch"], pair=TIED_SPEC)
+        certificate.recheck(exported["torch"], pair=TIED_SPEC)
     capsys.readouterr()  # other inputs: refused, not compared with figures measured on the recorded ones
     assert main(["verify", "--checkpoint", str(exported["torch"]), "--pair",
                  "parity_tests.verification.test_certificate_user:other_ids_pair"]) == 2
@@ -137,7 +137,7 @@ def test_no_reference_and_no_inputs_refused_with_the_hint(exported, tmp_path, ca
         export.save_safetensors(flax_model, path, reference=TorchTiedGPT())
     assert not list(tmp_path.iterdir())
     with pytest.raises(CertificateError, match=f"re-check it with .* pair='{SPEC}'"):
-        certificate_check.recheck(exported["safetensors"])
+        certificate.recheck(exported["safetensors"])
     assert main(["verify", "--checkpoint", str(exported["safetensors"])]) == 2
     err = capsys.readouterr().err
     assert f"--pair {SPEC}" in err and len(err.splitlines()) == 1

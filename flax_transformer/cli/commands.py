@@ -87,16 +87,13 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
         verify,
     )
 
-    if certificate_peft.is_adapter(path):  # a PEFT adapter folder: its certificate, measured through peft again
-        if pair is not None or dtype != "fp32":
-            raise ValueError(f"{path} is a PEFT adapter: it is re-checked through peft in fp32 alone "
-                             "(no --pair, no --dtype)")
-        report = certificate_peft.recheck(path)
-        print(f"{report.summary()}\n({time.perf_counter() - start:.1f} s)")
-        return 0 if report.ok else 1
-    if pair is not None:
+    adapter = certificate_peft.is_adapter(path)  # a PEFT adapter folder: its certificate, measured through peft again
+    if adapter and (pair is not None or dtype != "fp32"):
+        raise ValueError(f"{path} is a PEFT adapter: it is re-checked through peft in fp32 alone "
+                         "(no --pair, no --dtype)")
+    if adapter or pair is not None:  # the re-check alone: an adapter, or your own model's export
         report = certificate.recheck(path, pair=pair)
-        print(f"{report.format()}\n({time.perf_counter() - start:.1f} s)")
+        print(f"{report.summary()}\n({time.perf_counter() - start:.1f} s)")
         return 0 if report.passed else 1
     report = certificate.recheck(path) if certificate.find(path) else None
     try:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.interop import files
+from flax_transformer.verification import certificate_peft
 from flax_transformer.verification import certificate_schema as schema
 from flax_transformer.verification import certificate_subjects as subjects
 from flax_transformer.verification import measure as core
@@ -362,7 +363,7 @@ def _begin(path: Path, record: dict) -> tuple[RecheckReport, dict | None, list[s
     return report, tensors, changed
 
 
-def recheck(path, pair=None) -> RecheckReport:
+def recheck(path, pair=None, *, base=None) -> RecheckReport | certificate_peft.AdapterReport:
     """Re-check an export against its certificate: hashes, the measurement on the recorded
     inputs (the library's defaults where none are recorded), versions and platform. Raises
     ``CertificateError`` when there is no readable one (``certificate.read``: the schema is
@@ -371,8 +372,13 @@ def recheck(path, pair=None) -> RecheckReport:
 
     ``pair``: for an export of your own model (``export.save_*(..., reference=)``), the
     ``"MODULE:FACTORY"`` (or the factory) whose ``FACTORY()`` returns (torch model, Flax model,
-    args[, kwargs]), as for ``verify --pair``: see ``recheck_user``."""
+    args[, kwargs]), as for ``verify --pair``: see ``recheck_user``.
+
+    A PEFT adapter folder is re-checked by its subject (``certificate_peft.recheck``: hashes, the
+    base, measured through peft again; ``base``: where the base folder is now, if it moved)."""
     path = Path(path)
+    if pair is None and certificate_peft.is_adapter(path):
+        return certificate_peft.recheck(path, base=base)
     record = read(path)
     user = record["model"]["family"] == USER
     if user or pair is not None:

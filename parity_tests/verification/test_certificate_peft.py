@@ -11,7 +11,7 @@ from flax import nnx
 
 from flax_transformer.interop import hf, peft
 from flax_transformer.models import lora
-from flax_transformer.verification import certificate_peft, export
+from flax_transformer.verification import certificate, certificate_peft, export
 from flax_transformer.verification.certificate_schema import CertificateError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -41,7 +41,7 @@ def _save(model, base, folder, **kwargs):
     return export.save_peft(model, folder, base=base, task_type="SEQ_CLS", modules_to_save=["classifier"], **kwargs)
 
 
-def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path):
+def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path, capsys):
     base, model = adapted
     _save(model, base, tmp_path / "adapter")
     record = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())
@@ -52,6 +52,11 @@ def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path):
     assert set(record["base"]["files"]) >= {"config.json", "model.safetensors"}
     assert record["base"]["path"] == str(base)
     assert certificate_peft.recheck(tmp_path / "adapter").ok
+    assert certificate.recheck(tmp_path / "adapter").passed  # the one re-check: an adapter goes to its subject's
+    from flax_transformer.cli.commands import main
+
+    assert main(["verify", "--checkpoint", str(tmp_path / "adapter")]) == 0  # and the command's
+    assert "PEFT LoRA adapter certificate -> pass" in capsys.readouterr().out
 
     from safetensors.numpy import load_file, save_file  # a tensor changed after the export is named
 

@@ -96,6 +96,20 @@ def chunks(value, axis: int, count: int, what: str) -> list:
     return [take(value, axis, i * step, (i + 1) * step) for i in range(count)]
 
 
+def outputs_of(value, compute, shapes, dtypes) -> list:
+    """The outputs of one ``compute(array)`` that makes several (blocks and scales of one quantisation):
+    arrays now, or ``Lazy``s that read ``value`` and compute once, whichever is read first."""
+    if not isinstance(value, Lazy):
+        return list(compute(np.asarray(value)))
+    memo = []
+
+    def get(i):
+        if not memo:
+            memo.append(compute(value.read()))
+        return memo[0][i]
+    return [Lazy(shape, dtype, lambda i=i: get(i)) for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))]
+
+
 def each(value, compute, shape=None, dtype=None):
     """``compute(array)`` of one tensor, lazily for a ``Lazy`` (same shape and dtype unless given)."""
     return _lazy([value], shape or _shape(value), dtype or _dtype([value]), compute)
@@ -401,8 +415,8 @@ class MXFP4(Op):
         out = {}
         for key, value in parts.items():
             e, k, n = _shape(value)
-            blocks = each(value, lambda a: mxfp4_quantise(a)[0], shape=(e, n, k // 32, 16), dtype=np.uint8)
-            scales = each(value, lambda a: mxfp4_quantise(a)[1], shape=(e, n, k // 32), dtype=np.uint8)
+            blocks, scales = outputs_of(value, mxfp4_quantise, [(e, n, k // 32, 16), (e, n, k // 32)],
+                                        [np.uint8, np.uint8])
             out |= {_with(key, SOURCE, 0): blocks, _with(key, SOURCE, 1): scales}
         return out
 
@@ -452,7 +466,7 @@ class FP8Blocks(Op):
             shape = _shape(value)
             if len(shape) != 2:
                 raise OpShapeError(tuple(shape), "(out, in)")
-            out[_with(key, SOURCE, 0)] = each(value, lambda a: self._quantise(a)[0], dtype=ml_dtypes.float8_e4m3fn)
-            out[_with(key, SOURCE, 1)] = each(value, lambda a: self._quantise(a)[1], shape=self._tiles(shape),
-                                              dtype=np.float32)
+            weight, scale = outputs_of(value, self._quantise, [shape, self._tiles(shape)],
+                                       [ml_dtypes.float8_e4m3fn, np.float32])
+            out[_with(key, SOURCE, 0)], out[_with(key, SOURCE, 1)] = weight, scale
         return out

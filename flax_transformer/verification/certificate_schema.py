@@ -1,12 +1,9 @@
 """The certificate's record: what a certificate holds, and its schema, checked before anything uses it.
 
-What is recorded: every tensor of a written export (``read_tensors``) and its sha256
-(``tensor_hashes``), the files' hashes (``file_hashes``), the installed ``versions`` and
-``platform_info``; a record's entries in words (``value_of``, ``float64_note``, ``lm_line``) for the
-lines that make and re-check print. ``validate(record, cert)`` checks every field (types, ranges,
-sizes) and raises ``CertificateError`` with one line naming the file and the field; nothing in a
-certificate drives an allocation or a computation until it has passed here. ``certificate`` is the
-flow (make, sidecar, read) that uses them.
+Recorded: every tensor of an export (``read_tensors``, ``tensor_hashes``), ``file_hashes``,
+``versions``, ``platform_info``, and the entries in words (``value_of``, ``float64_note``, ``lm_line``).
+``validate(record, cert)`` checks every field before anything uses it and raises ``CertificateError``
+naming the file and the field. ``certificate`` is the flow (make, sidecar, read, re-check).
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ def tensor_hashes(tensors: dict) -> dict[str, dict]:
 
 
 def file_hashes(path, fmt: str, name: str | None = None) -> dict[str, str]:
-    """sha256 of the weights file of a single-file export (under its final ``name``), or of a
-    folder's files that describe the model (its tensors are hashed one by one)."""
+    """sha256 of a single-file export (under its final ``name``), or of a folder's model-describing files."""
     path = Path(path)
     if fmt in ("safetensors", "torch"):
         return {name or path.name: files.sha256_file(path)}

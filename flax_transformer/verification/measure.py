@@ -4,11 +4,8 @@
 * the runs: the float64 torch reference and a torch copy at a lower precision (``torch_copy``,
   ``torch_reference``: forward, and backward of the same scalar), their gradients (``torch_grads``),
   and the fp32 Flax twin an export is measured with (``fp32_twin``);
-* the distances: ``err`` (max |got - want| in float64, non-finite values handled), ``scale``,
-  ``nonfinite_counts``, ``finite_part_errs``;
-* inputs: ``cast`` (torch floats to a dtype, ids and masks kept), ``fp32_inputs``;
-* error against position (``position_errors``, ``per_position``, ``sequence_length``: which outputs
-  are sequences is said in ``bisect_report``, which reports them);
+* distances (``err``, ``scale``, ``nonfinite_counts``, ``finite_part_errs``), inputs (``cast``,
+  ``fp32_inputs``) and error against position (``position_errors``, ``per_position``);
 * one output leaf or gradient checked (``check``): torch fp32 against JAX, both against float64
   torch where it ran, NaN/inf counted apart (they never agree); the leaves of two outputs of any
   structure matched and checked (``outputs``); which leaf is a language model's logits;

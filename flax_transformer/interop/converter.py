@@ -273,18 +273,6 @@ def source_name(rows: Sequence[Row], key: str, *, whole: bool = False, format_na
     return row.sources[0].format(**{f: fields[f] for f in row.carried})
 
 
-def canonical_name(rows: Sequence[Row], key: str) -> str | None:
-    """The canonical name of one source key taken by a row alone (no other tensor joins it), else None."""
-    found = _match(rows, key, forward=True)
-    if found is None:
-        return None
-    r, _, fields = found
-    row = rows[r]
-    if len(row.sources) > 1 or row.open_fields(True) or row.open_fields(False):
-        return None
-    return row.target.format(**{f: fields[f] for f in row.carried})
-
-
 class OpShapeError(ValueError):
     """An op cannot take a tensor of this shape: (what it got, what it needs), for ``mismatched``."""
 

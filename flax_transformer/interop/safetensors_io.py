@@ -85,23 +85,6 @@ def read(value) -> np.ndarray:
     return value.read() if isinstance(value, Lazy) else np.asarray(value)
 
 
-def split_rows(value, parts: int) -> list:
-    """``np.split(value, parts)`` along the first axis, lazily for a ``Lazy``."""
-    if not isinstance(value, Lazy):
-        return np.split(value, parts, axis=0)
-    step = value.shape[0] // parts
-    return [value.rows(i * step, (i + 1) * step) for i in range(parts)]
-
-
-def join_rows(parts: list):
-    """``np.concatenate(parts)`` along the first axis, lazily when any part is a ``Lazy``."""
-    if not any(isinstance(p, Lazy) for p in parts):
-        return np.concatenate(parts, axis=0)
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    dtype = np.result_type(*[p.dtype for p in parts])
-    return Lazy(shape, dtype, lambda: np.concatenate([read(p) for p in parts], axis=0))
-
-
 # ------------------------------------------------------------------ reading
 
 

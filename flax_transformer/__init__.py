@@ -31,7 +31,7 @@ _MOVED = {
     **{name: f"flax_transformer.verification.{name}" for name in (
         "bisect", "certificate", "export", "verify")},
     "certificate_check": "flax_transformer.verification.certificate",
-    "pairs": "flax_transformer.verification.certificate_subjects",
+    "pairs": "flax_transformer.verification.certificate.subjects",
     "inspection": "flax_transformer.cli.inspection",
     "ATTENTION_IMPLEMENTATIONS": "flax_transformer.models.attention.ATTENTION_IMPLEMENTATIONS",
     "set_attention": "flax_transformer.models.attention.set_attention",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.verification.certificate_subjects import call_factory
+from flax_transformer.verification.certificate.subjects import call_factory
 
 
 def load_model(path):
@@ -72,14 +72,8 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
     from flax_transformer.interop import files
-    from flax_transformer.verification import (
-        bisect,
-        certificate,
-        certificate_subjects,
-        compare,
-        measure,
-        reports,
-    )
+    from flax_transformer.verification import bisect, certificate, compare, measure, reports
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     if getattr(args, "bisect_generate", False):
         from flax_transformer.cli import generation_cli

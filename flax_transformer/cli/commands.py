@@ -79,13 +79,9 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     With ``pair`` (``--pair MODULE:FACTORY``), the re-check of your own model's export alone. ``dtype``
     (``--dtype bf16``): the table of the model computing in bf16, by bf16's budget (the certificate
     is of the weights, re-checked in float32 as it was made)."""
-    from flax_transformer.verification import (
-        certificate,
-        certificate_peft,
-        certificate_schema,
-        reports,
-        verify,
-    )
+    from flax_transformer.verification import certificate, reports, verify
+    from flax_transformer.verification.certificate import peft as certificate_peft
+    from flax_transformer.verification.certificate import schema as certificate_schema
 
     adapter = certificate_peft.is_adapter(path)  # a PEFT adapter folder: its certificate, measured through peft again
     if adapter and (pair is not None or dtype != "fp32"):
@@ -158,7 +154,8 @@ def _verify_through_torch_state(args, start) -> int:
 def _port(args) -> int:
     _highest_precision()
     from flax_transformer.interop import checkpoints, files, hf
-    from flax_transformer.verification import certificate, certificate_subjects, compare, export, reports
+    from flax_transformer.verification import certificate, compare, export, reports
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     dst = Path(args.dst)
     if args.to == "torch-state":
@@ -227,7 +224,8 @@ def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) 
     import numpy as np
 
     from flax_transformer.interop import hf
-    from flax_transformer.verification import certificate_subjects, verify
+    from flax_transformer.verification import verify
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     try:
         import torch

@@ -28,7 +28,8 @@ def prompt_ids(folder, text: str) -> list[int]:
 def run(args) -> int:
     from flax_transformer.interop import files
     from flax_transformer.training.run_loading import load_model  # as bisect_cli.load_model: run directories too
-    from flax_transformer.verification import certificate_subjects, reports
+    from flax_transformer.verification import reports
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
     from flax_transformer.verification.generation_bisect import bisect_generation, check_inputs
 
     if not args.checkpoint:

@@ -48,7 +48,8 @@ def port_peft(args, dst: Path) -> int:
     from flax_transformer.interop import files
     from flax_transformer.models import lora
     from flax_transformer.training import lora_runs, run_loading
-    from flax_transformer.verification import certificate_peft, export
+    from flax_transformer.verification import export
+    from flax_transformer.verification.certificate import peft as certificate_peft
 
     extra = [flag for flag, given in (("--family/--class/--config", args.family or args.cls or args.config),
                                       ("--dtype", args.dtype != "fp32"), ("--max-shard-size", args.max_shard_size),

@@ -352,7 +352,8 @@ def save_lm_export(model, path, *, folder: Path, overwrite: bool = False) -> Pat
     as ``verification.export.save_pretrained`` does (``verification.json``: reloaded in torch and
     measured against the model before the folder is swapped in)."""
     from flax_transformer.interop import hf
-    from flax_transformer.verification import certificate, certificate_subjects, export
+    from flax_transformer.verification import certificate, export
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     files.check_target(path, kind="dir", overwrite=overwrite)
     export.check_finite(model)

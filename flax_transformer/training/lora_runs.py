@@ -282,7 +282,7 @@ def peft_options(task: str, folder) -> dict:
 def export_peft(model, path, *, folder: Path, task: str, overwrite: bool = False, float32_base=None,
                 **check) -> dict | None:
     """Write the run's adapter as a PEFT folder (``verification.export.save_peft``, certified: see
-    ``certificate_peft``; the classifier's head as ``modules_to_save``), and check it in ``peft``
+    ``certificate.peft``; the classifier's head as ``modules_to_save``), and check it in ``peft``
     (``check_peft``) on real inputs when torch, transformers and peft are installed: no missing or
     unexpected adapter keys, logits within 1e-4 of this library's
     (``float32_base()``, for a run that computes in another dtype: its base built in float32, which

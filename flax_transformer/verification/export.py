@@ -8,7 +8,7 @@ Each function takes the arguments of the ``interop`` writer it wraps (``checkpoi
 ``hf.save_pretrained``) plus ``certify``. The writer writes the weights under a temporary name;
 its ``before_swap`` hook (``certificate.sidecar``) reloads them in torch, measures them against
 the model, and hands back the certificate, which the writer puts in with the weights. A failed
-check raises ``certificate_schema.CertificateError`` and writes nothing. ``certify=False`` writes the
+check raises ``certificate.schema.CertificateError`` and writes nothing. ``certify=False`` writes the
 weights alone, for a model torch cannot check or when time matters more than evidence.
 
 Before any of that, a certified export checks the model's own values: a parameter holding NaN or
@@ -17,7 +17,7 @@ source checkpoint or its training, not from the writer), and nothing is written.
 writes them anyway (weights kept non-finite on purpose).
 
 Your own model (an NNX model the library's four families do not include) is exported against the
-torch model it twins, ``reference=`` (``certificate_subjects.UserSubject``)::
+torch model it twins, ``reference=`` (``certificate.subjects.UserSubject``)::
 
     export.save_safetensors(flax_model, "m.safetensors", reference=torch_model, inputs=(ids,))
 
@@ -39,8 +39,9 @@ import numpy as np
 
 from flax_transformer.interop import checkpoints, files, hf, orbax_quiet, porting, safetensors_io, values
 from flax_transformer.interop.values import to_numpy
-from flax_transformer.verification import certificate, certificate_subjects
-from flax_transformer.verification.certificate_subjects import (
+from flax_transformer.verification import certificate
+from flax_transformer.verification.certificate import subjects as certificate_subjects
+from flax_transformer.verification.certificate.subjects import (
     FamilySubject,
     UserSubject,
     input_record,
@@ -277,9 +278,9 @@ def save_peft(model, path, *, base, overwrite: bool = False, certify: bool = Tru
     """``interop.peft.save_peft`` (same arguments; ``base_model_name_or_path`` defaults to ``base``) and,
     with ``certify``, ``verification.json`` inside the folder: the adapter loaded by ``peft`` onto
     transformers' model of the HF folder ``base`` computes the JAX model's output and adapter
-    gradients (``certificate_peft``), or nothing is written."""
+    gradients (``certificate.peft``), or nothing is written."""
     from flax_transformer.interop import peft
-    from flax_transformer.verification import certificate_peft
+    from flax_transformer.verification.certificate import peft as certificate_peft
 
     hook = None
     if certify:

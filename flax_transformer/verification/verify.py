@@ -376,7 +376,8 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     transformers' too, with the bf16 LM gates."""
     from pathlib import Path
 
-    from flax_transformer.verification import certificate, certificate_subjects, measure
+    from flax_transformer.verification import certificate, measure
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     bare = Path(path).suffix in (".pt", ".bin", ".pth")  # a torch file says nothing of its model: its certificate does
     if dtype != "fp32" and (bare or (Path(path) / "run.json").is_file()):

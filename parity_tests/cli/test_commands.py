@@ -259,7 +259,7 @@ def test_every_whole_model_says_what_it_reads():
     example inputs drawn from it run the model and stay in range."""
     from flax_transformer.interop import porting
     from flax_transformer.models.generate import generate
-    from flax_transformer.verification import certificate_subjects
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     whole = [s for s in verify.specs() if s.name in verify.MODELS and (s.family, s.name) != ("classic",
                                                                                              "TransformerEncoder")]

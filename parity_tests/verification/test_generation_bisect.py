@@ -191,7 +191,7 @@ def test_cli_prints_each_step_and_exits_0_when_all_agree(folder, capsys):
 
 
 def test_cli_exits_1_when_a_step_diverges(folder, capsys, monkeypatch):
-    from flax_transformer.verification import certificate_subjects
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     load = certificate_subjects.load_pair
 

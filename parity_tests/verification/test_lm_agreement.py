@@ -19,15 +19,9 @@ from flax import nnx
 
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import hf, porting
-from flax_transformer.verification import (
-    certificate,
-    certificate_schema,
-    compare,
-    export,
-    measure,
-    verify,
-)
-from flax_transformer.verification.certificate_schema import CertificateError, validate
+from flax_transformer.verification import certificate, compare, export, measure, verify
+from flax_transformer.verification.certificate import schema as certificate_schema
+from flax_transformer.verification.certificate.schema import CertificateError, validate
 
 
 def _logits(rng, *shape, scale=3.0):

@@ -30,7 +30,7 @@ import numpy as np
 
 from flax_transformer.interop import files, peft, safetensors_io
 from flax_transformer.interop.layer_kinds import to_flax, to_torch
-from flax_transformer.verification.certificate_schema import (
+from flax_transformer.verification.certificate.schema import (
     CertificateError,
     ExportSubject,
     platform_info,
@@ -121,7 +121,7 @@ def measure(model, folder, base) -> dict:
     from flax import nnx
 
     from flax_transformer.models import lora
-    from flax_transformer.verification.certificate_subjects import example_inputs
+    from flax_transformer.verification.certificate.subjects import example_inputs
 
     folder, base = Path(folder), Path(base)
     config = json.loads((folder / peft.CONFIG_FILE).read_text(encoding="utf-8"))

@@ -18,16 +18,16 @@ second. An interrupted export can therefore leave old weights under a new certif
 new weights without one, and ``recheck`` reports that mismatch (the file's hash is recorded).
 
 ``recheck(path)`` (``flax-transformer verify --checkpoint PATH``) checks the certificate field by
-field (``read``, ``certificate_schema.validate``: one line naming the file and the field),
+field (``read``, ``certificate.schema.validate``: one line naming the file and the field),
 recomputes the hashes (a changed tensor is named), reruns the measurement on the recorded inputs,
 and compares versions (see its ``RecheckReport`` for what fails and what is a note).
 
 This module is the flow: it makes (``make``), reads (``read``, ``certified_pair``) and re-checks
 (``recheck``) certificates and writes no file; what a certificate records (hashes, versions,
-platform, the measurement's entries) and its schema are ``certificate_schema``'s.
+platform, the measurement's entries) and its schema are ``certificate.schema``'s.
 The writers of ``interop`` take its ``sidecar`` hook, and ``export`` puts the two together. What a
-certificate is about is its *subject* (``certificate_schema.ExportSubject``; ``certificate_subjects``: a family's
-model, a user's own model against its torch reference; ``certificate_peft``: a PEFT adapter): the
+certificate is about is its *subject* (``certificate.schema.ExportSubject``; ``certificate.subjects``: a family's
+model, a user's own model against its torch reference; ``certificate.peft``: a PEFT adapter): the
 subject describes itself, reloads what was written and measures it; the flow does the rest.
 """
 
@@ -41,11 +41,10 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.interop import files
-from flax_transformer.verification import certificate_peft
-from flax_transformer.verification import certificate_schema as schema
-from flax_transformer.verification import certificate_subjects as subjects
 from flax_transformer.verification import measure as core
-from flax_transformer.verification.certificate_schema import (
+from flax_transformer.verification.certificate import peft as certificate_peft
+from flax_transformer.verification.certificate import schema, subjects
+from flax_transformer.verification.certificate.schema import (
     FORMAT,
     INPUTS,
     MAX_BYTES,
@@ -145,7 +144,7 @@ FOLDER_FORMATS = ("orbax", "hf", "peft")  # the certificate goes inside: FOLDER_
 
 def sidecar(fmt: str, subject: schema.ExportSubject) -> files.BeforeSwap:
     """The writers' ``before_swap`` hook (``files.BeforeSwap``) that certifies an export of ``subject``
-    (``certificate_subjects.FamilySubject(model)``, ``UserSubject``, ``certificate_peft.AdapterSubject``):
+    (``certificate.subjects.FamilySubject(model)``, ``UserSubject``, ``certificate.peft.AdapterSubject``):
     it checks the finished temporary output (raising ``CertificateError``, so nothing is written, when
     the check fails) and returns the certificate to go with it: ``verification.json`` inside a folder,
     ``NAME.verification.json`` beside a file."""
@@ -374,7 +373,7 @@ def recheck(path, pair=None, *, base=None) -> RecheckReport | certificate_peft.A
     ``"MODULE:FACTORY"`` (or the factory) whose ``FACTORY()`` returns (torch model, Flax model,
     args[, kwargs]), as for ``verify --pair``: see ``recheck_user``.
 
-    A PEFT adapter folder is re-checked by its subject (``certificate_peft.recheck``: hashes, the
+    A PEFT adapter folder is re-checked by its subject (``certificate.peft.recheck``: hashes, the
     base, measured through peft again; ``base``: where the base folder is now, if it moved)."""
     path = Path(path)
     if pair is None and certificate_peft.is_adapter(path):

@@ -24,7 +24,7 @@ from flax_transformer.verification.reports import TOLERANCE, grads_row
 
 FORMAT = "flax_transformer verification certificate 1"
 FORMATS = ("safetensors", "torch", "orbax", "hf")
-USER = "user"  # model.family of a user's own model, certified against its torch reference (certificate_subjects)
+USER = "user"  # model.family of a user's own model, certified against its torch reference (certificate.subjects)
 USER_FORMATS = ("safetensors", "torch", "orbax")
 VERSIONED = ("flax_transformer", "jax", "jaxlib", "flax", "torch", "transformers", "numpy", "safetensors",
              "orbax-checkpoint")
@@ -157,7 +157,7 @@ def entries(report) -> dict:
 
 
 class ExportSubject:
-    """What an export's certificate is about (``certificate_subjects``): ``formats`` it can be
+    """What an export's certificate is about (``certificate.subjects``): ``formats`` it can be
     written as; ``describe()`` (the certificate's ``model``), ``inputs()`` (fields recorded before
     the measurement), ``load(written, fmt, description, tensors, name)`` (the (Flax, torch) pair
     that measures what was written) and ``measure(flax_model, torch_model)`` (``inputs``,

@@ -17,10 +17,10 @@ from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import certificate, export
-from flax_transformer.verification.certificate_schema import CertificateError, validate
+from flax_transformer.verification.certificate.schema import CertificateError, validate
 from parity_tests.user_models_tied import LENGTH, VOCAB, FlaxTiedGPT, TorchTiedGPT
 
-SPEC = "parity_tests.verification.test_certificate_user:renamed_pair"  # FACTORY() returns (torch GPT, Flax twin, (ids,))
+SPEC = "parity_tests.verification.certificate.test_certificate_user:renamed_pair"  # FACTORY() returns (torch GPT, Flax twin, (ids,))
 TIED_SPEC = "parity_tests.user_models_tied:make_pair"  # the same GPT with FlaxTiedGPT: another Flax class
 RENAME = [(r"^ln_f\.", "ln_final.")]  # torch names -> the Flax model's, as torch_to_flax and compare take it
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH))  # make_pair's ids
@@ -70,7 +70,7 @@ def test_exports_hold_the_reference_names_and_recheck(exported, capsys):
         record = _record(exported[fmt])
         assert record["format"] == fmt and record["model"] == {
             "family": "user", "class": "TorchTiedGPT", "module": "parity_tests.user_models_tied",
-            "flax_class": "FinalNormGPT", "flax_module": "parity_tests.verification.test_certificate_user",
+            "flax_class": "FinalNormGPT", "flax_module": "parity_tests.verification.certificate.test_certificate_user",
             "reference": None if fmt == "torch" else SPEC, "rename": [list(RENAME[0])]}
         assert record["inputs"]["args"] == [{"shape": [2, LENGTH], "dtype": "int64",
                                              "sha256": hashlib.sha256(IDS.tobytes()).hexdigest()}]
@@ -117,7 +117,7 @@ def test_wrong_references_and_pairs_refused(exported, tmp_path, capsys):
         certificate.recheck(exported["torch"], pair=TIED_SPEC)
     capsys.readouterr()  # other inputs: refused, not compared with figures measured on the recorded ones
     assert main(["verify", "--checkpoint", str(exported["torch"]), "--pair",
-                 "parity_tests.verification.test_certificate_user:other_ids_pair"]) == 2
+                 "parity_tests.verification.certificate.test_certificate_user:other_ids_pair"]) == 2
     err = capsys.readouterr().err
     assert "gives other inputs than" in err and "args[0]: int64 [2, 8] sha256" in err and len(err.splitlines()) == 1
 

@@ -21,10 +21,10 @@ A certificate's subject is how the flow of ``certificate`` (make, sidecar, re-ch
   compares it with the Flax model by ``compare(..., grads=True, rename=...)`` on the given inputs
   (``measure_user``). The certificate also records the reference's ``model`` (classes, the
   ``MODULE:FACTORY`` it was given as, ``rename``) and the ``inputs`` (each one's shape, dtype and
-  sha256, so that a re-check on other inputs is refused); ``certificate_schema`` checks the fields.
+  sha256, so that a re-check on other inputs is refused); ``certificate.schema`` checks the fields.
   ``certificate.recheck(path, pair="MODULE:FACTORY")`` re-checks it with the factory's models.
 
-A PEFT adapter folder is the third subject (``certificate_peft.AdapterSubject``): its record is its
+A PEFT adapter folder is the third subject (``certificate.peft.AdapterSubject``): its record is its
 own, made through the same ``certificate.sidecar``.
 """
 
@@ -44,9 +44,9 @@ import numpy as np
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.models.input_specs import input_spec
-from flax_transformer.verification import certificate_schema as schema
 from flax_transformer.verification import measure as core
-from flax_transformer.verification.certificate_schema import FORMATS, USER, USER_FORMATS, CertificateError, brief
+from flax_transformer.verification.certificate import schema
+from flax_transformer.verification.certificate.schema import FORMATS, USER, USER_FORMATS, CertificateError, brief
 from flax_transformer.verification.compare import compare
 
 MAX_INPUTS = 16  # args, and kwargs: a model call with more is not one the certificate was made for
@@ -341,7 +341,7 @@ def measure(flax_model, torch_model, *, seed: int = schema.INPUTS["seed"], batch
     outputs' scale ``max(1, max |torch output|)`` (``max_rel_err``, the one held to the tolerance).
     backward: the largest parameter gradient error relative to the gradient's scale
     (``compare.compare(..., grads=True)``). Both in fp32 with matmul precision "highest", against
-    ``reports.TOLERANCE`` and ``certificate_schema.BACKWARD_TOLERANCE``; and both against a float64 torch copy of
+    ``reports.TOLERANCE`` and ``certificate.schema.BACKWARD_TOLERANCE``; and both against a float64 torch copy of
     the model by ``bisect``'s budget rule (``float64``: JAX's and torch's errors, the budget).
     Any non-finite value, or anything not compared, fails."""
     import jax

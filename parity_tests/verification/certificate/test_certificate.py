@@ -18,7 +18,8 @@ from safetensors.numpy import load_file, save_file
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import files, porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_schema, export
+from flax_transformer.verification import certificate, export
+from flax_transformer.verification.certificate import schema as certificate_schema
 
 
 @pytest.fixture(scope="module")

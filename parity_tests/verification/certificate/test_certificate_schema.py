@@ -15,7 +15,8 @@ import torch
 from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.models.configs import GPTConfig
-from flax_transformer.verification import certificate, certificate_schema, export
+from flax_transformer.verification import certificate, export
+from flax_transformer.verification.certificate import schema as certificate_schema
 
 
 @pytest.fixture(scope="module")

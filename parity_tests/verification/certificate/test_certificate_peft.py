@@ -11,8 +11,9 @@ from flax import nnx
 
 from flax_transformer.interop import hf, peft
 from flax_transformer.models import lora
-from flax_transformer.verification import certificate, certificate_peft, export
-from flax_transformer.verification.certificate_schema import CertificateError
+from flax_transformer.verification import certificate, export
+from flax_transformer.verification.certificate import peft as certificate_peft
+from flax_transformer.verification.certificate.schema import CertificateError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("peft", reason="peft is not installed (the test extra installs it)")

@@ -19,8 +19,10 @@ from flax import nnx
 import torch_reference.former as tf
 from flax_transformer.interop import files, porting, safetensors_io
 from flax_transformer.models.former import CTransformer
-from flax_transformer.verification import certificate, certificate_schema, certificate_subjects
+from flax_transformer.verification import certificate
 from flax_transformer.verification import compare as compare_module
+from flax_transformer.verification.certificate import schema as certificate_schema
+from flax_transformer.verification.certificate import subjects as certificate_subjects
 from flax_transformer.verification.compare import TOLERANCE
 
 HEX = "0" * 64

@@ -15,6 +15,11 @@ from torch import nn
 from flax_transformer.models.constructor_records import RecordsInit
 from flax_transformer.models.state_dict_errors import StateDictError, check_state_dict_mapping
 
+# transformers' ACT2FN names, as the llama family's configs give them
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
 
 class TorchStateDictError(StateDictError, RuntimeError):
     """``StateDictError`` that is also the ``RuntimeError`` torch's own loader raises."""

@@ -31,20 +31,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
 
-from ._common import Module, attend, check_features, check_token_ids, check_values, normalize_mask
+from ._common import ACTIVATIONS, Module, attend, check_features, check_token_ids, check_values, normalize_mask
+from .moe import LlamaExperts, LlamaTopKRouter
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
-           "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+           "LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaSparseMoeBlock", "RopeScaling"]
 
 
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -160,14 +156,15 @@ class LlamaRMSNorm(Module):
 
 
 class LlamaMLP(Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)); ``intermediate_size`` None = the config's (a shared expert has its own)."""
 
     _init_converters = {"config": LlamaConfig.from_any}
 
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size=None):
         super().__init__()
         config = LlamaConfig.from_any(config)
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inner = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
@@ -198,10 +195,12 @@ class LlamaAttention(Module):
         self.k_proj = nn.Linear(hidden, kv * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * d, hidden, bias=config.o_proj_bias)
-        if config.qk_norm:  # per head, over head_dim
-            self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # per head over head_dim (Qwen3), or over the whole projection (OLMoE)
+            whole = config.qk_norm_scope == "projection"
+            self.q_norm = LlamaRMSNorm(heads * d if whole else d, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(kv * d if whole else d, eps=config.rms_norm_eps)
+        self.qk_norm = config.qk_norm and config.qk_norm_scope
+        self.clip_qkv = config.clip_qkv
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.attn_dropout = nn.Dropout(config.attention_dropout)
 
@@ -212,10 +211,15 @@ class LlamaAttention(Module):
         b, t, _ = x.shape
         position_ids = check_position_ids(position_ids, b, t, x.device)
         keep = attention_keep(attention_mask, b, t, self.sliding_window, x.device)
-        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (b, t, h, d)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim)
-        if self.qk_norm:  # before RoPE, as Qwen3
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "projection":  # OLMoE: over the whole projection, before the heads are split
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
+        q = q.view(b, t, -1, self.head_dim)  # (b, t, h, d)
+        k = k.view(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
+        v = v.view(b, t, -1, self.head_dim)
+        if self.qk_norm == "head":  # per head, before RoPE, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # (b, h|h_kv, t, d)
         cos, sin = self.rotary_emb(x, position_ids)
@@ -226,8 +230,43 @@ class LlamaAttention(Module):
         return (out, weights) if return_weights else out
 
 
+class LlamaSparseMoeBlock(Module):
+    """The mixture of experts in place of the MLP: ``gate`` (the router), ``experts``, and Qwen2-MoE's
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``. (b, t, hidden) -> (b, t, hidden).
+
+    In train mode, Mixtral's ``router_jitter_noise`` multiplies the input by U(1 - j, 1 + j) first
+    (router and experts see it). ``router_logits``, a list, gets this block's (b * t, E) logits.
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.hidden_size, self.jitter_noise = config.hidden_size, moe.router_jitter_noise
+        self.gate = LlamaTopKRouter(config)
+        self.experts = LlamaExperts(config)
+        if moe.shared_expert_intermediate_size is not None:
+            self.shared_expert = LlamaMLP(config, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x, router_logits=None):
+        b, t, _ = x.shape
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        flat = x.reshape(-1, self.hidden_size)
+        logits, weights, experts = self.gate(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        out = self.experts(flat, experts, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(b, t, -1)
+
+
 class LlamaDecoderLayer(Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer."""
 
     _init_converters = {"config": LlamaConfig.from_any}
 
@@ -236,17 +275,20 @@ class LlamaDecoderLayer(Module):
         config = LlamaConfig.from_any(config)
         norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
+        self.mlp = LlamaSparseMoeBlock(config) if sparse else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
-    def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False):
-        """(b, t, hidden) -> (b, t, hidden) (and its attention weights (b, h, t, t) with ``return_weights``)."""
+    def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False, router_logits=None):
+        """(b, t, hidden) -> (b, t, hidden) (and its attention weights (b, h, t, t) with ``return_weights``);
+        a sparse layer appends its router logits to the list ``router_logits`` when given."""
         attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, return_weights=return_weights)
         if return_weights:
             attended, weights = attended
         x = x + attended
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        normed = self.post_attention_layernorm(x)
+        x = x + (self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed))
         return (x, weights) if return_weights else x
 
 
@@ -268,9 +310,11 @@ class LlamaModel(Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False,
+                router_logits=None):
         """(b, t) ids -> last hidden state (b, t, hidden) (and with ``return_attentions`` a tuple with
-        each layer's weights (b, h, t, t))."""
+        each layer's weights (b, h, t, t)); the sparse layers append their router logits to the list
+        ``router_logits`` when given."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, t = input_ids.shape  # the masks and positions are checked before anything is computed
         normalize_mask(attention_mask, b, t, t, name="attention_mask")
@@ -280,7 +324,7 @@ class LlamaModel(Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         attentions = []
         for layer in self.layers:
-            x = layer(x, attention_mask, position_ids, return_weights=return_attentions)
+            x = layer(x, attention_mask, position_ids, return_weights=return_attentions, router_logits=router_logits)
             if return_attentions:
                 x, weights = x
                 attentions.append(weights)
@@ -326,18 +370,25 @@ class LlamaForCausalLM(Module):
                 state_dict = {**state_dict, **({names[0]: table} if head is None else {names[1]: head})}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions=False,
+                output_router_logits=False):
         """Args:
             input_ids: (b, t) token ids.
             attention_mask: optional (b, t), 1 = token, 0 = pad.
             position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
             return_attentions: also return a tuple with each layer's weights (b, h, t, t), one map
                 per query head (a key/value head's keys seen through each of its query heads).
+            output_router_logits: also return a tuple with each sparse layer's router logits
+                (b * t, E) (for ``moe.load_balancing_loss``); a dense model returns an empty tuple.
 
         Returns:
-            (b, t, vocab_size) logits, and the attentions if asked.
+            (b, t, vocab_size) logits, then the attentions and the router logits, each if asked.
         """
+        logits = [] if output_router_logits else None
+        hidden = self.model(input_ids, attention_mask, position_ids, return_attentions=return_attentions,
+                            router_logits=logits)
         if return_attentions:
-            hidden, attentions = self.model(input_ids, attention_mask, position_ids, return_attentions=True)
-            return self.lm_head(hidden), attentions
-        return self.lm_head(self.model(input_ids, attention_mask, position_ids))
+            hidden, attentions = hidden
+        out = (self.lm_head(hidden),) + ((attentions,) if return_attentions else ()) + (
+            (tuple(logits),) if output_router_logits else ())
+        return out if len(out) > 1 else out[0]

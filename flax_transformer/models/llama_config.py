@@ -16,8 +16,10 @@ import numpy as np
 
 from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
+from flax_transformer.models.moe_config import MOE_TYPES, MoeConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", *MOE_TYPES)
+QK_NORMS = ("head", "projection")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -113,7 +115,11 @@ class LlamaConfig:
         attention_bias: biases on q, k and v (Qwen2) and, unless ``o_proj_bias`` says
             otherwise, on o (Llama's ``attention_bias`` covers all four).
         o_proj_bias: bias on the output projection; None = ``attention_bias``.
-        qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3's ``q_norm``/``k_norm``).
+        qk_norm: RMSNorm of q and k before RoPE (``q_norm``/``k_norm``): per head over ``head_dim``
+            (Qwen3), or over the whole projection before the heads are split (``qk_norm_scope=
+            "projection"``: OLMoE).
+        clip_qkv: q, k and v clamped to [-clip, clip] after the norms (OLMoE); None = no clamp.
+        moe: the sparse feed-forward blocks (``MoeConfig``: Mixtral, Qwen2/3-MoE, OLMoE); None = dense.
         sliding_window: each query sees at most this many keys, itself included (Mistral).
         layer_types: per layer, "full_attention" or "sliding_attention" (Qwen2/3); None = every
             layer slides when ``sliding_window`` is set, none otherwise.
@@ -146,6 +152,9 @@ class LlamaConfig:
     o_proj_bias: bool | None = None
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    clip_qkv: float | None = None
+    moe: MoeConfig | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     norm_plus_one: bool = False
@@ -206,6 +215,17 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.hidden_act {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"LlamaConfig.model_type must be one of {MODEL_TYPES}, got {shown(self.model_type)}")
+        if self.qk_norm_scope not in QK_NORMS:
+            raise ValueError(f"LlamaConfig.qk_norm_scope must be one of {QK_NORMS}, got {shown(self.qk_norm_scope)}")
+        if self.clip_qkv is not None:
+            _set(self, "clip_qkv", check_positive_float("LlamaConfig.clip_qkv", self.clip_qkv))
+        if isinstance(self.moe, dict):
+            _set(self, "moe", MoeConfig(**self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoeConfig):
+            raise ValueError(f"LlamaConfig.moe must be a MoeConfig, a dict of its fields or None, got {shown(self.moe)}")
+        if (self.moe is not None) != (self.model_type in MOE_TYPES):
+            raise ValueError(f"a {self.model_type} model {'has no' if self.moe is not None else 'needs a'} "
+                             "mixture of experts (LlamaConfig.moe)")
 
     @property
     def num_key_value_groups(self) -> int:
@@ -261,17 +281,24 @@ class LlamaConfig:
             rope_theta=theta or cls.rope_theta, rope_scaling=scaling,
             tie_word_embeddings=get("tie_word_embeddings", kind in ("gemma",)),
             attention_bias=get("attention_bias", None) or False, o_proj_bias=get("o_proj_bias", None),
-            mlp_bias=get("mlp_bias", None) or False, qk_norm=get("qk_norm", kind == "qwen3"),
+            mlp_bias=get("mlp_bias", None) or False, qk_norm=get("qk_norm", kind in ("qwen3", "qwen3_moe", "olmoe")),
+            qk_norm_scope=get("qk_norm_scope", "projection" if kind == "olmoe" else "head"),
+            clip_qkv=get("clip_qkv", None) if kind == "olmoe" else None,
+            moe=MoeConfig.from_hf(get, kind) if kind in MOE_TYPES else None,
             norm_plus_one=get("norm_plus_one", kind == "gemma"),
             embed_scale=get("embed_scale", math.sqrt(hidden) if kind == "gemma" else 1.0),
             attention_dropout=get("attention_dropout", 0.0) or 0.0, pad_token_id=get("pad_token_id", None),
             bos_token_id=get("bos_token_id", None), eos_token_id=get("eos_token_id", None), model_type=kind)
         if kind == "qwen2":  # q/k/v always biased, o never (transformers' Qwen2Attention)
             values.update(attention_bias=True, o_proj_bias=False)
-        if kind in ("mistral", "qwen2", "qwen3"):
+        if kind == "qwen2_moe":  # q/k/v biased as qkv_bias says, o never
+            values.update(attention_bias=bool(get("qkv_bias", True)), o_proj_bias=False)
+        if kind in ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
             window = get("sliding_window", None)
-            if kind == "mistral":
+            if kind in ("mistral", "mixtral"):
                 values["sliding_window"] = window
+            elif kind == "qwen3_moe":  # every layer slides, or none
+                values["sliding_window"] = window if get("use_sliding_window", False) else None
             elif window is not None and get("use_sliding_window", get("layer_types", None) is not None):
                 first = get("max_window_layers", 0)
                 types = get("layer_types", None) or [
@@ -294,7 +321,9 @@ class LlamaConfig:
             raise ValueError(f"transformers' {kind} model cannot hold this config: " + "; ".join(
                 f"{name}={value!r} (a {kind} has {want!r})" for name, value, want in wrong))
         architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
+                         "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "mixtral": "MixtralForCausalLM",
+                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                         "olmoe": "OlmoeForCausalLM"}
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_dict())
@@ -312,9 +341,17 @@ class LlamaConfig:
                    eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id)
         if kind == "llama":
             out["mlp_bias"] = self.mlp_bias
-        if kind in ("mistral", "qwen2", "qwen3"):
+        if self.moe is not None:
+            out.update(self.moe.to_hf(kind, self.intermediate_size))
+        if kind == "qwen2_moe":
+            out["qkv_bias"] = self.attention_bias
+        if kind == "olmoe":
+            out["clip_qkv"] = self.clip_qkv
+        if kind in ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
             out["sliding_window"] = self.sliding_window
-        if kind in ("qwen2", "qwen3"):
+        if kind == "qwen3_moe":
+            out["use_sliding_window"] = self.sliding_window is not None
+        if kind in ("qwen2", "qwen3", "qwen2_moe"):
             sliding = self.sliding_window is not None
             types = list(self.layer_types or (
                 ["sliding_attention" if sliding else "full_attention"] * self.num_hidden_layers))
@@ -402,16 +439,23 @@ def _hf_mismatches(config: LlamaConfig) -> list[tuple[str, object, object]]:
     switch that class cannot express."""
     kind, gemma = config.model_type, config.model_type == "gemma"
     want = dict(norm_plus_one=gemma, embed_scale=math.sqrt(config.hidden_size) if gemma else 1.0,
-                qk_norm=kind == "qwen3", o_proj_bias=config.attention_bias)
+                qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe"), o_proj_bias=config.attention_bias,
+                qk_norm_scope="projection" if kind == "olmoe" else "head")
+    if kind != "olmoe":
+        want["clip_qkv"] = None
+    elif config.head_dim * config.num_attention_heads != config.hidden_size:  # its q norm is over hidden_size
+        want["head_dim"] = config.hidden_size // config.num_attention_heads
     if kind != "llama":
         want["mlp_bias"] = False
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         want["attention_bias"] = False
     if kind == "qwen2":  # q/k/v always biased, o never
         want.update(attention_bias=True, o_proj_bias=False)
-    if kind in ("llama", "gemma"):
+    if kind == "qwen2_moe":  # q/k/v as qkv_bias says, o never
+        want["o_proj_bias"] = False
+    if kind in ("llama", "gemma", "olmoe"):
         want["sliding_window"] = None
-    if kind == "mistral" and config.sliding_window is not None:  # one window for every layer
+    if kind in ("mistral", "mixtral", "qwen3_moe") and config.sliding_window is not None:  # one window for all
         want["layer_types"] = config.layer_types if set(config.layer_types or ()) <= {"sliding_attention"} else None
     if gemma and config.hidden_act == "gelu":
         want["hidden_act"] = "gelu_pytorch_tanh"  # transformers reads a Gemma's "gelu" so

@@ -1,0 +1,120 @@
+"""The mixture of experts of the llama family in PyTorch: the router, the experts held fused, the
+load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert).
+
+Parameter names and layouts are transformers 5's in-memory ones: ``mlp.gate.weight`` (E, H),
+``mlp.experts.gate_up_proj`` (E, 2I, H) with gate in the first I rows and up in the last, and
+``mlp.experts.down_proj`` (E, H, I), so ``state_dict`` keys are transformers' (``hf_tables`` turns
+the per-expert files into them).
+
+The math is transformers' (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``grouped_mm_experts_forward``,
+``load_balancing_loss_func``): softmax over every expert in float32 (float64 in a float64 model), the
+top k, renormalised if asked; each token's k expert outputs weighted and summed over its k choices in
+the order top-k returns them (transformers' default ``grouped_mm``; its ``eager`` loop adds them in
+expert order, which differs in the last bits of bf16). Here every expert runs on the tokens routed to it
+(a loop over experts: the reference, written for reading, not speed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flax_transformer.models.llama_config import LlamaConfig
+
+from ._common import ACTIVATIONS, Module
+
+__all__ = ["LlamaExperts", "LlamaTopKRouter", "load_balancing_loss", "route"]
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, fp32_weights: bool):
+    """Router logits (T, E) -> (weights (T, k), experts (T, k)): softmax over all experts in float32,
+    the top k (largest first), divided by their sum if ``norm_topk_prob``; the weights stay float32 with
+    ``fp32_weights`` (Mixtral), else they take the logits' dtype."""
+    probs = F.softmax(logits.to(_statistics_dtype(logits.dtype)), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if fp32_weights else weights.to(logits.dtype)), experts
+
+
+class LlamaTopKRouter(Module):
+    """The gate: ``weight`` (E, H), no bias. (T, H) -> (logits (T, E), weights (T, k), experts (T, k))."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.num_experts = moe.num_experts_per_tok, moe.num_experts
+        self.norm_topk_prob, self.fp32_weights = moe.norm_topk_prob, moe.fp32_routing_weights
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size).normal_(0.0, 0.02))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob, self.fp32_weights)
+        return logits, weights, experts
+
+
+class LlamaExperts(Module):
+    """E gated MLPs held fused: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I).
+
+    ``forward(x (T, H), experts (T, k), weights (T, k))`` -> (T, H): for each token,
+    sum_j weights[t, j] * down[e] @ (act(gate[e] @ x) * (up[e] @ x)) with e = experts[t, j].
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        e, inner, hidden = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        self.num_experts, self.intermediate_size = e, inner
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, hidden).normal_(0.0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, inner).normal_(0.0, 0.02))
+        self.act_fn = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x, experts, weights):
+        tokens, k = experts.shape
+        out = torch.zeros(tokens, k, x.shape[-1], dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+        for e in range(self.num_experts):
+            token, slot = torch.where(experts == e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out[token, slot] = h * weights[token, slot, None]
+        return out.sum(dim=1).to(x.dtype)
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as transformers computes it (``load_balancing_loss_func``).
+
+    ``router_logits``: one (b * t, E) tensor per sparse layer. Over every layer's tokens (the padded
+    ones left out when ``attention_mask`` (b, t) is given): ``E * sum_e f_e * P_e``, where f_e is the
+    fraction of the k choices that went to expert e and P_e the mean router probability of e. It is
+    k for a perfectly even load.
+    """
+    if not router_logits:
+        raise ValueError("load_balancing_loss needs the router logits of at least one sparse layer")
+    counts = probs_sum = rows = 0
+    for logits in router_logits:
+        probs = F.softmax(logits, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        hits = F.one_hot(chosen, num_experts).to(_statistics_dtype(logits.dtype)).sum(dim=1)  # (T, E)
+        probs = probs.to(_statistics_dtype(logits.dtype))
+        if attention_mask is None:
+            counts, probs_sum, rows = counts + hits.sum(0), probs_sum + probs.sum(0), rows + logits.shape[0]
+        else:
+            keep = attention_mask.reshape(-1).to(probs.dtype)
+            if keep.shape[0] != logits.shape[0]:
+                raise ValueError(f"attention_mask has {keep.shape[0]} positions, the router logits {logits.shape[0]}")
+            counts = counts + (hits * keep[:, None]).sum(0)
+            probs_sum, rows = probs_sum + (probs * keep[:, None]).sum(0), rows + keep.sum()
+    return num_experts * torch.sum((counts / rows) * (probs_sum / rows))

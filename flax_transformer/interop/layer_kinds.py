@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from flax import nnx
 
-from flax_transformer.models import gpt, layers
+from flax_transformer.models import gpt, layers, moe
 
 # ------------------------------------------------------------------ layouts
 
@@ -55,6 +55,7 @@ class Layout(NamedTuple):
 AS_IS = Layout("...", "...")
 TRANSPOSE = Layout("out in", "in out")  # nn.Linear (out, in) <-> kernel (in, out)
 CONV = Layout("out in ...", "... in out")  # nn.ConvNd (out, in/groups, *window) <-> nnx.Conv (*window, in/groups, out)
+EXPERTS = Layout("e out in", "e in out")  # fused experts: torch (E, out, in) <-> Flax (E, in, out)
 
 
 def to_flax(rule: Layout, array: np.ndarray) -> np.ndarray:
@@ -86,6 +87,8 @@ LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "matrix_linear": {"matrix": ("matrix", AS_IS), "bias": ("bias", AS_IS)},
     "gamma_beta_norm": {"gamma": ("gamma", AS_IS), "beta": ("beta", AS_IS)},
     "table": {"embeddings": ("embeddings", AS_IS)},
+    # the llama family's fused experts (transformers 5's in-memory names)
+    "experts": {"gate_up_proj": ("gate_up_proj", EXPERTS), "down_proj": ("down_proj", EXPERTS)},
 }
 
 # Flax module type -> kind of layer, tested with isinstance, so subclasses count. A
@@ -101,6 +104,7 @@ LAYER_KINDS: list[tuple[type, str]] = [
     (gpt.Linear, "matrix_linear"),
     (gpt.LayerNorm, "gamma_beta_norm"),
     (gpt.Embeddings, "table"),
+    (moe.LlamaExperts, "experts"),
 ]
 
 

@@ -36,9 +36,10 @@ from flax_transformer.models.input_checks import check_features, check_token_ids
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
 from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
+from flax_transformer.models.moe import LlamaExperts, LlamaTopKRouter
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
-           "LlamaRMSNorm", "LlamaRotaryEmbedding", "RopeScaling"]
+           "LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaSparseMoeBlock", "RopeScaling"]
 
 
 def check_position_ids(position_ids, batch: int, length: int) -> jax.Array:
@@ -166,12 +167,13 @@ class LlamaRMSNorm(RecordsInit, nnx.Module):
 
 
 class LlamaMLP(_LlamaConfigModule):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)); ``intermediate_size`` None = the config's (a shared expert has its own)."""
 
-    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(self, config, intermediate_size=None, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = LlamaConfig.from_any(config)
         kw = dict(use_bias=config.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
+        inner = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = Linear(hidden, inner, **kw)
         self.up_proj = Linear(hidden, inner, **kw)
         self.down_proj = Linear(inner, hidden, **kw)
@@ -201,9 +203,12 @@ class LlamaAttention(_LlamaConfigModule):
         self.k_proj = Linear(hidden, kv * d, use_bias=config.attention_bias, **kw)
         self.v_proj = Linear(hidden, kv * d, use_bias=config.attention_bias, **kw)
         self.o_proj = Linear(heads * d, hidden, use_bias=config.o_proj_bias, **kw)
-        # per head, over head_dim
-        self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
-        self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
+        # per head over head_dim (Qwen3), or over the whole projection (OLMoE)
+        whole = config.qk_norm_scope == "projection"
+        self.qk_norm = config.qk_norm and config.qk_norm_scope
+        self.clip_qkv = config.clip_qkv
+        self.q_norm = LlamaRMSNorm(heads * d if whole else d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(kv * d if whole else d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
         self.rotary_emb = LlamaRotaryEmbedding(config, **kw)
         self.attn_dropout = nnx.Dropout(config.attention_dropout, rngs=rngs)
 
@@ -228,10 +233,15 @@ class LlamaAttention(_LlamaConfigModule):
             position_ids = index + jnp.arange(t)[None]  # (1, t)
             keep = cache_keep(t, cache[0].shape[2], index, self.sliding_window)
         x = x.astype(self.dtype)
-        q = self.q_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h, d)
-        k = self.k_proj(x).reshape(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
-        v = self.v_proj(x).reshape(b, t, -1, self.head_dim)
-        if self.q_norm is not None:  # before RoPE, as Qwen3
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "projection":  # OLMoE: over the whole projection, before the heads are split
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(y, -self.clip_qkv, self.clip_qkv) for y in (q, k, v))
+        q = q.reshape(b, t, -1, self.head_dim)  # (b, t, h, d)
+        k = k.reshape(b, t, -1, self.head_dim)  # (b, t, h_kv, d)
+        v = v.reshape(b, t, -1, self.head_dim)
+        if self.qk_norm == "head":  # per head, before RoPE, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # (b, h|h_kv, t, d)
         cos, sin = self.rotary_emb(x, position_ids)
@@ -247,8 +257,46 @@ class LlamaAttention(_LlamaConfigModule):
         return (out, weights) if return_weights else out
 
 
+class LlamaSparseMoeBlock(_LlamaConfigModule):
+    """The mixture of experts in place of the MLP: ``gate`` (the router), ``experts``, and Qwen2-MoE's
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``. (b, t, hidden) -> (b, t, hidden).
+
+    In train mode, Mixtral's ``router_jitter_noise`` multiplies the input by U(1 - j, 1 + j) first
+    (router and experts see it; the ``dropout`` stream draws it). ``router_logits``, a list, gets this
+    block's (b * t, E) logits.
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        moe = config.moe
+        self.hidden_size, self.jitter_noise, self.dtype = config.hidden_size, moe.router_jitter_noise, dtype
+        self.deterministic = False  # model.eval() / model.train() switch it, as nnx.Dropout's
+        self.rngs = rngs["dropout"].fork() if moe.router_jitter_noise > 0 else nnx.data(None)
+        self.gate = LlamaTopKRouter(config, **kw)
+        self.experts = LlamaExperts(config, **kw)
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = None if shared is None else LlamaMLP(config, shared, **kw)
+        self.shared_expert_gate = None if shared is None else Linear(config.hidden_size, 1, use_bias=False, **kw)
+
+    def __call__(self, x, router_logits=None):
+        b, t, _ = x.shape
+        x = x.astype(self.dtype)
+        if not self.deterministic and self.jitter_noise > 0:
+            x = x * jax.random.uniform(self.rngs(), x.shape, jnp.float32, 1.0 - self.jitter_noise,
+                                       1.0 + self.jitter_noise).astype(self.dtype)
+        flat = x.reshape(-1, self.hidden_size)
+        logits, weights, experts = self.gate(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        out = self.experts(flat, experts, weights)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(b, t, -1)
+
+
 class LlamaDecoderLayer(_LlamaConfigModule):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer."""
 
     def __init__(self, config, layer_idx=0, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = LlamaConfig.from_any(config)
@@ -256,20 +304,24 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
         self.dtype = dtype
         self.self_attn = LlamaAttention(config, layer_idx, **kw)
-        self.mlp = LlamaMLP(config, **kw)
+        sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
+        self.mlp = LlamaSparseMoeBlock(config, **kw) if sparse else LlamaMLP(config, **kw)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
-    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False):
+    def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False,
+                 router_logits=None):
         """(b, t, hidden) -> (b, t, hidden) (and the layer's cache when decoding, or its attention
-        weights (b, h, t, t) with ``return_weights``, as ``LlamaAttention``)."""
+        weights (b, h, t, t) with ``return_weights``, as ``LlamaAttention``); a sparse layer appends
+        its router logits to the list ``router_logits`` when given."""
         x = x.astype(self.dtype)  # the residual stream runs in the compute dtype
         attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, cache=cache, index=index,
                                   return_weights=return_weights)
         if cache is not None or return_weights:
             attended, extra = attended  # the cache, or the weights
         x = x + attended
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        normed = self.post_attention_layernorm(x)
+        x = x + (self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed))
         return (x, extra) if cache is not None or return_weights else x
 
 
@@ -288,9 +340,10 @@ class LlamaModel(_LlamaConfigModule):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, cache=None, index=0,
-                 return_attentions=False):
+                 return_attentions=False, router_logits=None):
         """(b, t) ids -> last hidden state (b, t, hidden) (and the cache, one entry per layer, when decoding;
-        or with ``return_attentions`` a tuple with each layer's weights (b, h, t, t))."""
+        or with ``return_attentions`` a tuple with each layer's weights (b, h, t, t)); the sparse
+        layers append their router logits to the list ``router_logits`` when given."""
         check_token_ids(input_ids, self.config.vocab_size)
         b, t = input_ids.shape  # the masks and positions are checked before anything is computed
         if cache is None:
@@ -310,7 +363,8 @@ class LlamaModel(_LlamaConfigModule):
         if cache is None:
             attentions = []
             for layer in self.layers:
-                x = layer(x, attention_mask, position_ids, return_weights=return_attentions)
+                x = layer(x, attention_mask, position_ids, return_weights=return_attentions,
+                          router_logits=router_logits)
                 if return_attentions:
                     x, weights = x
                     attentions.append(weights)
@@ -342,21 +396,28 @@ class LlamaForCausalLM(_LlamaConfigModule):
         """What the model reads (ids, positions for RoPE's trained context), so tools need not know its class."""
         return InputSpec(self.config.vocab_size, self.config.max_position_embeddings, generates=True)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions: bool = False):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, return_attentions: bool = False,
+                 output_router_logits: bool = False):
         """Args:
             input_ids: (b, t) token ids.
             attention_mask: optional (b, t), 1 = token, 0 = pad.
             position_ids: optional (b|1, t) positions for RoPE; default 0, 1, ..., t - 1.
             return_attentions: also return a tuple with each layer's weights (b, h, t, t), one map
                 per query head (a key/value head's keys seen through each of its query heads).
+            output_router_logits: also return a tuple with each sparse layer's router logits
+                (b * t, E) (for ``moe.load_balancing_loss``); a dense model returns an empty tuple.
 
         Returns:
-            (b, t, vocab_size) float32 logits, and the attentions if asked.
+            (b, t, vocab_size) float32 logits, then the attentions and the router logits, each if asked.
         """
+        logits = [] if output_router_logits else None
+        hidden = self.model(input_ids, attention_mask, position_ids, return_attentions=return_attentions,
+                            router_logits=logits)
         if return_attentions:
-            hidden, attentions = self.model(input_ids, attention_mask, position_ids, return_attentions=True)
-            return self._head(hidden), attentions
-        return self._head(self.model(input_ids, attention_mask, position_ids))
+            hidden, attentions = hidden
+        out = (self._head(hidden),) + ((attentions,) if return_attentions else ()) + (
+            (tuple(logits),) if output_router_logits else ())
+        return out if len(out) > 1 else out[0]
 
     def _head(self, hidden):
         """(b, t, hidden) -> (b, t, vocab_size) float32 logits: the LM head or the tied embedding."""

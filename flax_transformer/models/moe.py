@@ -1,0 +1,157 @@
+"""The mixture of experts of the llama family in Flax NNX: the router, the experts held fused, the
+load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert).
+
+The twin of ``torch_reference.moe``: same class names and parameter paths (``mlp.gate.weight`` (E, H),
+``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). The experts' kernels are stored as Flax
+kernels are, input first: ``gate_up_proj`` (E, H, 2I) (gate in the first I columns, up in the last)
+and ``down_proj`` (E, I, H); torch holds them (E, 2I, H) and (E, H, I), and porting transposes the two
+named axes (``layer_kinds``: ``Layout("e out in", "e in out")``).
+
+Two ways to run the experts, one result (``LlamaExperts.implementation``, or ``set_experts``):
+
+* ``"grouped"`` (the default): the (token, choice) pairs sorted by expert, each expert's rows one
+  group of ``jax.lax.ragged_dot``: every expert computes only its own tokens, with no capacity and
+  no token dropped, and no Python loop over experts in the compiled program;
+* ``"dense"``: every expert on every token, the k chosen outputs picked after (E times the work: the
+  reference the grouped path is tested against).
+
+Both weight each token's k outputs and sum them over its k choices in top-k's order (largest first),
+as transformers' default ``grouped_mm`` does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_transformer.models.constructor_records import RecordsInit
+from flax_transformer.models.layers import ACTIVATIONS
+from flax_transformer.models.llama_config import LlamaConfig
+
+__all__ = ["IMPLEMENTATIONS", "LlamaExperts", "LlamaTopKRouter", "load_balancing_loss", "route", "set_experts"]
+
+IMPLEMENTATIONS = ("grouped", "dense")
+_normal = nnx.initializers.normal(0.02)  # transformers' initializer_range
+
+
+def route(logits, top_k: int, norm_topk_prob: bool, fp32_weights: bool):
+    """Router logits (T, E) -> (weights (T, k), experts (T, k)): softmax over all experts in float32,
+    the top k (largest first), divided by their sum if ``norm_topk_prob``; the weights stay float32
+    with ``fp32_weights`` (Mixtral), else they take the logits' dtype."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return (weights if fp32_weights else weights.astype(logits.dtype)), experts
+
+
+class LlamaTopKRouter(RecordsInit, nnx.Module):
+    """The gate: ``weight`` (E, H), no bias, as torch's. (T, H) -> (logits (T, E), weights (T, k), experts (T, k))."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.norm_topk_prob, self.fp32_weights = (moe.num_experts_per_tok, moe.norm_topk_prob,
+                                                              moe.fp32_routing_weights)
+        self.dtype = dtype
+        self.weight = nnx.Param(_normal(rngs.params(), (moe.num_experts, config.hidden_size), param_dtype))
+
+    def __call__(self, x):
+        logits = x.astype(self.dtype) @ self.weight[...].astype(self.dtype).T
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob, self.fp32_weights)
+        return logits, weights, experts
+
+
+class LlamaExperts(RecordsInit, nnx.Module):
+    """E gated MLPs held fused: ``gate_up_proj`` (E, H, 2I), ``down_proj`` (E, I, H).
+
+    ``__call__(x (T, H), experts (T, k), weights (T, k))`` -> (T, H): for each token,
+    sum_j weights[t, j] * (act(x @ gate[e]) * (x @ up[e])) @ down[e] with e = experts[t, j].
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        e, inner, hidden = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        self.num_experts, self.intermediate_size, self.dtype = e, inner, dtype
+        self.hidden_act = config.hidden_act
+        self.implementation = "grouped"
+        self.gate_up_proj = nnx.Param(_normal(rngs.params(), (e, hidden, 2 * inner), param_dtype))
+        self.down_proj = nnx.Param(_normal(rngs.params(), (e, inner, hidden), param_dtype))
+
+    def __call__(self, x, experts, weights):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"LlamaExperts.implementation must be one of {IMPLEMENTATIONS}, "
+                             f"got {self.implementation!r}")
+        x = x.astype(self.dtype)
+        gate_up, down = self.gate_up_proj[...].astype(self.dtype), self.down_proj[...].astype(self.dtype)
+        run = _grouped if self.implementation == "grouped" else _dense
+        chosen = run(x, experts, gate_up, down, ACTIVATIONS[self.hidden_act], self.intermediate_size)  # (T, k, H)
+        out = chosen.astype(jnp.promote_types(chosen.dtype, weights.dtype)) * weights[..., None]
+        return jnp.sum(out, axis=1).astype(self.dtype)
+
+
+def _gated(h, act, inner: int):
+    return act(h[..., :inner]) * h[..., inner:]
+
+
+def _grouped(x, experts, gate_up, down, act, inner: int):
+    """(T, k, H): each (token, choice) pair's expert output, the pairs sorted by expert and run as
+    one ragged group per expert."""
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (T k,): pairs grouped by expert, tokens in order within
+    sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)  # (T k, H)
+    h = _gated(jax.lax.ragged_dot(rows, gate_up, sizes), act, inner)
+    out = jax.lax.ragged_dot(h, down, sizes)  # (T k, H), sorted
+    return jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)
+
+
+def _dense(x, experts, gate_up, down, act, inner: int):
+    """(T, k, H): every expert on every token, then each token's chosen k."""
+    h = _gated(jnp.einsum("th,ehi->eti", x, gate_up), act, inner)
+    out = jnp.einsum("eti,eih->teh", h, down)  # (T, E, H)
+    return jnp.take_along_axis(out, experts[..., None], axis=1)
+
+
+def set_experts(model, implementation: str):
+    """Run every ``LlamaExperts`` of ``model`` ``"grouped"`` or ``"dense"``; returns how many there are."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, LlamaExperts)]
+    for node in found:
+        node.implementation = implementation
+    return len(found)
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None):
+    """Switch Transformer's auxiliary loss as transformers computes it (``load_balancing_loss_func``).
+
+    ``router_logits``: one (b * t, E) array per sparse layer. Over every layer's tokens (the padded
+    ones left out when ``attention_mask`` (b, t) is given): ``E * sum_e f_e * P_e``, where f_e is the
+    fraction of the k choices that went to expert e and P_e the mean router probability of e. It is
+    k for a perfectly even load. The softmax runs in the logits' dtype, as transformers' does.
+    """
+    if not router_logits:
+        raise ValueError("load_balancing_loss needs the router logits of at least one sparse layer")
+    counts = probs_sum = rows = 0.0
+    for logits in router_logits:
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, chosen = jax.lax.top_k(probs, top_k)
+        hits = jnp.sum(jax.nn.one_hot(chosen, num_experts, dtype=jnp.float32), axis=1)  # (T, E)
+        probs = probs.astype(jnp.float32)
+        if attention_mask is None:
+            keep = jnp.ones((logits.shape[0],), jnp.float32)
+        else:
+            keep = jnp.reshape(attention_mask, (-1,)).astype(jnp.float32)
+            if keep.shape[0] != logits.shape[0]:
+                raise ValueError(f"attention_mask has {keep.shape[0]} positions, the router logits {logits.shape[0]}")
+        counts = counts + jnp.sum(hits * keep[:, None], axis=0)
+        probs_sum, rows = probs_sum + jnp.sum(probs * keep[:, None], axis=0), rows + jnp.sum(keep)
+    return num_experts * jnp.sum((counts / rows) * (probs_sum / rows))

@@ -45,10 +45,12 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"position_wise_feed_forward\.0|position_wise_feed_forward\.2": "linear",
         r"layer_norm1|layer_norm2|layer_norm3": "layer_norm",
     },
-    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2, Qwen3, Gemma)
+    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE four)
         r"": "rms_norm",  # a bare LlamaRMSNorm
         r"embed_tokens": "embedding",
-        r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head": "linear",
+        r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|shared_expert_gate": "linear",
+        r"mlp\.gate": "router",
+        r"experts": "experts",
         r"input_layernorm|post_attention_layernorm|norm|q_norm|k_norm": "rms_norm",
     },
 }

@@ -22,6 +22,7 @@ from flax_transformer.interop.safetensors_io import read
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.llama_config import MODEL_TYPES as LLAMA_TYPES
 from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.moe_config import MOE_TYPES
 
 HEADS = (Split("h", axis=0, size="num_attention_heads"),)  # one HF tensor, a slice per head on our side
 
@@ -162,7 +163,13 @@ def config_of(raw: dict, *, pooler: bool = True):
 
 def table_of(kind: str) -> list:
     """The key table of a ``model_type``."""
-    return ENCODERS[kind].rows if kind in ENCODERS else LLAMA_ROWS if kind in LLAMA_TYPES else GPT2_ROWS
+    if kind in ENCODERS:
+        return ENCODERS[kind].rows
+    if kind == "mixtral":
+        return MIXTRAL_ROWS
+    if kind in MOE_TYPES:
+        return MOE_ROWS
+    return LLAMA_ROWS if kind in LLAMA_TYPES else GPT2_ROWS
 
 
 def normalise_hf_names(kind: str, weights: dict) -> dict:

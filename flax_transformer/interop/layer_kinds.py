@@ -89,6 +89,7 @@ LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "table": {"embeddings": ("embeddings", AS_IS)},
     # the llama family's fused experts (transformers 5's in-memory names)
     "experts": {"gate_up_proj": ("gate_up_proj", EXPERTS), "down_proj": ("down_proj", EXPERTS)},
+    "router": {"weight": ("weight", AS_IS)},  # the experts' gate: (E, H) on both sides
 }
 
 # Flax module type -> kind of layer, tested with isinstance, so subclasses count. A
@@ -105,6 +106,7 @@ LAYER_KINDS: list[tuple[type, str]] = [
     (gpt.LayerNorm, "gamma_beta_norm"),
     (gpt.Embeddings, "table"),
     (moe.LlamaExperts, "experts"),
+    (moe.LlamaTopKRouter, "router"),
 ]
 
 

@@ -94,9 +94,10 @@ class MoeConfig:
         """From a transformers config's getter (``get(name, default)``) of model_type ``kind``."""
         if kind not in MOE_TYPES:
             raise ValueError(f"model_type {kind!r} has no mixture of experts ({', '.join(MOE_TYPES)})")
-        experts = get("num_local_experts", None) if kind == "mixtral" else get("num_experts", None)
+        # transformers maps one name to the other by kind (Qwen3-MoE saves num_local_experts, Qwen2-MoE num_experts)
+        experts = get("num_local_experts", None) or get("num_experts", None)
         if experts is None:
-            raise ValueError(f"a {kind} config needs {'num_local_experts' if kind == 'mixtral' else 'num_experts'}")
+            raise ValueError(f"a {kind} config needs num_experts (or num_local_experts)")
         qwen = kind in ("qwen2_moe", "qwen3_moe")
         values = dict(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", 2),
                       moe_intermediate_size=get("moe_intermediate_size" if qwen else "intermediate_size", None),

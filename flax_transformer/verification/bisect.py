@@ -54,13 +54,15 @@ torch is imported lazily (this is a verification module).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
-from flax_transformer.verification import capture, frameworks, measure
+from flax_transformer.verification import capture, frameworks, measure, routing
 from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.bisect_report import (
     BOTH_NONFINITE,
@@ -335,21 +337,31 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     args, kwargs = fp32_inputs(tuple(args)), fp32_inputs(kwargs)  # the fp64 reference casts them back up
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
-    with torch.no_grad():
-        t_out, t32 = capture.torch_calls(low, cast(t_args, rule.torch_dtype()), cast(t_kwargs, rule.torch_dtype()))
-        _, ref = capture.torch_calls(reference, cast(t_args, torch.float64), cast(t_kwargs, torch.float64))
-    j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
-    modules32, measured = dict(low.named_modules()), {}
-    rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
-                        _flax_names(flax_model), pairs, _tied(torch_model), measured,
-                        measure.sequence_length((t_args, t_kwargs)), rule)
+    # a mixture of experts: at near ties both torch runs take JAX's choices (``routing``)
+    route_report, choices = routing.check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, rule=rule)
+    with contextlib.ExitStack() as forcing:
+        for model in {id(m): m for m in (low, reference)}.values():
+            forcing.enter_context(routing.forced(model, choices))
+        with torch.no_grad():
+            t_out, t32 = capture.torch_calls(low, cast(t_args, rule.torch_dtype()), cast(t_kwargs, rule.torch_dtype()))
+            _, ref = capture.torch_calls(reference, cast(t_args, torch.float64), cast(t_kwargs, torch.float64))
+        j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
+        modules32, measured = dict(low.named_modules()), {}
+        rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
+                            _flax_names(flax_model), pairs, _tied(torch_model), measured,
+                            measure.sequence_length((t_args, t_kwargs)), rule)
+        experts = routing.expert_rows(capture.labelled(ref), capture.labelled(jx), modules32,
+                                      dict(reference.named_modules()), rule) if route_report is not None else {}
+        if grads:
+            grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule)
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared,
-                          positions=attach(rows, measured), precision=rule.name)
+                          positions=attach(rows, measured), precision=rule.name, routing=route_report,
+                          experts=experts)
     if grads:
-        report.grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule)
+        report.grad_rows = grad_rows
         report.first_divergent_grad = first_divergent_grad(report, [call.path for call in t32])
     return report.settle()
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from flax_transformer.verification.precision import PRECISIONS, Precision, budget, budget_rule
 from flax_transformer.verification.reports import Report
+from flax_transformer.verification.routing import expert_lines
 
 MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
 GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
@@ -146,6 +147,8 @@ class BisectReport(Report):
     # {row path: PositionErrors}: the error per position of every sequence output
     positions: dict = field(default_factory=dict)
     precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
+    routing: object = None  # a mixture of experts: ``routing.RoutingReport`` (near ties forced, loads)
+    experts: dict = field(default_factory=dict)  # {experts call: (``routing.ExpertRow``, ...)}: each expert alone
 
     @property
     def first_divergent_path(self) -> str | None:
@@ -186,7 +189,11 @@ class BisectReport(Report):
         return (any(_fails(r.status, self.allow_nonfinite) for r in self.rows)
                 or any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows)
                 or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped)
-                or bool(self.outputs_differ))
+                or bool(self.outputs_differ) or bool(self._bad_experts()))
+
+    def _bad_experts(self) -> list[str]:
+        """The experts calls with an expert beyond its budget when run alone (one no token chose too)."""
+        return [label for label, rows in self.experts.items() if not all(r.passed for r in rows)]
 
     @property
     def passed(self) -> bool:
@@ -205,6 +212,8 @@ class BisectReport(Report):
             self.first_divergent = MODEL if path == "" else path
         elif self.outputs_differ:  # an output that is not a float array differs: the model's own outputs
             self.first_divergent = MODEL
+        elif self._bad_experts():  # an expert no token of these inputs chose, wrong when run alone
+            self.first_divergent = self._bad_experts()[0]
         elif any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows):
             self.first_divergent = GRADIENTS
         else:
@@ -271,6 +280,8 @@ class BisectReport(Report):
                 line = f"gradients: first wrong at {self.first_divergent_grad}" + (
                     f" ({'; '.join(notes)})" if notes else "")
             lines.append(line)
+        if self.routing is not None:
+            lines += self.routing.lines() + expert_lines(self.experts)
         if self.precision != "float32":
             rule = PRECISIONS[self.precision]
             lines.append(f"precision: {self.precision} (the Flax model's); torch ran in {self.precision} too, budget "
@@ -317,7 +328,9 @@ class BisectReport(Report):
                 "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
                 "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(self.rule), "modules": rows,
-                "gradients": grads, "positions": report_dict(
+                "gradients": grads, "routing": None if self.routing is None else self.routing.to_dict(),
+                "experts": {k: [asdict(r) | {"passed": r.passed} for r in v] for k, v in self.experts.items()},
+                "positions": report_dict(
                     self.positions, None if self.first_divergent is None else _path(self.first_divergent))}
 
     def to_html(self, path=None, *, overwrite: bool = False) -> str:

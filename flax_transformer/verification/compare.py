@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import check_rename
-from flax_transformer.verification import measure
+from flax_transformer.verification import measure, routing
 from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.frameworks import apply as _apply
 from flax_transformer.verification.frameworks import (
@@ -136,28 +136,32 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     flax_model.eval()
     t_args, t_kwargs = tuple(map(to_torch, args)), {k: to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
-    with torch.set_grad_enabled(grads):
-        torch_out = torch_model(*t_args, **t_kwargs)
-    if lm:  # checked before anything else runs: a wrong output is the caller's mistake, not a finding
-        logits_at = measure.logits_path(torch_out)
-        torch_logits = measure.check_logits(measure.leaf(torch_out, logits_at), f"the torch model's {logits_at}")
-    family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
-    allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
-    weights, torch_grads = None, {}
-    if grads:
-        weights = {} if torch_fn is not None else default_weights(torch_out, seed)
-        if torch_fn is None and not weights:
-            raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; "
-                             "give loss_fn=")
-        torch_model.zero_grad(set_to_none=True)
-        torch_scalar(torch_out, weights, torch_fn).backward()
-        torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
-                       for k, p in torch_model.named_parameters()}
-    ref_out, ref_grads, why_not = (torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
-                                   else (None, None, ""))
-    low_out = low_grads = None
-    if rule is not _precision.FP32 and not why_not:  # torch at the model's precision: what it costs there
-        low_out, low_grads, why_not = torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn, rule)
+    # a mixture of experts: choices compared first; at near ties torch runs with JAX's (routing.py)
+    route_report, choices = routing.check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, fp64=fp64,
+                                          rule=rule)
+    with routing.forced(torch_model, choices):  # the hooks come off whatever happens
+        with torch.set_grad_enabled(grads):
+            torch_out = torch_model(*t_args, **t_kwargs)
+        if lm:  # checked before anything else runs: a wrong output is the caller's mistake, not a finding
+            logits_at = measure.logits_path(torch_out)
+            torch_logits = measure.check_logits(measure.leaf(torch_out, logits_at), f"the torch model's {logits_at}")
+        family, name = type(flax_model).__module__.rpartition(".")[2], type(flax_model).__name__
+        allow = dict(allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped)
+        weights, torch_grads = None, {}
+        if grads:
+            weights = {} if torch_fn is not None else default_weights(torch_out, seed)
+            if torch_fn is None and not weights:
+                raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; "
+                                 "give loss_fn=")
+            torch_model.zero_grad(set_to_none=True)
+            torch_scalar(torch_out, weights, torch_fn).backward()
+            torch_grads = {k: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32)
+                           for k, p in torch_model.named_parameters()}
+        ref_out, ref_grads, why_not = (torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn) if fp64
+                                       else (None, None, ""))
+        low_out = low_grads = None
+        if rule is not _precision.FP32 and not why_not:  # torch at the model's precision: what it costs there
+            low_out, low_grads, why_not = torch_reference(torch_model, t_args, t_kwargs, weights, torch_fn, rule)
     if grads:
         t_paths = tuple(p for p, v in flatten(torch_out) if v is not None)
         flax_out, flax_grads = _flax_grads(flax_model, j_args, j_kwargs,
@@ -176,7 +180,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     outputs = tuple(checks)
     if not grads:
         return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=outputs, others=tuple(others),
-                             skipped=tuple(skipped), lm=agreement, precision=rule.name, **allow)
+                             skipped=tuple(skipped), lm=agreement, precision=rule.name, routing=route_report, **allow)
     rows = [out_row]
     holder = nnx.clone(flax_model)
     nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
@@ -211,7 +215,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             worst, worst_key = g_err, key
     return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
                          outputs=outputs, others=tuple(others), skipped=tuple(skipped), lm=agreement,
-                         precision=rule.name, **allow)
+                         precision=rule.name, routing=route_report, **allow)
 
 
 def _run(flax_model, j_args, j_kwargs, use_jit: bool):

@@ -185,11 +185,12 @@ class CompareReport(Report):
     allow_skipped: bool = False
     lm: measure.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
     precision: str = "float32"  # the Flax model's compute dtype: the float64 budget's rule (``precision.py``)
+    routing: object = None  # a mixture of experts: ``routing.RoutingReport`` (near ties, divergent routers)
 
     @property
     def passed(self) -> bool:
         return (all(r.passed for r in self.rows) and (not self.skipped or self.allow_skipped)
-                and (self.lm is None or self.lm.passed))
+                and (self.lm is None or self.lm.passed) and (self.routing is None or self.routing.passed))
 
     @property
     def max_rel_err(self) -> float:
@@ -247,6 +248,9 @@ class CompareReport(Report):
         problems = [f"{r.module}: {'; '.join(p)}" for r in self.rows if not r.passed and (p := r.problems())]
         if self.lm is not None and not self.lm.passed:
             problems.append("LM agreement: " + "; ".join(self.lm.problems()))
+        if self.routing is not None:
+            lines.extend(self.routing.lines())
+            problems = self.routing.problems() + problems  # a divergent router explains the outputs after it
         if self.precision != "float32":
             rule = PRECISIONS[self.precision]
             lines.append(f"precision: {self.precision} (the Flax model's); torch ran in {self.precision} too for the "
@@ -264,6 +268,7 @@ class CompareReport(Report):
                 "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs), "others": list(self.others),
                 "lm": None if self.lm is None else self.lm.to_dict(),
+                "routing": None if self.routing is None else self.routing.to_dict(),
                 "rows": [dataclasses.asdict(r) | {"passed": r.passed, "problems": r.problems()} for r in self.rows]}
 
 

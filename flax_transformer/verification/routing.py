@@ -1,0 +1,301 @@
+"""Routers checked: did each token choose the same experts in torch and in JAX, and where not, is it
+a near tie that float32 rounding may decide either way, or a divergence?
+
+A mixture of experts sends each token to the top k of its router's scores. Two experts whose scores
+differ by less than float32's rounding may be picked differently by two correct implementations: the
+token then goes through other experts and its output differs by far more than any tolerance, though
+neither side is wrong. A check that fails such a port is useless; one loosened until it passes hides
+a real routing bug. The float64 torch reference tells them apart:
+
+* every router call (a ``moe.LlamaTopKRouter`` in the Flax model, the module of the same path in
+  torch: ``torch_reference``'s or transformers' ``*TopKRouter``, which return ``(logits, weights,
+  experts)``) is recorded in torch fp32, torch float64 and JAX;
+* a token whose chosen set of experts differs between torch and JAX is a **near tie** when the
+  float64 router logits of the swapped experts differ by at most ``margin``, twice the router
+  logits' float64 budget (``precision.budget`` of torch's own error: each side may be that far
+  from float64, so two experts closer than twice that may be ordered either way); otherwise the
+  router **diverges** there, and the report names it;
+* at near ties, ``compare`` runs torch (fp32, float64 and at the model's precision) again with every
+  router's choice forced to JAX's (``forced``: the weights recomputed from torch's own scores as the
+  router computes them), so each token's output is compared against the float64 run with the same
+  choice, under the ordinary budget.
+
+``RoutingReport`` also gives each router's expert load of the batch (how many of the tokens' k
+choices went to each expert, torch fp32's choice) and the logits' errors against float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+from flax import nnx
+
+from flax_transformer.models.moe import LlamaTopKRouter
+from flax_transformer.verification import capture, measure
+from flax_transformer.verification import precision as _precision
+
+EXAMPLES = 3  # divergent tokens named per router
+
+
+def router_paths(flax_model) -> list[str]:
+    """The dotted paths of the Flax model's routers (``moe.LlamaTopKRouter``), in model order."""
+    return [".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model) if isinstance(node, LlamaTopKRouter)]
+
+
+@dataclass(frozen=True)
+class RouterCheck:
+    """One router call: how many tokens chose other experts in JAX than in torch, and why."""
+
+    path: str
+    tokens: int
+    differ: int  # tokens whose chosen set of experts differs
+    near_ties: int  # of those, the float64 logits of the swapped experts within ``margin``
+    worst_gap: float  # the largest float64 gap between swapped experts of a token that differs (0: none)
+    margin: float  # 2 x the float64 budget of the router's logits
+    torch_err: float  # torch fp32's router logits against float64
+    jax_err: float  # JAX's router logits against float64
+    load: tuple[int, ...]  # per expert, the tokens' choices that went to it (torch fp32)
+    examples: tuple[str, ...] = ()  # the first divergent tokens, in words
+
+    @property
+    def diverged(self) -> bool:
+        return self.differ > self.near_ties
+
+    def line(self) -> str:
+        head = f"{self.path}: {self.tokens} tokens, load {list(self.load)}"
+        if not self.differ:
+            return head + ", every choice equal"
+        text = (f"{head}, {self.differ} chose other experts: {self.near_ties} near ties (float64 gap <= "
+                f"{self.margin:.2e})")
+        if self.diverged:
+            text += (f", {self.differ - self.near_ties} DIVERGE (float64 gap up to {self.worst_gap:.2e}; "
+                     + "; ".join(self.examples) + ")")
+        return text
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "tokens": self.tokens, "differ": self.differ, "near_ties": self.near_ties,
+                "worst_gap": self.worst_gap, "margin": self.margin, "torch_err": self.torch_err,
+                "jax_err": self.jax_err, "load": list(self.load), "examples": list(self.examples),
+                "diverged": self.diverged}
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    """Every router of a comparison. ``forced``: torch ran again with JAX's choices at the near ties."""
+
+    routers: tuple[RouterCheck, ...]
+    forced: bool = False
+    skipped: str = ""  # why the choices could not be judged (no float64 reference)
+
+    @property
+    def passed(self) -> bool:
+        return not self.skipped and not any(r.diverged for r in self.routers)
+
+    @property
+    def near_ties(self) -> int:
+        return sum(r.near_ties for r in self.routers)
+
+    def lines(self) -> list[str]:
+        differ = sum(r.differ for r in self.routers)
+        head = (f"routing: {len(self.routers)} router calls, {differ} tokens chose other experts, "
+                f"{self.near_ties} near ties" + (" (torch re-run with JAX's choices there)" if self.forced else ""))
+        if self.skipped:
+            head += f"; NOT JUDGED: {self.skipped}"
+        return [head] + [f"  {r.line()}" for r in self.routers]
+
+    def problems(self) -> list[str]:
+        out = [f"routing not judged: {self.skipped}"] if self.skipped else []
+        return out + [f"router {r.path}: {r.differ - r.near_ties} tokens chose other experts beyond the float64 "
+                      f"margin" for r in self.routers if r.diverged]
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "forced": self.forced, "near_ties": self.near_ties, "skipped": self.skipped,
+                "routers": [r.to_dict() for r in self.routers]}
+
+
+# ------------------------------------------------------------------ recording
+
+
+def _numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def torch_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{path: (router logits (T, E), chosen experts (T, k))} of one torch forward (no gradient)."""
+    wanted = set(paths)
+    _, calls = capture.torch_calls(model, args, kwargs)
+    out = {}
+    for label, call in capture.labelled([c for c in calls if c.path in wanted]).items():
+        out[label] = (_numpy(call.output[0]).astype(np.float64), _numpy(call.output[2]))
+    return out
+
+
+def flax_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{path: (router logits (T, E), chosen experts (T, k))} of one compiled JAX forward."""
+    wanted = set(paths)
+    _, calls = capture.nnx_calls(model, args, kwargs)
+    out = {}
+    for label, call in capture.labelled([c for c in calls if c.path in wanted]).items():
+        logits, _, chosen = call.output.values() if isinstance(call.output, dict) else call.output  # frozen or not
+        out[label] = (np.asarray(logits, np.float64), np.asarray(chosen))
+    return out
+
+
+# ------------------------------------------------------------------ judging
+
+
+def judge(t32: dict, t64: dict | None, jax: dict, rule=_precision.FP32, why_not: str = "") -> RoutingReport:
+    """The routers' report from the three runs' routes (``torch_routes``, ``flax_routes``); ``t64``
+    None (with ``why_not``): choices compared, differences not judged."""
+    checks = []
+    for label, (logits32, chosen32) in t32.items():
+        if label not in jax:
+            continue
+        logits_j, chosen_j = jax[label]
+        experts = logits32.shape[-1]
+        load = tuple(int(n) for n in np.bincount(chosen32.reshape(-1), minlength=experts))
+        ref = None if t64 is None else t64.get(label, (None,))[0]
+        torch_err = 0.0 if ref is None else measure.err([logits32], [ref])
+        jax_err = 0.0 if ref is None else measure.err([logits_j], [ref])
+        margin = 0.0 if ref is None else 2 * rule.budget(torch_err, float(np.max(np.abs(ref), initial=0.0)))
+        differ, near, worst, examples = 0, 0, 0.0, []
+        for token in range(chosen32.shape[0]):
+            a, b = set(chosen32[token].tolist()), set(chosen_j[token].tolist())
+            if a == b:
+                continue
+            differ += 1
+            if ref is None:
+                continue
+            gap = max(abs(ref[token, i] - ref[token, j]) for i in a - b for j in b - a)
+            worst = max(worst, gap)
+            if gap <= margin:
+                near += 1
+            elif len(examples) < EXAMPLES:
+                examples.append(f"token {token}: torch {sorted(a)}, JAX {sorted(b)}, float64 gap {gap:.2e}")
+        checks.append(RouterCheck(label, int(chosen32.shape[0]), differ, near, float(worst), float(margin),
+                                  float(torch_err), float(jax_err), load, tuple(examples)))
+    skipped = why_not if t64 is None and any(c.differ for c in checks) else ""
+    return RoutingReport(tuple(checks), skipped=skipped)
+
+
+@contextlib.contextmanager
+def forced(torch_model, choices: dict[str, np.ndarray]):
+    """Within the block, each torch router of ``choices`` (path -> experts (T, k)) picks those experts.
+
+    Its weights are recomputed from its own logits as the router computes them: softmax in float32
+    (float64 in a float64 copy), the chosen probabilities, divided by their sum where the router's own
+    weights sum to 1 (a renormalising router), in the dtype of its weights. The hooks travel with a
+    ``copy.deepcopy`` of the model (the float64 and bf16 copies ``measure`` makes)."""
+    import torch
+
+    handles = []
+    for name, module in torch_model.named_modules():
+        if name not in choices:
+            continue
+
+        def hook(module, args, output, chosen=choices[name]):
+            logits, weights, experts = output[0], output[1], output[2]
+            pick = torch.as_tensor(np.array(chosen), device=experts.device, dtype=experts.dtype)
+            probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            new = probs.gather(-1, pick)
+            if torch.allclose(weights.float().sum(-1), torch.ones((), device=weights.device), atol=1e-2):
+                new = new / new.sum(-1, keepdim=True)
+            return (logits, new.to(weights.dtype), pick, *output[3:])
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, *, fp64: bool = True,
+          rule=_precision.FP32) -> tuple[RoutingReport | None, dict[str, np.ndarray]]:
+    """(the routing report, JAX's choices to force in torch where the report has near ties and no
+    divergence, else {}); (None, {}) for a model without routers."""
+    import torch
+
+    paths = router_paths(flax_model)
+    if not paths:
+        return None, {}
+    with torch.no_grad():  # torch at the model's precision: its error against float64 sets the margin
+        low = torch_model if rule is _precision.FP32 else measure.torch_copy(torch_model, rule.torch_dtype())
+        t32 = torch_routes(low, paths, measure.cast(t_args, rule.torch_dtype()) if low is not torch_model else t_args,
+                           measure.cast(t_kwargs, rule.torch_dtype()) if low is not torch_model else t_kwargs)
+        t64, why_not = None, "no float64 reference (fp64=False)"
+        if fp64:
+            try:
+                copy = measure.torch_copy(torch_model, torch.float64)
+                t64 = torch_routes(copy, paths, measure.cast(t_args, torch.float64),
+                                   measure.cast(t_kwargs, torch.float64))
+            except Exception as error:  # noqa: BLE001 - a user's model in float64: the choices are not judged
+                t64, why_not = None, f"the float64 reference did not run ({type(error).__name__}: {error})"
+    jax = flax_routes(flax_model, paths, j_args, j_kwargs)
+    report = judge(t32, t64, jax, rule, why_not)
+    if not report.near_ties or not report.passed:
+        return report, {}
+    return RoutingReport(report.routers, forced=True), {label: jax[label][1] for label in jax}
+
+
+# ------------------------------------------------------------------ experts one by one
+
+
+@dataclass(frozen=True)
+class ExpertRow:
+    """One expert of one experts call, run alone on every token of the call (weight 1)."""
+
+    expert: int
+    torch_err: float
+    jax_err: float
+    budget: float
+
+    @property
+    def passed(self) -> bool:
+        return self.jax_err <= self.budget
+
+
+def expert_rows(ref_calls: dict, jax_calls: dict, low_modules: dict, ref_modules: dict,
+                rule=_precision.FP32) -> dict[str, tuple[ExpertRow, ...]]:
+    """{experts call label: one row per expert}: each expert of each ``LlamaExperts`` call run alone on
+    the call's tokens, in float64 torch (``ref_modules``), torch at the model's precision
+    (``low_modules``) and JAX, so a wrong expert is named by its index (two experts swapped by a
+    converter: both; gate and up swapped in one: that one). ``*_calls`` are ``capture.labelled``."""
+    import jax.numpy as jnp
+    import torch
+
+    from flax_transformer.models.moe import LlamaExperts
+
+    out = {}
+    for label, jx in jax_calls.items():
+        ref = ref_calls.get(label)
+        if not isinstance(jx.module, LlamaExperts) or ref is None or ref.path not in ref_modules:
+            continue
+        x64 = ref.args[0].to(torch.float64)
+        tokens = x64.shape[0]
+        rows = []
+        for e in range(jx.module.num_experts):
+            chosen = torch.full((tokens, 1), e, dtype=torch.int64)
+            with torch.no_grad():
+                want = ref_modules[ref.path](x64, chosen, torch.ones((tokens, 1), dtype=torch.float64)).numpy()
+                low = low_modules[ref.path](x64.to(rule.torch_dtype()), chosen,
+                                            torch.ones((tokens, 1), dtype=rule.torch_dtype())).float().numpy()
+            got = np.asarray(jx.module(jnp.asarray(x64.numpy(), jnp.float32), jnp.asarray(chosen.numpy()),
+                                       jnp.ones((tokens, 1), jnp.float32)), np.float64)
+            torch_err, jax_err = measure.err([low], [want]), measure.err([got], [want])
+            rows.append(ExpertRow(e, torch_err, jax_err, rule.budget(torch_err, measure.scale([want]))))
+        out[label] = tuple(rows)
+    return out
+
+
+def expert_lines(experts: dict[str, tuple[ExpertRow, ...]]) -> list[str]:
+    """One line per experts call: every expert within budget, or which are not."""
+    lines = []
+    for label, rows in experts.items():
+        bad = [r for r in rows if not r.passed]
+        lines.append(f"experts {label}: {len(rows)} experts run alone, " + (
+            "every one within budget" if not bad else "DIVERGE: " + ", ".join(
+                f"expert {r.expert} (JAX {r.jax_err:.2e} vs budget {r.budget:.2e})" for r in bad)))
+    return lines

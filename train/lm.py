@@ -2,6 +2,7 @@
 
     python -m train.lm --preset small --out runs/shakespeare     # char-level GPT on Tiny Shakespeare
     python -m train.lm --model llama --out runs/llama            # a Llama-style decoder of about its size
+    python -m train.lm --model llama --experts 4 --out runs/moe  # the same, each MLP a mixture of 4 experts (2 per token)
     python -m train.lm --text my.txt --level word --out runs/words
 
     # fine-tune a pretrained HuggingFace causal LM folder with its own tokenizer, export it back
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
                              "folder --init, fine-tuned with its own tokenizer")
     parser.add_argument("--init", default=None, metavar="FOLDER",
                         help="--model hf: the HuggingFace causal LM folder to fine-tune (Llama, Mistral, Qwen2/3, "
-                             "Gemma, GPT-2; config.json, weights, tokenizer.json)")
+                             "Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-2; config.json, weights, tokenizer.json)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens per training window (default: the preset's; --model hf: at most the model's "
                              "positions)")
@@ -44,6 +45,11 @@ def main(argv=None) -> int:
                              "folder's tokenizer), checked in transformers' AutoModelForCausalLM")
     parser.add_argument("--kv-heads", type=int, default=None,
                         help="--model llama: key/value heads, dividing the heads (default: the preset's, heads / 2)")
+    parser.add_argument("--experts", type=int, default=None, metavar="E",
+                        help="--model llama: a mixture of E experts in every layer (default: a dense MLP)")
+    parser.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                        help="--model llama --experts E: the experts each token uses (default 2), each --d-ff / K "
+                             "wide, so that a token uses as many feed-forward weights as the dense model's")
     parser.add_argument("--level", choices=["char", "word"], default=None,
                         help="tokens: characters (default) or words (notebook 002's tokenizer, the 10,000 most frequent)")
     parser.add_argument("--text", default=None, help="a text file (default: tinyshakespeare/input.txt)")

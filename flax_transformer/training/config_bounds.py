@@ -25,7 +25,7 @@ BOUNDS = {
     "n_layers": (1, 1024, False), "n_blocks": (1, 1024, False), "depth": (1, 1024, False),
     "d_embed": (1, 1 << 16, False), "d_model": (1, 1 << 16, False), "emb": (1, 1 << 16, False),
     "d_ff": (1, 1 << 18, False), "ff_mult": (1, 64, False), "heads": (1, 1024, False),
-    "kv_heads": (1, 1024, False),
+    "kv_heads": (1, 1024, False), "experts": (1, 1024, False), "experts_per_token": (1, 1024, False),
     "num_classes": (2, 1 << 16, False), "eval_size": (1, 1 << 20, False), "eval_batches": (1, 1 << 20, False),
     "train_limit": (1, BIG, False), "test_limit": (1, BIG, False), "val_size": (1, BIG, False),
     "sample_tokens": (1, 1 << 20, False), "temperature": (0, 1e6, False), "top_k": (1, 1 << 22, False),

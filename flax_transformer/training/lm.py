@@ -13,6 +13,14 @@ validation loss and a sample continued from ``prompt``.
 A llama preset (``LMConfig.tiny(model="llama")``, ``--model llama --preset tiny``) keeps the gpt
 preset's layers, width, heads and context, and takes ``kv_heads = heads / 2`` and a narrower
 ``d_ff``, so that its parameter count is about the gpt preset's (``LLAMA_SIZES``).
+
+``experts`` (``--experts E --experts-per-token k``, llama only) makes every feed-forward block a
+mixture of E experts of which each token uses k, each expert ``d_ff / k`` wide: a token goes through as
+many feed-forward weights as the dense llama of the same flags (equal active parameters; E / k times
+as many in all). A mixture of experts (this one, or an ``hf`` folder of Mixtral, Qwen2-MoE, Qwen3-MoE or
+OLMoE) trains on ``cross-entropy + router_aux_loss_coef * load-balancing loss``, as transformers'
+``outputs.loss``; the load-balancing loss is logged as ``aux_loss``, the cross-entropy as ``lm_loss``,
+and the validation loss is the cross-entropy alone (nats per token, comparable with a dense model's).
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class LMConfig:
     d_ff: int = 512
     heads: int = 4
     kv_heads: int | None = None  # llama only: key/value heads (grouped-query attention); None = heads
+    experts: int | None = None  # llama only: a mixture of this many experts per layer; None = a dense MLP
+    experts_per_token: int | None = None  # llama with experts: experts per token (k, default 2), each d_ff / k wide
     context: int = 128
     dropout: float = 0.1  # llama: its attention dropout (the only dropout a Llama has)
     val_fraction: float = 0.1
@@ -87,6 +97,7 @@ class LMConfig:
             raise ValueError(f"--kv-heads applies to --model llama only, not {self.model!r}")
         if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ValueError(f"--kv-heads {self.kv_heads} must divide the heads ({self.heads})")
+        _check_experts(self)
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         if self.init is not None and self.model != "hf":
@@ -120,6 +131,28 @@ class LMConfig:
                                  | changes))
 
 
+def _check_experts(config: LMConfig) -> None:
+    """--experts and --experts-per-token: llama only, k at most E, and d_ff divisible into k experts."""
+    if config.experts is None:
+        if config.experts_per_token is not None:
+            raise ValueError("--experts-per-token needs --experts (the number of experts per layer)")
+        return
+    if config.model != "llama":
+        raise ValueError(f"--experts applies to --model llama only, not {config.model!r} (an hf folder's "
+                         "experts are its own)")
+    k = expert_count_per_token(config)
+    if k > config.experts:
+        raise ValueError(f"--experts-per-token {k} must be at most --experts ({config.experts})")
+    if config.d_ff % k:
+        raise ValueError(f"--d-ff {config.d_ff} must be divisible by --experts-per-token {k}: each expert is "
+                         "d_ff / k wide, so that a token uses d_ff feed-forward units as the dense model's")
+
+
+def expert_count_per_token(config: LMConfig) -> int:
+    """k: ``experts_per_token``, default 2."""
+    return 2 if config.experts_per_token is None else config.experts_per_token
+
+
 MODELS = ("gpt", "former", "llama", "hf")
 PRESETS = {"tiny": LMConfig.tiny, "small": LMConfig.small, "base": LMConfig.base}
 # What a llama preset changes in the gpt preset of the same name. With kv_heads = heads / 2, q, k, v
@@ -143,7 +176,11 @@ HF_PRESETS = {
                  weight_decay=0.01, eval_batches=20, eval_every=500, sample_tokens=200),
 }
 # the fields a model "hf" run takes from its folder (left at their defaults in its config)
-HF_DECIDES = ("level", "vocab_size", "n_layers", "d_embed", "d_ff", "heads", "kv_heads", "dropout")
+HF_DECIDES = ("level", "vocab_size", "n_layers", "d_embed", "d_ff", "heads", "kv_heads", "dropout", "experts",
+              "experts_per_token")
+# a mixture of experts' load-balancing loss weight in a from-scratch llama run: the Switch Transformer's and
+# OLMoE's (Mixtral and the Qwens default to 0.001); an hf folder keeps its config's router_aux_loss_coef
+AUX_LOSS_COEF = 0.01
 
 
 def _preset(preset: str, sizes: dict, changes: dict) -> dict:
@@ -214,19 +251,57 @@ def build_model(config: LMConfig, vocab_size: int):
 
 def llama_config(config: LMConfig, vocab_size: int):
     """The ``LlamaConfig`` of a ``model="llama"`` run: Llama's defaults (RoPE theta 10,000, SiLU, no
-    biases, an untied head), the run's sizes, ``max_position_embeddings`` = ``context``."""
+    biases, an untied head), the run's sizes, ``max_position_embeddings`` = ``context``. With ``experts``,
+    every layer is a mixture of experts as Mixtral's (``model_type`` "mixtral": top-k renormalised), each expert ``d_ff / k`` wide,
+    its load-balancing loss weighted ``AUX_LOSS_COEF``."""
     from flax_transformer.models.llama_config import LlamaConfig
+    from flax_transformer.models.moe_config import MoeConfig
 
+    k = expert_count_per_token(config)
+    moe = None if config.experts is None else MoeConfig(
+        num_experts=config.experts, num_experts_per_tok=k, moe_intermediate_size=config.d_ff // k,
+        norm_topk_prob=True, fp32_routing_weights=True, router_aux_loss_coef=AUX_LOSS_COEF)
     return LlamaConfig(vocab_size=vocab_size, hidden_size=config.d_embed, intermediate_size=config.d_ff,
                        num_hidden_layers=config.n_layers, num_attention_heads=config.heads,
                        num_key_value_heads=config.kv_heads, max_position_embeddings=config.context,
-                       attention_dropout=config.dropout)
+                       attention_dropout=config.dropout, moe=moe, model_type="llama" if moe is None else "mixtral")
+
+
+def moe_of(model):
+    """The ``MoeConfig`` of a llama-family mixture of experts, else None (a dense model of any family)."""
+    from flax_transformer.models.llama import LlamaForCausalLM
+
+    return model.config.moe if isinstance(model, LlamaForCausalLM) else None
+
+
+def _losses(model, batch):
+    """(cross-entropy, load-balancing loss or None, metrics) of one (b, t) window."""
+    count = {"count": jnp.asarray(batch["ids"].size, jnp.float32)}
+    moe = moe_of(model)
+    if moe is None:
+        return cross_entropy(model(batch["ids"]), batch["labels"]), None, count
+    from flax_transformer.models.moe import load_balancing_loss
+
+    logits, router_logits = model(batch["ids"], output_router_logits=True)
+    ce = cross_entropy(logits, batch["labels"])
+    aux = load_balancing_loss(router_logits, moe.num_experts, moe.num_experts_per_tok)  # windows hold no padding
+    return ce, aux, count | {"lm_loss": ce, "aux_loss": aux}
 
 
 def loss_fn(model, batch):
-    """Mean next-token cross-entropy over the (b, t) window. Returns (loss, metrics)."""
-    loss = cross_entropy(model(batch["ids"]), batch["labels"])
-    return loss, {"count": jnp.asarray(batch["ids"].size, jnp.float32)}
+    """The training objective: the mean next-token cross-entropy over the (b, t) window, plus
+    ``router_aux_loss_coef`` times the load-balancing loss for a mixture of experts (transformers'
+    ``outputs.loss`` with ``output_router_logits=True``; ``lm_loss`` and ``aux_loss`` among the metrics).
+    Returns (loss, metrics)."""
+    ce, aux, metrics = _losses(model, batch)
+    return (ce if aux is None else ce + moe_of(model).router_aux_loss_coef * aux), metrics
+
+
+def eval_loss_fn(model, batch):
+    """The validation loss: the cross-entropy alone (nats per token, whatever the model), a mixture of
+    experts' load-balancing loss among the metrics. Returns (loss, metrics)."""
+    ce, _, metrics = _losses(model, batch)
+    return ce, metrics
 
 
 def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
@@ -291,8 +366,9 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     (``config.lora``: ``lora_runs``) can write ``export_peft``, its adapter as a PEFT folder."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
-    if config.init is None:  # run.json as before the field: a run begun then still resumes (its fields compared)
-        del run_config["init"]
+    for name in ("init", "experts", "experts_per_token"):  # run.json as before these fields: a run begun
+        if run_config[name] is None:                         # then still resumes (its fields compared)
+            del run_config[name]
     prepare_run_dir(run_dir, run_config, resume=resume)
     folder = hf_init.lm_folder(config, run_dir=run_dir if resume else None) if config.model == "hf" else None
     hf_tokenizer = hf_init.lm_tokenizer(config, folder) if folder is not None else None
@@ -322,6 +398,10 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     adapted = (lora_runs.adapt(model, config, task="lm", folder=folder, run_dir=run_dir, fresh=not resume)
                if config.lora.enabled else None)
     what = hf_init.describe(folder) if folder is not None else f"{config.model} at {config.level} level"
+    if moe_of(model) is not None:
+        moe = moe_of(model)
+        what += (f", a mixture of {moe.num_experts} experts ({moe.num_experts_per_tok} per token, load-balancing "
+                 f"loss x {moe.router_aux_loss_coef:g})")
     with open_run(run_dir, run_config, resume=resume):
         if not saved_tokenizer and is_main_process():
             files.write_file(tok_path, lambda tmp: tokenizer.save(str(tmp)), overwrite=True)
@@ -332,7 +412,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
         print(f"lm: {what}: {len(stream):,} tokens ({cut:,} train), vocabulary "
               f"{vocab}, {config.run.steps} steps of {config.run.batch_size} x {config.context} tokens "
               f"({config.run.steps * config.run.batch_size * config.context / cut:.1f} passes)", file=sys.stderr)
-        evaluate = batch_evaluator(loss_fn, lambda: val.fixed(config.eval_batches))
+        evaluate = batch_evaluator(eval_loss_fn, lambda: val.fixed(config.eval_batches))
         before = {}
         if folder is not None and not resume:  # where the fine-tune starts from, on the same validation windows
             if mesh is None:  # committed to the device as fit's arrays are: the final evaluation reuses this program

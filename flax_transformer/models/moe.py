@@ -92,7 +92,10 @@ class LlamaExperts(RecordsInit, nnx.Module):
         gate_up, down = self.gate_up_proj[...].astype(self.dtype), self.down_proj[...].astype(self.dtype)
         run = _grouped if self.implementation == "grouped" else _dense
         chosen = run(x, experts, gate_up, down, ACTIVATIONS[self.hidden_act], self.intermediate_size)  # (T, k, H)
-        out = chosen.astype(jnp.promote_types(chosen.dtype, weights.dtype)) * weights[..., None]
+        # the wider of the two (Mixtral's fp32 weights on bf16 outputs: fp32 through the sum, as grouped_mm);
+        # chosen by width, since strict dtype promotion has no bf16 -> fp32 rule
+        wide = weights.dtype if jnp.finfo(weights.dtype).bits > jnp.finfo(chosen.dtype).bits else chosen.dtype
+        out = chosen.astype(wide) * weights.astype(wide)[..., None]
         return jnp.sum(out, axis=1).astype(self.dtype)
 
 

@@ -7,13 +7,18 @@ kernels are, input first: ``gate_up_proj`` (E, H, 2I) (gate in the first I colum
 and ``down_proj`` (E, I, H); torch holds them (E, 2I, H) and (E, H, I), and porting transposes the two
 named axes (``layer_kinds``: ``Layout("e out in", "e in out")``).
 
-Two ways to run the experts, one result (``LlamaExperts.implementation``, or ``set_experts``):
+Ways to run the experts, one result (``LlamaExperts.implementation``, or ``set_experts``):
 
-* ``"grouped"`` (the default): the (token, choice) pairs sorted by expert, each expert's rows one
-  group of ``jax.lax.ragged_dot``: every expert computes only its own tokens, with no capacity and
-  no token dropped, and no Python loop over experts in the compiled program;
-* ``"dense"``: every expert on every token, the k chosen outputs picked after (E times the work: the
-  reference the grouped path is tested against).
+* ``"grouped"`` (the default): every expert computes only its own tokens, with no capacity and no
+  token dropped: ``"blocked"`` on the CPU, ``"ragged"`` on the other backends;
+* ``"ragged"``: the (token, choice) pairs sorted by expert, each expert's rows one group of
+  ``jax.lax.ragged_dot`` (XLA's CPU backend runs it as slowly as the dense path or slower);
+* ``"blocked"``: the sorted pairs padded per expert to whole blocks of ``block_rows`` rows (at most
+  T k + E (block_rows - 1) rows, a static bound: dropless), a loop over the used blocks each
+  multiplying by its expert's matrix, with its own backward (the same loop for the input's
+  gradient, the weights' gradient accumulated per block into its expert);
+* ``"dense"``: every expert on every token, the k chosen outputs picked after (E / k times the
+  work: the reference the grouped paths are tested against).
 
 Both weight each token's k outputs and sum them over its k choices in top-k's order (largest first),
 as transformers' default ``grouped_mm`` does.
@@ -31,7 +36,8 @@ from flax_transformer.models.llama_config import LlamaConfig
 
 __all__ = ["IMPLEMENTATIONS", "LlamaExperts", "LlamaTopKRouter", "load_balancing_loss", "route", "set_experts"]
 
-IMPLEMENTATIONS = ("grouped", "dense")
+IMPLEMENTATIONS = ("grouped", "ragged", "blocked", "dense")
+BLOCK_ROWS = 128  # "blocked": the most rows of one block (fewer when the experts get fewer rows on average)
 _normal = nnx.initializers.normal(0.02)  # transformers' initializer_range
 
 
@@ -90,7 +96,10 @@ class LlamaExperts(RecordsInit, nnx.Module):
                              f"got {self.implementation!r}")
         x = x.astype(self.dtype)
         gate_up, down = self.gate_up_proj[...].astype(self.dtype), self.down_proj[...].astype(self.dtype)
-        run = _grouped if self.implementation == "grouped" else _dense
+        impl = self.implementation
+        if impl == "grouped":
+            impl = "blocked" if jax.default_backend() == "cpu" else "ragged"
+        run = {"ragged": _grouped, "blocked": _blocked, "dense": _dense}[impl]
         chosen = run(x, experts, gate_up, down, ACTIVATIONS[self.hidden_act], self.intermediate_size)  # (T, k, H)
         # the wider of the two (Mixtral's fp32 weights on bf16 outputs: fp32 through the sum, as grouped_mm);
         # chosen by width, since strict dtype promotion has no bf16 -> fp32 rule
@@ -116,6 +125,71 @@ def _grouped(x, experts, gate_up, down, act, inner: int):
     return jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)
 
 
+def _block_rows(pairs: int, experts: int) -> int:
+    """Rows per block: the power of two nearest above the mean rows per expert, 8 to ``BLOCK_ROWS``."""
+    mean = -(-pairs // experts)
+    return max(8, min(BLOCK_ROWS, 1 << (mean - 1).bit_length()))
+
+
+def _blocked(x, experts, gate_up, down, act, inner: int):
+    """(T, k, H): the pairs sorted by expert, padded per expert to whole blocks, one matmul per used block."""
+    tokens, k = experts.shape
+    num_experts, hidden = gate_up.shape[0], x.shape[1]
+    flat = experts.reshape(-1)
+    pairs = flat.shape[0]
+    rows_per = _block_rows(pairs, num_experts)
+    blocks = -(-(pairs + num_experts * (rows_per - 1)) // rows_per)  # the dropless bound, in blocks
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = -(-sizes // rows_per) * rows_per
+    padded_end = jnp.cumsum(padded)
+    shift = (padded_end - padded) - (jnp.cumsum(sizes) - sizes)  # padded start - start, per expert
+    slot = jnp.arange(pairs, dtype=jnp.int32) + shift[flat[order]]  # the padded row of each sorted pair
+    source = jnp.full((blocks * rows_per,), tokens, jnp.int32).at[slot].set(order // k)  # token of each row
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(blocks) * rows_per, side="right"),
+                               num_experts - 1).astype(jnp.int32)
+    used = (padded_end[-1] // rows_per).astype(jnp.int32)
+    rows = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[source].reshape(blocks, rows_per, hidden)
+    h = _gated(_block_matmul(rows, gate_up, block_expert, used), act, inner)
+    out = _block_matmul(h, down, block_expert, used).reshape(blocks * rows_per, hidden)
+    where = jnp.zeros((pairs,), jnp.int32).at[order].set(slot)  # the padded row of each (token, choice)
+    return out[where].reshape(tokens, k, hidden)
+
+
+def _block_loop(rows, weights, block_expert, used):
+    """(n, B, K) x (E, K, N) -> (n, B, N): block b times weights[block_expert[b]], for b < used (zeros after)."""
+    def body(b, out):
+        return out.at[b].set(rows[b] @ weights[block_expert[b]])
+
+    return jax.lax.fori_loop(0, used, body, jnp.zeros(rows.shape[:2] + weights.shape[2:], rows.dtype))
+
+
+def _weight_grad(rows, grads, block_expert, used, num_experts: int):
+    def body(b, total):
+        return total.at[block_expert[b]].add(rows[b].T @ grads[b])
+
+    return jax.lax.fori_loop(0, used, body, jnp.zeros((num_experts, rows.shape[2], grads.shape[2]), rows.dtype))
+
+
+@jax.custom_vjp
+def _block_matmul(rows, weights, block_expert, used):
+    return _block_loop(rows, weights, block_expert, used)
+
+
+def _block_matmul_fwd(rows, weights, block_expert, used):
+    return _block_loop(rows, weights, block_expert, used), (rows, weights, block_expert, used)
+
+
+def _block_matmul_bwd(saved, grads):
+    rows, weights, block_expert, used = saved
+    d_rows = _block_loop(grads, jnp.swapaxes(weights, 1, 2), block_expert, used)
+    d_weights = _weight_grad(rows, grads, block_expert, used, weights.shape[0]).astype(weights.dtype)
+    return d_rows, d_weights, None, None
+
+
+_block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+
+
 def _dense(x, experts, gate_up, down, act, inner: int):
     """(T, k, H): every expert on every token, then each token's chosen k."""
     h = _gated(jnp.einsum("th,ehi->eti", x, gate_up), act, inner)
@@ -124,7 +198,7 @@ def _dense(x, experts, gate_up, down, act, inner: int):
 
 
 def set_experts(model, implementation: str):
-    """Run every ``LlamaExperts`` of ``model`` ``"grouped"`` or ``"dense"``; returns how many there are."""
+    """Run every ``LlamaExperts`` of ``model`` one of ``IMPLEMENTATIONS``; returns how many there are."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     found = [node for _, node in nnx.iter_graph(model) if isinstance(node, LlamaExperts)]

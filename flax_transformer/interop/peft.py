@@ -10,7 +10,10 @@ and ``adapter_model.safetensors`` with one pair of tensors per adapted module of
     base_model.model.<module path>.lora_A.weight    (r, in)     torch nn.Linear layout of A
     base_model.model.<module path>.lora_B.weight    (out, r)
 
-The library stores A (in, r) and B (r, out), so both are transposed. GPT-2's ``c_attn``/``c_proj``/
+The library stores A (in, r) and B (r, out), so both are transposed. The experts' fused weights
+(``target_parameters``, ``lora.ParamLoRA``) are held as PEFT's ``ParamWrapper`` holds them: A
+(E r, in), B (out, r E), under the experts module's path, the weight adapted first (``gate_up_proj``)
+one ``base_layer.`` deeper when both are (PEFT nests one wrapper per weight). GPT-2's ``c_attn``/``c_proj``/
 ``c_fc`` are transformers' Conv1D (weight (in, out)): PEFT adapts them with ``fan_in_fan_out=True``
 and the same A/B shapes (the flag only transposes the merged update). Module paths are transformers'
 own: the library's porting names, translated by ``hf``'s key tables for the models ``hf.save_pretrained``
@@ -37,6 +40,7 @@ from flax_transformer.interop import converter, files, hf, porting, safetensors_
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
+from flax_transformer.models.moe import LlamaExperts
 from flax_transformer.models.state_dict_errors import StateDictError
 
 __all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "check_base", "hf_module_paths", "load_peft", "read_config",
@@ -53,7 +57,6 @@ _UNSUPPORTED = {
     "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
     "layers_to_transform": (None, "layers_to_transform"),
     "exclude_modules": (None, "exclude_modules"),
-    "target_parameters": (None, "target_parameters (LoRA on parameters, not modules)"),
     "lora_bias": (False, "a trained LoRA bias (lora_bias)"),
     "trainable_token_indices": (None, "trainable_token_indices"),
 }
@@ -114,6 +117,47 @@ def hf_module_paths(model) -> dict[str, str]:
     return out
 
 
+def hf_parameter_names(model) -> dict[str, str]:
+    """Our dotted path -> transformers' parameter name, for every expert weight that takes a LoRA as a
+    parameter (``lora.EXPERT_PARAMETERS`` of each ``LlamaExperts``). transformers 5 holds the experts
+    fused, under our (canonical) names, whatever per-expert names its files use."""
+    out = {}
+    for path, node in lora.module_nodes(model).items():
+        if isinstance(node, LlamaExperts):
+            for name in lora.EXPERT_PARAMETERS:
+                dotted = lora.dotted_path((*path, name))
+                out[dotted] = _hf_key(model, dotted) or dotted
+    return out
+
+
+def _wrapper_paths(names: dict[str, str]) -> dict[str, str]:
+    """Our adapter path -> PEFT's path of its ``ParamWrapper``, for ``names`` (adapter path -> transformers
+    parameter name). PEFT wraps a module's targeted weights in their definition order, each wrapper
+    around the last, so the first sits deepest: ``experts.base_layer`` when a second one follows."""
+    out, by_module = {}, {}
+    for ours, name in names.items():
+        by_module.setdefault(_module_of(name), []).append((lora.EXPERT_PARAMETERS.index(name.rpartition(".")[2]), ours))
+    for module, found in by_module.items():
+        for depth, (_, ours) in enumerate(sorted(found)):
+            out[ours] = module + ".base_layer" * (len(found) - 1 - depth)
+    return out
+
+
+def _experts_to_peft(layer) -> tuple[np.ndarray, np.ndarray]:
+    """A ``lora.ParamLoRA``'s A (E, in, r), B (E, r, out) as PEFT's files hold them: (E r, in), (out, r E)."""
+    a, b = np.asarray(layer.lora_A[...]), np.asarray(layer.lora_B[...])
+    e, d_in, r = a.shape
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, d_in)),
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], r * e)))
+
+
+def _expert_from_peft(leaf: str, value: np.ndarray, experts: int) -> np.ndarray:
+    """PEFT's A (E r, in) -> ours (E, in, r); its B (out, r E) -> ours (E, r, out): ``_experts_to_peft`` undone."""
+    if leaf == "lora_A":
+        return value.reshape(experts, -1, value.shape[1]).transpose(0, 2, 1)
+    return value.reshape(value.shape[0], -1, experts).transpose(2, 1, 0)
+
+
 def _fused_shape(model, ours: str) -> tuple[int, int]:
     """(in, out) of the projection over all heads whose FusedLoRA path is ``ours``."""
     parent, _, slot = ours.rpartition(".")
@@ -152,11 +196,25 @@ def _target_modules(model, adapted: set[str]) -> list[str]:
     their last names when no other module of it has one of those names, else their full paths."""
     names = sorted({m.rpartition(".")[2] for m in adapted})
     everything = set()  # every module path of transformers' model (each parameter's ancestors)
+    if not adapted:
+        return []  # LoRA on parameters alone: PEFT's way to say "no module" (None would take its defaults)
     for key in _torch_keys(model):
-        parts = _hf_key(model, key, whole=True).split(".")[:-1]
+        parts = (_hf_key(model, key, whole=True) or key).split(".")[:-1]  # fused experts: transformers' own name
         everything.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     clash = [m for m in everything if m not in adapted and _peft_matches(names, m)]
     return sorted(adapted) if clash else names
+
+
+def _peft_param_matches(targets, name: str) -> bool:
+    """PEFT's ``target_parameters`` rule: a parameter's full name, or a dotted suffix of it."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def _target_parameters(adapted: set[str], everything: set[str]) -> list[str]:
+    """The shortest ``target_parameters`` that selects exactly the adapted weights: their last two name
+    parts (``experts.gate_up_proj``) when that selects no other weight, else their full names."""
+    short = sorted({".".join(name.split(".")[-2:]) for name in adapted})
+    return short if all(_peft_param_matches(short, n) == (n in adapted) for n in everything) else sorted(adapted)
 
 
 # ------------------------------------------------------------------ saving
@@ -183,7 +241,11 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         raise ValueError(f"the {type(model).__name__} has no LoRA layers: lora.apply adds them")
     folder = files.check_target(folder, kind="dir", overwrite=overwrite)
     paths = hf_module_paths(model)
-    layers = lora.layers(model)
+    everything = lora.layers(model)
+    params = {path: layer for path, layer in everything.items() if isinstance(layer, lora.ParamLoRA)}
+    layers = {path: layer for path, layer in everything.items() if path not in params}
+    weights = hf_parameter_names(model)
+    names = {path: weights[f"{path.rpartition('.')[0]}.{layer.parameter}"] for path, layer in params.items()}
     homeless = [path for path in layers if path not in paths]
     if homeless:
         raise ValueError(f"{homeless[0]} is a LoRA on one head's slice of a transformers projection, which no "
@@ -194,6 +256,9 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         module = paths[path]
         tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(layer.lora_A[...]).T)  # (r, in)
         tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(layer.lora_B[...]).T)  # (out, r)
+    for path, wrapper in _wrapper_paths(names).items():
+        tensors[f"{PREFIX}{wrapper}.lora_A.weight"], tensors[f"{PREFIX}{wrapper}.lora_B.weight"] = \
+            _experts_to_peft(params[path])
     saved = None
     if modules_to_save:
         saved = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
@@ -218,6 +283,7 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": _target_modules(model, {paths[p] for p in layers}),
+        "target_parameters": _target_parameters(set(names.values()), set(weights.values())) or None,
         "fan_in_fan_out": any(isinstance(layer, lora.LoRAConv1D) for layer in layers.values()),
         "use_rslora": config.use_rslora,
         "bias": "none",
@@ -256,7 +322,11 @@ def read_config(folder) -> dict:
         raise ValueError(f"{file}: r must be an integer >= 1, got {rank!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{file}: lora_alpha must be a finite number, got {alpha!r}")
-    targets = config.get("target_modules")
+    targets, parameters = config.get("target_modules"), config.get("target_parameters")
+    if parameters is not None and not (isinstance(parameters, list) and all(isinstance(t, str) and t for t in parameters)):
+        raise ValueError(f"{file}: target_parameters must be a list of parameter names, got {parameters!r}")
+    if parameters and targets in (None, []):
+        return config  # LoRA on the experts' weights alone
     if not (isinstance(targets, str) or (isinstance(targets, list) and targets
                                          and all(isinstance(t, str) for t in targets))):
         raise ValueError(f"{file}: target_modules must be a regex or a list of module names, got {targets!r}")
@@ -269,10 +339,21 @@ def _our_targets(model, targets, chosen: list[str]) -> list[str]:
     if isinstance(targets, list) and all(lora._PLAIN_NAME.fullmatch(t) for t in targets):
         try:
             if sorted(lora.find(model, targets)) == sorted(chosen):
-                return list(targets)
+                return sorted(targets)  # peft keeps them as a set: their order means nothing
         except ValueError:  # a name that is not ours (BERT's "dense") or names a module that is not linear
             pass
     return [re.escape(path) for path in chosen]
+
+
+def _our_parameters(model, parameters: list[str], chosen: list[str]) -> list[str]:
+    """``apply``'s parameters for the chosen weights: PEFT's names where they select exactly those in our
+    model (the llama family's names are transformers'), else each weight's full path."""
+    try:
+        if sorted(lora.find(model, (), parameters)) == sorted(f"{w}_lora" for w in chosen):
+            return sorted(parameters)
+    except ValueError:  # a name that matches nothing of ours, or something that is not an expert weight
+        pass
+    return list(chosen)
 
 
 def check_base(folder, base) -> None:
@@ -336,9 +417,15 @@ def load_peft(model, folder, *, rngs=None):
         raise ValueError(f"{file}: {len(bare)} keys lack PEFT's {PREFIX!r} prefix (first: {bare[0]!r}); "
                          "is this a PEFT adapter?")
     paths = hf_module_paths(model)
-    targets = config["target_modules"]
-    chosen = {ours: theirs for ours, theirs in paths.items() if _peft_matches(targets, theirs)}
-    if not chosen:
+    targets, parameters = config.get("target_modules") or [], config.get("target_parameters") or []
+    chosen = {ours: theirs for ours, theirs in paths.items() if targets and _peft_matches(targets, theirs)}
+    experts = {ours: theirs for ours, theirs in hf_parameter_names(model).items()
+               if _peft_param_matches(parameters, theirs)}  # our weight path -> transformers' name
+    if parameters and not experts:
+        raise ValueError(f"{folder / CONFIG_FILE}: target_parameters {parameters!r} name no expert weight of the "
+                         f"{type(model).__name__} (its experts' weights are named like "
+                         f"{sorted(hf_parameter_names(model).values())[:2]})")
+    if targets and not chosen:
         raise ValueError(f"{folder / CONFIG_FILE}: target_modules {targets!r} name no linear layer of the "
                          f"{type(model).__name__} (its modules are named like {sorted(paths.values())[:4]})")
     nodes = {lora.dotted_path(p): n for p, n in lora.module_nodes(model).items() if p}
@@ -351,6 +438,11 @@ def load_peft(model, folder, *, rngs=None):
             d_in, d_out = getattr(base, "matrix" if isinstance(base, gpt.Linear) else "kernel").shape
         expected[f"{PREFIX}{theirs}.lora_A.weight"] = (ours, "lora_A", (rank, d_in))
         expected[f"{PREFIX}{theirs}.lora_B.weight"] = (ours, "lora_B", (d_out, rank))
+    adapters = {f"{path.rpartition('.')[0]}.{path.rpartition('.')[2]}_lora": name for path, name in experts.items()}
+    for ours, wrapper in _wrapper_paths(adapters).items():  # ours: <experts>.<weight>_lora
+        e, d_in, d_out = nodes[ours[:-len("_lora")]].shape  # Flax (E, in, out)
+        expected[f"{PREFIX}{wrapper}.lora_A.weight"] = (ours, "lora_A", (e * rank, d_in))
+        expected[f"{PREFIX}{wrapper}.lora_B.weight"] = (ours, "lora_B", (d_out, rank * e))
     saved = saved_modules(model, config.get("modules_to_save"))  # PEFT key -> (flax path, rule, torch shape)
     missing = [k for k in [*expected, *saved] if k not in weights]
     unexpected = [k for k in weights if k not in expected and k not in saved]
@@ -363,12 +455,16 @@ def load_peft(model, folder, *, rngs=None):
     if bad:
         raise ValueError(f"{file}: {bad[0]} is {arrays[bad[0]].dtype}, not a floating-point tensor")
     lora.apply(model, rank=rank, alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
-               targets=_our_targets(model, targets, list(chosen)), use_rslora=bool(config.get("use_rslora", False)),
-               rngs=rngs if rngs is not None else nnx.Rngs(0))
+               targets=_our_targets(model, targets, list(chosen)) if chosen else (),
+               use_rslora=bool(config.get("use_rslora", False)), rngs=rngs if rngs is not None else nnx.Rngs(0),
+               parameters=_our_parameters(model, parameters, list(experts)) if experts else ())
     layers = lora.layers(model)
     for key, (ours, leaf, _) in expected.items():
         param = getattr(layers[ours], leaf)
-        param.set_value(jnp.array(np.asarray(arrays[key], np.float32).T, dtype=param.dtype))  # torch (r, in) -> ours (in, r)
+        value = np.asarray(arrays[key], np.float32)
+        value = _expert_from_peft(leaf, value, param.shape[0]) if isinstance(layers[ours], lora.ParamLoRA) \
+            else value.T  # torch (r, in) -> ours (in, r)
+        param.set_value(jnp.array(value, dtype=param.dtype))
     params = porting.plan_of(model).params
     for key, (path, rule, _) in saved.items():  # the fully trained modules (a classifier head) replace the base's
         param = params[path]

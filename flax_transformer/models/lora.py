@@ -20,6 +20,13 @@ checkpoints and weight decay masks see the same base model. The adapters are ``L
 (an ``nnx.Param`` subclass) named ``lora_A`` / ``lora_B``: train only them with
 ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` and ``nnx.grad(..., argnums=nnx.DiffState(0, LoRAParam))``.
 
+Experts (``parameters=``, PEFT's ``target_parameters``): the fused expert weights of the llama
+family's mixtures of experts (``mlp.experts.gate_up_proj`` (E, H, 2I), ``mlp.experts.down_proj``
+(E, I, H)) take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a 3-D parameter:
+``W[e] + scale * A[e] @ B[e]``, A (E, in, r), B (E, r, out), the sum formed before the experts run
+(``ParamLoRA``, at ``<experts>.gate_up_proj_lora``; the experts become ``LoRAExperts``). PEFT
+refuses dropout there, and so does ``apply``.
+
 No torch here; ``interop.peft`` reads and writes PEFT's adapter folders.
 """
 
@@ -38,9 +45,11 @@ from flax import nnx
 
 from flax_transformer.models import gpt
 from flax_transformer.models.fast_backward import linear_dot_general
+from flax_transformer.models.moe import LlamaExperts
 
-__all__ = ["LORA_FILTER", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRALinear", "LoRAParam", "Sizes", "apply", "config_of", "find",
-           "layers", "merge", "remove", "state_sizes", "trainable", "unmerge"]
+__all__ = ["EXPERT_PARAMETERS", "LORA_FILTER", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRAExperts", "LoRALinear",
+           "LoRAParam", "ParamLoRA", "Sizes", "apply", "config_of", "find", "layers", "merge", "remove", "state_sizes",
+           "trainable", "unmerge"]
 
 
 class LoRAParam(nnx.Param):
@@ -65,6 +74,7 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     use_rslora: bool = False
+    parameters: tuple[str, ...] = ()  # PEFT's target_parameters: the experts' fused weights
 
     @property
     def scale(self) -> float:
@@ -79,14 +89,18 @@ def _check_config(config: LoRAConfig) -> None:
         raise ValueError(f"LoRA alpha must be a finite number, got {config.alpha!r}")
     if not (isinstance(config.dropout, (int, float)) and 0.0 <= config.dropout < 1.0):
         raise ValueError(f"LoRA dropout must be in [0, 1), got {config.dropout!r}")
+    if config.parameters and config.dropout:
+        raise ValueError(f"LoRA on parameters ({list(config.parameters)}) takes no dropout (PEFT's ParamWrapper "
+                         f"refuses it: the update is added to the weight, not to a branch), got {config.dropout!r}")
 
 
 # One compiled program per shape for what runs eagerly once per layer (initialising, merging):
 # unjitted, each of their primitives would be compiled on its own, for every shape.
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _init_a(key, shape: tuple[int, int], dtype):
-    """PEFT's A: kaiming_uniform(a=sqrt(5)) on torch's (r, in) weight is U(-1/sqrt(in), 1/sqrt(in)); ours is (in, r)."""
-    bound = 1.0 / math.sqrt(shape[0])
+def _init_a(key, shape: tuple[int, ...], dtype):
+    """PEFT's A: kaiming_uniform(a=sqrt(5)) on torch's (r, in) weight is U(-1/sqrt(in), 1/sqrt(in)); ours is
+    (in, r), or (E, in, r) for experts (PEFT's (E r, in) has the same fan-in)."""
+    bound = 1.0 / math.sqrt(shape[-2])
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
@@ -206,13 +220,86 @@ class FusedLoRA(_Adapter, nnx.Module):
             start += width
 
 
-_ADAPTERS = (_LoRA, FusedLoRA)
-
-
 @jax.jit
 def _added(weight, update):
     """weight + update, summed in float32, stored back in the weight's dtype."""
     return (weight.astype(jnp.float32) + update).astype(weight.dtype)
+
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the LlamaExperts weights a LoRA can take, in definition order
+
+
+@jax.jit
+def _expert_update(a, b, scale):
+    """scale * A[e] @ B[e] for every expert, in float32: (E, in, r) @ (E, r, out) -> (E, in, out)."""
+    return scale * jnp.einsum("eir,ero->eio", a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+class ParamLoRA(nnx.Module):
+    """PEFT's ``ParamWrapper`` on one fused expert weight (E, in, out): one LoRA per expert,
+    ``W[e] + scale * A[e] @ B[e]``, A (E, in, r), B (E, r, out). It lives at
+    ``<experts>.<parameter>_lora``; its ``LoRAExperts`` adds the update to the weight before the
+    experts run (PEFT's parametrization), so every expert computes on its own adapted weight.
+
+    PEFT's files hold A as (E r, in) (expert-major rows) and B as (out, r E) (expert-minor
+    columns); ``interop.peft`` converts.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], config: LoRAConfig, *, parameter: str, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        e, d_in, d_out = shape
+        self.parameter = parameter  # the experts' weight it adapts
+        self.lora_config, self.lora_scale, self.merged = config, config.scale, False
+        self.lora_A = LoRAParam(_init_a(rngs.params(), (e, d_in, config.rank), jnp.dtype(param_dtype)))
+        self.lora_B = LoRAParam(jnp.zeros((e, config.rank, d_out), param_dtype))
+
+    def update_matrix(self) -> jax.Array:
+        """scale * A[e] @ B[e]: (E, in, out), what ``merge`` adds to the weight, in float32."""
+        return _expert_update(self.lora_A[...], self.lora_B[...], self.lora_scale)
+
+    def shifted(self, weight):
+        """weight + the update, summed in float32, in the weight's dtype: what the experts run on."""
+        return _added(weight, self.update_matrix())
+
+    def _shift(self, sign: float, parent=None) -> None:
+        weight = getattr(parent, self.parameter)
+        weight.set_value(_added(weight[...], sign * self.update_matrix()))
+
+
+class _ShiftedWeights:
+    """The experts as their forward reads them, with adapted weights in place of some of theirs."""
+
+    def __init__(self, experts, weights: dict):
+        self._experts, self._weights = experts, weights
+
+    def __getattr__(self, name):
+        return self._weights[name] if name in self._weights else getattr(self._experts, name)
+
+
+class LoRAExperts(LlamaExperts):
+    """A ``moe.LlamaExperts`` whose weights take ``ParamLoRA``s (children ``gate_up_proj_lora``,
+    ``down_proj_lora``): the experts run on ``W + scale * A @ B`` (each weight alone once merged).
+    The base weights stay at their paths, so porting and checkpoints see the base model."""
+
+    def adapters(self) -> list[ParamLoRA]:
+        return [a for n in EXPERT_PARAMETERS if isinstance(a := getattr(self, f"{n}_lora", None), ParamLoRA)]
+
+    def __call__(self, x, experts, weights):
+        shifted = {a.parameter: a.shifted(getattr(self, a.parameter)[...]) for a in self.adapters() if not a.merged}
+        return LlamaExperts.__call__(_ShiftedWeights(self, shifted), x, experts, weights)
+
+
+def _rebuilt(node, cls, drop=()):
+    """An object of ``cls`` holding ``node``'s own attributes (its Param objects themselves) but ``drop``,
+    made as nnx's graph unflattening makes nodes (no constructor runs)."""
+    new = object.__new__(cls)
+    for name, value in vars(node).items():
+        if name not in drop:
+            object.__setattr__(new, name, value)
+    return new
+
+
+_ADAPTERS = (_LoRA, FusedLoRA, ParamLoRA)
 
 
 
@@ -258,15 +345,48 @@ def module_nodes(model) -> dict[tuple, object]:
     return {(): model, **{tuple(path): node for path, node in nnx.iter_graph(model) if path}}
 
 
-def find(model, targets: str | Sequence[str]) -> list[str]:
-    """The dotted paths of the layers ``apply(model, targets=targets)`` would adapt, checked as it checks them."""
+def find(model, targets: str | Sequence[str], parameters: Sequence[str] = ()) -> list[str]:
+    """The dotted paths of the adapters ``apply(model, targets=targets, parameters=parameters)`` would
+    add, checked as it checks them (an expert weight's is ``<experts>.<parameter>_lora``)."""
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    return [dotted_path(path) for path in _find(model, targets, module_nodes(model))]
+    nodes = module_nodes(model)
+    return [dotted_path(path) for path in [*_find(model, targets, nodes, bool(parameters)),
+                                           *_find_parameters(model, tuple(parameters), nodes)]]
 
 
-def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
+def _find_parameters(model, parameters: tuple[str, ...], nodes: dict) -> list[tuple]:
+    """The adapter paths (``<experts>.<parameter>_lora``) of the expert weights that ``parameters``
+    name, by PEFT's rule for ``target_parameters``: a weight's dotted path, or a dotted suffix of it."""
+    if isinstance(parameters, str) or not all(isinstance(t, str) and t for t in parameters):
+        raise ValueError(f"LoRA parameters must be a list of parameter names, got {parameters!r}")
+    found, hits = [], dict.fromkeys(parameters, 0)
+    for path, node in nodes.items():
+        if not path or isinstance(node, nnx.Module) or not hasattr(node, "shape"):
+            continue
+        dotted = dotted_path(path)
+        matched = [t for t in parameters if dotted == t or dotted.endswith(f".{t}")]
+        for t in matched:
+            hits[t] += 1
+        if not matched:
+            continue
+        if not (isinstance(nodes[path[:-1]], LlamaExperts) and path[-1] in EXPERT_PARAMETERS):
+            raise ValueError(f"LoRA parameter {matched[0]!r} matches {dotted}, which is not an expert weight "
+                             f"({', '.join(EXPERT_PARAMETERS)} of a LlamaExperts): only those take LoRA as parameters")
+        found.append((*path[:-1], f"{path[-1]}_lora"))
+    unmatched = [t for t, n in hits.items() if n == 0]
+    if unmatched:
+        names = sorted({dotted_path(p) for p, n in nodes.items() if isinstance(n, LlamaExperts)})[:1]
+        raise ValueError(f"LoRA parameters {unmatched} match no parameter of the {type(model).__name__}"
+                         + (f"; its experts are like {names[0]}.gate_up_proj" if names else "; it has no experts"))
+    return found
+
+
+def _find(model, targets: tuple[str, ...], nodes: dict, may_be_empty: bool = False) -> list[tuple]:
     """The paths of what the targets adapt: a linear layer's own path, or for a projection over all
-    heads (``FusedLoRA``), the path its adapter takes (``<attention>.q_lora``)."""
+    heads (``FusedLoRA``), the path its adapter takes (``<attention>.q_lora``). No targets at all
+    only ``may_be_empty`` (parameters are adapted instead)."""
+    if not targets and may_be_empty:
+        return []
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"LoRA targets must be non-empty module names or regexes, got {targets!r}")
     for target in targets:
@@ -308,7 +428,7 @@ def _find(model, targets: tuple[str, ...], nodes: dict) -> list[tuple]:
 
 def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
           targets: str | Sequence[str] = ("q_proj", "v_proj"), use_rslora: bool = False, rngs: nnx.Rngs,
-          dtype=None, param_dtype=None):
+          dtype=None, param_dtype=None, parameters: Sequence[str] = ()):
     """Add LoRA to every linear layer of ``model`` that a target names, in place; returns ``model``.
 
     Args:
@@ -323,19 +443,35 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
             at ``<attention>.q_lora`` (as PEFT on transformers' BERT does).
         rngs: draws A (``params`` stream) and the LoRA dropout's stream.
         dtype, param_dtype: as ``LoRALinear``'s; default each base layer's.
+        parameters: PEFT's ``target_parameters``: expert weights by dotted path or dotted suffix
+            (``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``), each taking one LoRA per
+            expert (``ParamLoRA``). ``targets`` may then be empty; ``dropout`` must be 0.
 
     Raises:
         ValueError: rank < 1, a bad alpha or dropout, a target that matches nothing, a matched
-            module that is not a linear layer (named with its type), or a model that already has LoRA.
+            module that is not a linear layer (named with its type), a parameter that is not an
+            expert weight, or a model that already has LoRA.
     """
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    config = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, targets=targets, use_rslora=bool(use_rslora))
+    parameters = (parameters,) if isinstance(parameters, str) else tuple(parameters)
+    config = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, targets=targets, use_rslora=bool(use_rslora),
+                        parameters=parameters)
     _check_config(config)
     if layers(model):
         raise ValueError("the model already has LoRA layers; merge or remove them first (lora.remove)")
     nodes = module_nodes(model)
-    found = [(path, nodes.get(path)) for path in _find(model, targets, nodes)]
+    found = [(path, nodes.get(path)) for path in _find(model, targets, nodes, bool(parameters))]
+    in_params = _find_parameters(model, parameters, nodes) if parameters else []
     deterministic = _in_eval_mode(model)
+    wrapped = {}  # id of a LlamaExperts -> the LoRAExperts that replaces it
+    for path in in_params:
+        experts = nodes[path[:-1]]
+        if id(experts) not in wrapped:
+            wrapped[id(experts)] = _rebuilt(experts, LoRAExperts)
+            _set_child(nodes[path[:-2]], path[-2], wrapped[id(experts)])
+        weight = getattr(experts, path[-1][:-len("_lora")])
+        setattr(wrapped[id(experts)], path[-1], ParamLoRA(weight.shape, config, parameter=path[-1][:-len("_lora")],
+                                                           rngs=rngs, param_dtype=param_dtype or weight.dtype))
     for path, node in found:
         parent = nodes[path[:-1]]
         if node is None:  # a projection over all heads: the adapter is a new child of the attention
@@ -410,9 +546,14 @@ def remove(model, *, merge_weights: bool = True):
             layer._shift(+1.0, parent)
         elif not merge_weights and layer.merged:
             layer._shift(-1.0, parent)
+    nodes = module_nodes(model)
     for path, (layer, parent) in found.items():
         if isinstance(layer, FusedLoRA):
             delattr(parent, path[-1])
+        elif isinstance(layer, ParamLoRA):
+            delattr(parent, path[-1])
+            if not parent.adapters():  # the experts' last adapter: plain experts again
+                _set_child(nodes[path[:-2]], path[-2], _rebuilt(parent, LlamaExperts))
         else:
             _set_child(parent, path[-1], _plain(layer))
     return model
@@ -422,11 +563,7 @@ def _plain(layer: _LoRA):
     """The base layer again: an object of the base class holding ``layer``'s own attributes but the
     adapter's (its Param objects themselves), made as nnx's graph unflattening makes nodes."""
     base_cls = next(b for b, c in _LORA_CLASS.items() if isinstance(layer, c))
-    plain = object.__new__(base_cls)
-    for name, value in vars(layer).items():
-        if not name.startswith("lora_") and name != "merged":
-            object.__setattr__(plain, name, value)
-    return plain
+    return _rebuilt(layer, base_cls, drop=[n for n in vars(layer) if n.startswith("lora_") or n == "merged"])
 
 
 class Sizes(NamedTuple):

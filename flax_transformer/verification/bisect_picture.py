@@ -116,7 +116,7 @@ def _rows_svg(items, attr: str, first: str | None, title: str) -> str:
         x = axis.x(10.0 ** d)[0]
         out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{height}"/>'
                    f'<text class="axis" x="{x:.1f}" y="{top - 8}" text-anchor="middle">1e{d}</text>')
-    head = [(6, "module" if attr == "data-module" else "parameter"), (name_w + 6, "class" if kind_w else ""),
+    head = [(6, {"data-module": "module", "data-expert": "expert"}.get(attr, "parameter")), (name_w + 6, "class" if kind_w else ""),
             (name_w + kind_w + 6, "status"), (right, "JAX / budget")]
     out += [f'<text x="{x:.0f}" y="12" font-weight="bold">{t}</text>' for x, t in head if t]
     for i, ((key, label, _, kind, status, t_err, j_err, limit, extra), text) in enumerate(zip(items, labels)):
@@ -190,6 +190,19 @@ def _grad_items(report) -> list[tuple]:
              f"; {g.note}" if g.note else "") for g in report.grad_rows]
 
 
+def _expert_items(report) -> list[tuple]:
+    """A mixture of experts: each expert of each experts call run alone, with the tokens the batch sent it."""
+    loads = {r.path: r.load for r in getattr(report.routing, "routers", ())}
+    items = []
+    for label, rows in getattr(report, "experts", {}).items():
+        load = loads.get(label.replace(".experts", ".gate"), ())
+        for r in rows:
+            chosen = f"; chosen {load[r.expert]} times in this batch" if r.expert < len(load) else ""
+            items.append((f"{label}[{r.expert}]", f"{label} expert {r.expert}", 0, "expert",
+                          "ok" if r.passed else "diverged", r.torch_err, r.jax_err, r.budget, chosen))
+    return items
+
+
 def _positions_svg(path: str, found) -> str:
     """JAX's and torch fp32's error per position of one call, its budget and onset (log y axis;
     zeros in a band below, NaN/inf in a band above, as in the rows)."""
@@ -251,6 +264,10 @@ def to_html(report) -> str:
     if report.grad_rows:
         parts += [f"<h2>gradients by parameter ({len(report.grad_rows)}; one budget for the model)</h2>",
                   _rows_svg(_grad_items(report), "data-param", report.first_divergent_grad, "gradients")]
+    experts = _expert_items(report)
+    if experts:
+        parts += [f"<h2>experts, each run alone on its layer's tokens ({len(experts)})</h2>",
+                  _rows_svg(experts, "data-expert", None, "experts")]
     shown = _position_paths(report)
     if shown:
         parts += ["<h2>error per position (JAX red, torch fp32 grey dotted, budget dashed)</h2><div>",
@@ -267,6 +284,8 @@ def to_png(report, *, dpi: int = 100) -> bytes:
     panels = [("module outputs, in call order", _module_items(report), _highlighted(report))]
     if report.grad_rows:
         panels.append(("gradients by parameter", _grad_items(report), report.first_divergent_grad))
+    if _expert_items(report):
+        panels.append(("experts, each run alone", _expert_items(report), None))
     shown = _position_paths(report)
     heights = [max(len(items), 3) * 0.19 + 0.6 for _, items, _ in panels] + ([2.2] if shown else [])
     summary = "\n".join(textwrap.fill(line, 150, subsequent_indent="    ") for line in report.summary().splitlines())

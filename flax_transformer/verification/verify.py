@@ -176,6 +176,7 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
              ids_in, model_cases),
         Spec("gpt", "GPT2LMHeadModel", lambda c: tg.GPT2LMHeadModel(gpt2), ids_in, ("none", "padding")),
         *_llama_specs(b, t, emb, vocab),
+        *_moe_specs(b, t, emb, vocab),
     ]
 
 
@@ -223,6 +224,47 @@ def _llama_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
     return ([Spec("llama", name, lambda c, cls=cls, cfg=cfg: cls(cfg), x_in, cases) for name, (cls, cfg) in layers.items()]
             + [Spec("llama", name, lambda c, cfg=cfg: tl.LlamaForCausalLM(cfg), ids_in, cases)
                for name, cfg in models.items()])
+
+
+def _moe_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
+    """The llama family's mixtures of experts (family "moe"): the sparse block of each router kind (top-k
+    renormalised or not, a shared expert), a decoder layer with OLMoE's q/k norms and clipping, and two
+    models with dense layers among sparse, a window, a tied head. Routing near ties are ``compare``'s."""
+    from flax_transformer.models.llama_config import LlamaConfig
+    from flax_transformer.models.moe_config import MoeConfig
+    from torch_reference import llama as tl
+
+    def config(kind, moe, **switches):
+        return LlamaConfig(**{**dict(vocab_size=vocab, hidden_size=emb, intermediate_size=2 * emb, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                                     max_position_embeddings=64, model_type=kind, moe=MoeConfig(**moe)), **switches})
+
+    mixtral = config("mixtral", dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=2 * emb,
+                                     fp32_routing_weights=True), sliding_window=3)
+    qwen2 = config("qwen2_moe", dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
+                                     norm_topk_prob=False, shared_expert_intermediate_size=20),
+                   attention_bias=True, o_proj_bias=False)
+    olmoe = config("olmoe", dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=2 * emb,
+                                 norm_topk_prob=False), qk_norm=True, qk_norm_scope="projection", clip_qkv=2.0,
+                   head_dim=None)
+    qwen3 = config("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     norm_topk_prob=True, decoder_sparse_step=2), num_hidden_layers=2, head_dim=12,
+                   qk_norm=True, tie_word_embeddings=True)
+    x_only = lambda rng, m: ((_floats(rng, b, t, emb),), {})  # noqa: E731
+    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m), {})  # noqa: E731
+    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
+    cases = ("causal", "causal+padding", "fully-masked-row")
+    return [
+        Spec("moe", "LlamaSparseMoeBlock(Mixtral: top-2 of 5, renormalised)",
+             lambda c: tl.LlamaSparseMoeBlock(mixtral), x_only, ("none",)),
+        Spec("moe", "LlamaSparseMoeBlock(Qwen2-MoE: top-3 of 7, shared expert)",
+             lambda c: tl.LlamaSparseMoeBlock(qwen2), x_only, ("none",)),
+        Spec("moe", "LlamaDecoderLayer(OLMoE: top-1 of 4, q/k norms, clip_qkv)",
+             lambda c: tl.LlamaDecoderLayer(olmoe), x_in, cases),
+        Spec("moe", "LlamaForCausalLM(Qwen3-MoE: dense then sparse, head_dim 12, tied)",
+             lambda c: tl.LlamaForCausalLM(qwen3), ids_in, cases),
+        Spec("moe", "LlamaForCausalLM(Mixtral: window 3)", lambda c: tl.LlamaForCausalLM(mixtral), ids_in, cases),
+    ]
 
 
 def _masked_out(keep):

@@ -117,6 +117,11 @@ def test_bisect_names_the_module_and_the_experts_of_a_planted_bug(qwen2, inputs,
     bad = {label: [r.expert for r in rows if not r.passed] for label, rows in report.experts.items()}
     assert {k: v for k, v in bad.items() if v} == experts
     assert set(report.to_dict()["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    page = report.to_html()  # the picture's experts panel: a row per expert, the wrong ones marked
+    for label, wrong in experts.items():
+        for e in range(5):
+            row = page.split(f'data-expert="{label}[{e}]"')[1].split("</g>")[0]
+            assert ("diverged" in row) == (e in wrong), (e, row[:200])
 
 
 @pytest.mark.slow(reason="test_bisect_names_the_module_and_the_experts_of_a_planted_bug (the router's weights)")

@@ -257,18 +257,35 @@ def test_router_jitter_in_train_mode_only(rng):
 
 @pytest.mark.slow_cases({k: "test_bf16_compute_within_its_bound[mixtral]" for k in ("qwen2_moe", "qwen3_moe", "olmoe")})
 def test_bf16_compute_within_its_bound(kind_models):
-    """``dtype=jnp.bfloat16`` (weights kept float32): the model runs, no NaN even on a fully masked
-    row, and its logits on real tokens stay within a bf16 bound of torch's float32 ones (64 bf16 ulps
-    of the logits' scale: a few roundings per layer), while they do differ (bf16 really ran)."""
+    """``dtype=jnp.bfloat16`` (weights kept float32), jitted: the model runs, no NaN even on a fully
+    masked row, and its logits stay within a bf16 bound of torch's float32 ones (64 bf16 ulps of the
+    logits' scale: a few roundings per layer), while they do differ (bf16 really ran).
+
+    A router's k-th and (k+1)-th experts closer than bf16's rounding may swap (OLMoE's has such a
+    token: fp32 logits 0.0404 and 0.0342): each such token must be a near tie (within 16 bf16 ulps
+    of its logits' scale), and it and the later tokens of its row, which attend to it, are left out."""
     kind, _, reference = kind_models
     flax_model = porting.torch_to_flax(reference, dtype=jnp.bfloat16)
     ids, mask = masked_inputs()
-    got = np.asarray(nnx.jit(lambda m, i, a: m(i, a))(flax_model, jnp.asarray(ids), jnp.asarray(mask)))
+    got, router = nnx.jit(lambda m, i, a: m(i, a, output_router_logits=True))(
+        flax_model, jnp.asarray(ids), jnp.asarray(mask))
+    got = np.asarray(got)
     with torch.no_grad():
-        want = reference(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
-    keep = mask.astype(bool)
-    assert got.dtype == np.float32 and np.all(np.isfinite(got))
-    err, scale = np.abs(got - want)[keep].max(), np.abs(want[keep]).max()
+        want, t_router = reference(torch.from_numpy(ids), torch.from_numpy(mask), output_router_logits=True)
+    keep, k = mask.astype(bool), reference.config.moe.num_experts_per_tok
+    compared = keep.copy()
+    for ours, theirs in zip(router, t_router):
+        ours, theirs = np.asarray(ours, np.float32), theirs.numpy()
+        chosen = [np.sort(np.argsort(-x, axis=1, kind="stable")[:, :k], axis=1) for x in (ours, theirs)]
+        swapped = np.nonzero((chosen[0] != chosen[1]).any(1) & keep.reshape(-1))[0]
+        ordered = -np.sort(-theirs[swapped], axis=1)
+        margin = ordered[:, k - 1] - ordered[:, k]
+        assert np.all(margin <= 16 * 2.0 ** -8 * np.abs(ordered).max(1)), f"{kind}: a swap that is no near tie"
+        for token in swapped:
+            compared[token // T, token % T:] = False
+    assert got.dtype == np.float32 and np.all(np.isfinite(got)) and compared.sum() >= keep.sum() // 2
+    want = want.numpy()
+    err, scale = np.abs(got - want)[compared].max(), np.abs(want[keep]).max()
     assert 1e-4 * scale < err <= 64 * 2.0 ** -8 * scale, (kind, err, scale)
 
 

@@ -250,7 +250,8 @@ def test_a_folder_killed_mid_swap_is_restored_on_the_next_write(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch", "orbax"])
 @pytest.mark.slow_cases({
-    "torch": "test_port_on_a_full_disk_keeps_the_old_output: the safetensors and orbax cases",
+    "torch": "test_port_on_a_full_disk_keeps_the_old_output: the safetensors case (the same files.write_atomic)",
+    "orbax": "test_port_on_a_full_disk_keeps_the_old_output: the safetensors case (the same files.write_atomic)",
 })
 def test_port_on_a_full_disk_keeps_the_old_output(tmp_path, fmt):
     """A real write error: RLIMIT_FSIZE makes the kernel refuse the write (EFBIG), as a full disk does (ENOSPC)."""

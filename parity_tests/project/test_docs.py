@@ -220,6 +220,7 @@ def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
     "docs/verification.md": "test_verdicts, test_bisect, test_certificate",
     "docs/generation.md": "test_generate, test_generate_hf",
     "docs/training.md": "test_runs, test_torch_state",
+    "docs/moe.md": "test_moe_hf, test_routing (the same folder read and compared)",
 })
 def test_python_blocks_run(path, tmp_path, monkeypatch):
     """Every Python block runs on its own: its own imports, and the files it names."""

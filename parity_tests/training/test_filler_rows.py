@@ -101,6 +101,8 @@ def test_filler_rows_change_no_classify_loss_metric_or_gradient(kind):
     _assert_same(a, _loss_metrics_grads(classify.loss_fn, model, padded))
 
 
+@pytest.mark.slow(reason="test_filler_rows_change_no_classify_loss_metric_or_gradient (the same filler rows, "
+                  "the classify steps)")
 def test_filler_rows_change_no_seq2seq_loss_metric_or_gradient():
     from flax_transformer.training import seq2seq
 

@@ -330,6 +330,8 @@ def _interrupt_at(batches, step):
     return Interrupting()
 
 
+@pytest.mark.slow(reason="test_a_resumed_run_equals_the_uninterrupted_one (the loop's checkpoints and resume), "
+                  "test_fine_tune_resume_equals_an_uninterrupted_run (an interrupted run resumed)")
 def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     """With dropout on (so the saved RNG streams matter) and a warmup+cosine schedule."""
     config = seq2seq.Seq2SeqConfig.tiny(dropout=0.2, steps=40, eval_every=15, checkpoint_every=25)
@@ -361,7 +363,7 @@ def test_interrupt_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch)
     assert strip(rundir.read_metrics(tmp_path / "whole")) == strip(rundir.read_metrics(tmp_path / "split"))
 
 
-@pytest.mark.slow(reason="test_interrupt_and_resume_equals_an_uninterrupted_run (a real SIGINT in-process: the checkpoint, the resume), test_finetune's SIGINT cases, test_run_faults' killed runs")
+@pytest.mark.slow(reason="test_fine_tune_resume_equals_an_uninterrupted_run (an interrupted run), test_run_faults' killed runs (test_a_run_killed_before_its_first_checkpoint_can_be_resumed)")
 def test_ctrl_c_in_a_subprocess_saves_and_exits_cleanly(tmp_path):
     """A real Ctrl-C (SIGINT) to `python -m train.seq2seq`: exit 130, a checkpoint, and --resume finishes it."""
     run = tmp_path / "run"

@@ -252,6 +252,7 @@ def test_verify_fails_on_a_bad_moment_naming_it(trained_run, tmp_path):
                      problems[0]), problems
 
 
+@pytest.mark.slow(reason="test_save_torch_state_refuses_a_bad_moment (the same check, without training a run)")
 def test_port_refuses_to_write_a_run_whose_moment_is_inf(trained_run, tmp_path, capsys):
     """The fault sweep's run: an inf exp_avg_sq in the run's checkpoint. ``port --to torch-state --verify``
     refuses to write it (one line naming the moment, exit 2) instead of passing."""

@@ -60,6 +60,7 @@ def test_the_rule_and_how_a_model_gives_its_precision():
 # ------------------------------------------------------------------ bisect
 
 
+@pytest.mark.slow(reason="test_compare_judges_a_bf16_model_by_its_budget (the same bf16 rule, through compare)")
 def test_a_correct_bf16_port_passes_bisect_and_fails_float32s_rule():
     """Gemma's switches (1 + w norms, scaled tied embedding, tanh GELU) and GQA: forward and every
     gradient within bf16's budget; the same model by float32's rule diverges (bf16 costs that)."""

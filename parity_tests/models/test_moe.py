@@ -164,8 +164,8 @@ def flax_to_torch_perturbed(flax_model, seed=2):
     return porting.flax_to_torch(copy), copy
 
 
-@pytest.mark.slow_cases({k: "test_model_gradients_both_ways[qwen2_moe], test_sparse_block_both_ways_grouped_and_dense"
-                         for k in ("mixtral", "qwen3_moe", "olmoe")})
+@pytest.mark.slow(reason="test_sparse_block_both_ways_grouped_and_dense[qwen2_moe] (the block's gradients), "
+                        "test_model_router_logits_and_aux_loss (the model forward), test_llama (the dense parts)")
 def test_model_gradients_both_ways(kind_models):
     """The whole model under jit, torch -> Flax and Flax -> torch: logits with a fully masked row, a
     right- and a left-padded one (no NaN) and every parameter's gradient (``compare``, with its float64
@@ -178,6 +178,8 @@ def test_model_gradients_both_ways(kind_models):
         assert report.passed and report.grad_err <= TOL, f"{kind}:\n{report}"
 
 
+@pytest.mark.slow_cases({k: "test_folder_reads_and_writes_back (Flax logits against transformers), "
+                            "test_model_router_logits_and_aux_loss[olmoe]" for k in ("mixtral", "qwen2_moe")})
 def test_model_router_logits_and_aux_loss(kind_models):
     """Flax against torch_reference, the whole model under one jit: logits with a fully masked row, a
     right- and a left-padded one (finite everywhere), each sparse layer's router logits, and the

@@ -119,7 +119,10 @@ class RoutingReport:
 
 
 def _numpy(x) -> np.ndarray:
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    if hasattr(x, "detach"):  # a torch tensor; bf16 has no numpy dtype: widened exactly
+        x = x.detach().cpu()
+        return (x.float() if str(x.dtype) in ("torch.bfloat16", "torch.float16") else x).numpy()
+    return np.asarray(x)
 
 
 def torch_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:

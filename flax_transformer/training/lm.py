@@ -48,7 +48,14 @@ from flax_transformer.training.optim import OptimConfig, compute_dtype, from_tas
 from flax_transformer.training.preflight import check_memory, check_output, step_bytes
 from flax_transformer.training.run_checkpoints import Checkpoints
 from flax_transformer.training.run_config import LoRARunConfig, RunConfig, replace
-from flax_transformer.training.rundir import config_of_run, is_main_process, open_run, prepare_run_dir, read_tokenizer
+from flax_transformer.training.rundir import (
+    config_of_run,
+    is_main_process,
+    open_run,
+    prepare_run_dir,
+    read_run_config,
+    read_tokenizer,
+)
 from flax_transformer.training.step import cross_entropy
 from flax_transformer.training.torch_state import to_torch
 from flax_transformer.verification import export
@@ -366,8 +373,11 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
     (``config.lora``: ``lora_runs``) can write ``export_peft``, its adapter as a PEFT folder."""
     run_dir = Path(run_dir)
     run_config = {"task": "lm", **dataclasses.asdict(config)}
-    for name in ("init", "experts", "experts_per_token"):  # run.json as before these fields: a run begun
-        if run_config[name] is None:                         # then still resumes (its fields compared)
+    if config.init is None:  # run.json as before the field: a run begun then still resumes (its fields compared)
+        del run_config["init"]
+    kept = _saved_fields(run_dir) if resume else set()
+    for name in ("experts", "experts_per_token"):  # the same for these, unless the run being resumed wrote them
+        if run_config[name] is None and name not in kept:
             del run_config[name]
     prepare_run_dir(run_dir, run_config, resume=resume)
     folder = hf_init.lm_folder(config, run_dir=run_dir if resume else None) if config.model == "hf" else None
@@ -453,6 +463,14 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
                 final, export_hf, folder=folder, text=text[-20 * config.context:], length=config.context,
                 overwrite=overwrite)
     return metrics
+
+
+def _saved_fields(run_dir: Path) -> set[str]:
+    """The fields of ``run_dir``'s run.json; none when it cannot be read (``prepare_run_dir`` says why)."""
+    try:
+        return set(read_run_config(run_dir))
+    except RunError:
+        return set()
 
 
 def load_run(run_dir, *, step: int | None = None):

@@ -81,7 +81,10 @@ def test_folder_reads_and_writes_back(case, tmp_path):
     assert _err(_logits(again, ids, mask), want) <= TOL
 
 
-@pytest.mark.slow_cases({k: "test_fused_in_memory_layout_reads[mixtral], test_converter" for k in ("qwen3_moe", "olmoe")})
+@pytest.mark.slow_cases({
+    "qwen3_moe": "test_fused_in_memory_layout_reads[mixtral], test_converter",
+    "olmoe": "test_fused_in_memory_layout_reads[mixtral], test_converter",
+})
 def test_fused_in_memory_layout_reads(case, tmp_path):
     """A folder in transformers' in-memory layout (``model.state_dict()`` written as it is: fused
     ``mlp.experts.gate_up_proj`` (E, 2I, H), Mixtral's ``mlp.*`` names) reads to the same model."""

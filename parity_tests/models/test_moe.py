@@ -178,8 +178,12 @@ def test_model_gradients_both_ways(kind_models):
         assert report.passed and report.grad_err <= TOL, f"{kind}:\n{report}"
 
 
-@pytest.mark.slow_cases({k: "test_folder_reads_and_writes_back (Flax logits against transformers), "
-                            "test_model_router_logits_and_aux_loss[olmoe]" for k in ("mixtral", "qwen2_moe")})
+@pytest.mark.slow_cases({
+    "mixtral": "test_folder_reads_and_writes_back (Flax logits against transformers), "
+                            "test_model_router_logits_and_aux_loss[olmoe]",
+    "qwen2_moe": "test_folder_reads_and_writes_back (Flax logits against transformers), "
+                            "test_model_router_logits_and_aux_loss[olmoe]",
+})
 def test_model_router_logits_and_aux_loss(kind_models):
     """Flax against torch_reference, the whole model under one jit: logits with a fully masked row, a
     right- and a left-padded one (finite everywhere), each sparse layer's router logits, and the
@@ -213,8 +217,11 @@ def block_of(kind: str, seed=3):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.slow_cases({k: "test_sparse_block_both_ways_grouped_and_dense[qwen2_moe], test_model_gradients_both_ways"
-                         for k in ("mixtral", "qwen3_moe", "olmoe")})
+@pytest.mark.slow_cases({
+    "mixtral": "test_sparse_block_both_ways_grouped_and_dense[qwen2_moe], test_model_gradients_both_ways",
+    "qwen3_moe": "test_sparse_block_both_ways_grouped_and_dense[qwen2_moe], test_model_gradients_both_ways",
+    "olmoe": "test_sparse_block_both_ways_grouped_and_dense[qwen2_moe], test_model_gradients_both_ways",
+})
 def test_sparse_block_both_ways_grouped_and_dense(kind, rng):
     """The sparse block alone (Qwen2-MoE's: top-3 of 6 unnormalised, the gated shared expert): torch
     -> Flax and Flax -> torch with jax.grad of every parameter against torch autograd, jitted; then
@@ -257,7 +264,11 @@ def test_router_jitter_in_train_mode_only(rng):
     assert not np.array_equal(np.asarray(twin(x)), np.asarray(twin(x))), "each call draws new noise"
 
 
-@pytest.mark.slow_cases({k: "test_bf16_compute_within_its_bound[mixtral]" for k in ("qwen2_moe", "qwen3_moe", "olmoe")})
+@pytest.mark.slow_cases({
+    "qwen2_moe": "test_bf16_compute_within_its_bound[mixtral]",
+    "qwen3_moe": "test_bf16_compute_within_its_bound[mixtral]",
+    "olmoe": "test_bf16_compute_within_its_bound[mixtral]",
+})
 def test_bf16_compute_within_its_bound(kind_models):
     """``dtype=jnp.bfloat16`` (weights kept float32), jitted: the model runs, no NaN even on a fully
     masked row, and its logits stay within a bf16 bound of torch's float32 ones (64 bf16 ulps of the

@@ -40,8 +40,6 @@ KINDS = {
                                          num_experts_per_tok=2, norm_topk_prob=True, head_dim=12)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, clip_qkv=3.0)),
 }
-REASON = ("the kept case covers the others: Qwen2-MoE's ragged batch (a shared expert, a dense layer, biases, "
-          "padding)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +72,8 @@ def _prompts(n_rows):
 
 
 @pytest.mark.parametrize("n_rows", [1, 3], ids=["batch1", "ragged"])
-@pytest.mark.keep_cases("qwen2_moe-ragged", reason=REASON)
+@pytest.mark.keep_cases("qwen2_moe-ragged", reason="the kept case covers the others: Qwen2-MoE's ragged batch "
+                        "(a shared expert, a dense layer, biases, padding)")
 def test_greedy_moe_equals_transformers_token_for_token(family, n_rows):
     """64 new tokens per row: transformers' tokens, log-probabilities within 1e-5 of the logits' scale,
     the top two apart by more than twice that at every step."""

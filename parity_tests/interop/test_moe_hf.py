@@ -63,6 +63,10 @@ def case(request, tmp_path_factory):
     return kind, reference, folder, want, hf.from_pretrained(folder)
 
 
+@pytest.mark.slow_cases({
+    "qwen3_moe": "test_folder_reads_and_writes_back[qwen2_moe] (the same MOE_ROWS), test_model_router_logits_and_aux_loss",
+    "olmoe": "test_folder_reads_and_writes_back[qwen2_moe] (the same MOE_ROWS), test_model_router_logits_and_aux_loss",
+})
 def test_folder_reads_and_writes_back(case, tmp_path):
     """transformers' folder -> Flax and torch_reference with transformers' logits; Flax -> a folder with
     exactly the keys transformers' own save wrote (per expert, Mixtral's ``block_sparse_moe.*.w1/w2/w3``,

@@ -183,6 +183,8 @@ def test_model_gradients_both_ways(kind_models):
                             "test_model_router_logits_and_aux_loss[olmoe]",
     "qwen2_moe": "test_folder_reads_and_writes_back (Flax logits against transformers), "
                             "test_model_router_logits_and_aux_loss[olmoe]",
+    "qwen3_moe": "test_folder_reads_and_writes_back (Flax logits against transformers), "
+                 "test_model_router_logits_and_aux_loss[olmoe]",
 })
 def test_model_router_logits_and_aux_loss(kind_models):
     """Flax against torch_reference, the whole model under one jit: logits with a fully masked row, a
@@ -264,11 +266,8 @@ def test_router_jitter_in_train_mode_only(rng):
     assert not np.array_equal(np.asarray(twin(x)), np.asarray(twin(x))), "each call draws new noise"
 
 
-@pytest.mark.slow_cases({
-    "qwen2_moe": "test_bf16_compute_within_its_bound[mixtral]",
-    "qwen3_moe": "test_bf16_compute_within_its_bound[mixtral]",
-    "olmoe": "test_bf16_compute_within_its_bound[mixtral]",
-})
+@pytest.mark.slow(reason="test_mixed_precision (bf16 compute of every family), "
+                  "test_model_router_logits_and_aux_loss (the same model in float32)")
 def test_bf16_compute_within_its_bound(kind_models):
     """``dtype=jnp.bfloat16`` (weights kept float32), jitted: the model runs, no NaN even on a fully
     masked row, and its logits stay within a bf16 bound of torch's float32 ones (64 bf16 ulps of the

@@ -75,8 +75,10 @@ def common_parser(description: str, presets, *, prog: str | None = None) -> argp
                              "softmax/LayerNorm statistics fp32)")
     parser.add_argument("--attention", choices=["reference", "xla", "cudnn"], default=None,
                         help="attention math: the notebooks' (reference) or jax.nn.dot_product_attention")
-    parser.add_argument("--mesh", default=None, metavar="data=N,fsdp=M",
-                        help="shard over N*M devices: batches over all, parameters and optimizer state over fsdp")
+    parser.add_argument("--mesh", default=None, metavar="data=N,fsdp=M[,expert=K]",
+                        help="shard over N*M(*K) devices: batches over all, parameters and optimizer state over "
+                             "fsdp, a mixture of experts' experts (and their Adam moments and LoRA adapters) over "
+                             "expert, K dividing the number of experts")
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="one process of a multi-process run (with --num-processes, --process-id): start the "
                              "same command in each, with --mesh covering all their devices; process 0 serves "

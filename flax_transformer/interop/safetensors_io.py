@@ -68,6 +68,11 @@ class Lazy:
                              f"{self.dtype}{list(self.shape)} (the file changed while it was read?)")
         return array
 
+    @property
+    def reads_rows(self) -> bool:
+        """Whether ``rows`` reads only its rows (from a safetensors file), not the whole tensor."""
+        return self._read_rows is not None
+
     def rows(self, start: int, stop: int) -> Lazy:
         if self._read_rows is not None:
             return Lazy((stop - start, *self.shape[1:]), self.dtype, lambda: self._read_rows(start, stop))
@@ -312,13 +317,12 @@ def _placement(sharding, path: str, shape: tuple, dtype):
 
     if sharding is None or isinstance(sharding, jax.sharding.Sharding):
         return sharding
-    if isinstance(sharding, jax.sharding.Mesh):  # FSDP over the mesh's "fsdp" axis, as training places it
+    if isinstance(sharding, jax.sharding.Mesh):  # as training places it: experts over "expert", FSDP over "fsdp"
         from jax.sharding import NamedSharding
 
         from flax_transformer.interop.placement import param_spec
 
-        fsdp = dict(sharding.shape).get("fsdp", 1)
-        return NamedSharding(sharding, param_spec(jax.ShapeDtypeStruct(shape, dtype), fsdp))
+        return NamedSharding(sharding, param_spec(path, jax.ShapeDtypeStruct(shape, dtype), dict(sharding.shape)))
     if callable(sharding):
         return sharding(path, shape)
     raise TypeError(f"sharding must be a jax.sharding.Sharding, a Mesh or a function (path, shape) -> Sharding, "
@@ -337,14 +341,19 @@ def fill(model, state: dict, *, sharding=None) -> None:
 
     Args:
         sharding: None (JAX's default device), one ``Sharding`` for every parameter, a
-            ``Mesh`` (each parameter split over its "fsdp" axis as training places it), or
-            a function ``(flax path, shape) -> Sharding``.
+            ``Mesh`` (each parameter placed as training places it, ``placement.param_spec``:
+            a mixture's experts over its "expert" axis, FSDP over "fsdp"), or a function
+            ``(flax path, shape) -> Sharding``. Experts split over "expert" from a file whose
+            tensors read by rows (a safetensors file holding the fused experts) are read
+            block by block, each process reading only its own devices' experts; per-expert
+            files (transformers' layout, stacked by ``hf_tables``) are read whole, then placed.
     """
     import jax
     import jax.numpy as jnp
 
     from flax_transformer.interop import values
     from flax_transformer.interop.layer_kinds import to_flax, torch_shape
+    from flax_transformer.interop.placement import is_expert_tensor, put_by_rows, splits_first_axis
 
     by_name = {key: (path, rule, param) for path, (key, rule, param) in _torch_names(model).items()}
     plan, seen, unexpected, mismatched = [], set(), [], []
@@ -365,11 +374,22 @@ def fill(model, state: dict, *, sharding=None) -> None:
     missing = [key for key in by_name if key not in seen]
     if missing or unexpected or mismatched:
         raise StateDictError(missing, unexpected, mismatched)
-    for key, path, rule, param, value in plan:
+    # every placement before any read: a mesh that cannot place a tensor is refused with nothing read
+    placements = [_placement(sharding, path, tuple(param.shape), np.dtype(param.dtype))
+                  for key, path, rule, param, value in plan]
+    for (key, path, rule, param, value), placement in zip(plan, placements, strict=True):
+        if isinstance(value, Lazy) and value.reads_rows and is_expert_tensor(path) and splits_first_axis(placement):
+            # experts' layout keeps the expert axis first (layer_kinds "experts": "e out in" -> "e in out")
+            def block(start, stop, key=key, rule=rule, value=value, dtype=param.dtype):
+                array = to_flax(rule, value.rows(start, stop).read())
+                values.check_value(key, array, dtype)
+                return np.asarray(array, dtype=dtype)
+            param.set_value(put_by_rows(tuple(param.shape), placement, block))
+            del value
+            continue
         array = to_flax(rule, read(value))
         values.check_value(key, array, param.dtype)
         array = np.asarray(array, dtype=param.dtype)  # host-side cast: one tensor (e.g. bf16 file -> fp32)
-        placement = _placement(sharding, path, array.shape, array.dtype)
         if placement is None:
             param.set_value(jnp.array(array))  # a copy: jnp.asarray may alias a caller's numpy array on CPU
         elif jax.process_count() == 1:

@@ -1,9 +1,11 @@
-"""Several devices and several processes: joining a multi-process run, the ("data", "fsdp")
+"""Several devices and several processes: joining a multi-process run, the ("data", "fsdp"[, "expert"])
 mesh, and where parameters, optimizer state and batches live on it.
 
-Batches are split along their first axis over every device of the mesh (data parallel);
-parameters and their Adam moments are split over "fsdp" along their largest divisible axis.
-XLA's SPMD partitioner inserts the collectives: there is no hand-written all-reduce.
+Batches are split along their first axis over every device of the mesh (data parallel, the
+"expert" axis included: see ``batch_sharding``); parameters and their Adam moments are placed by
+``interop.placement.param_spec``: a mixture of experts' expert tensors split over "expert" along
+their expert axis, every tensor over "fsdp" along its largest (other) divisible axis.
+XLA's SPMD partitioner inserts the collectives: there is no hand-written all-reduce or all-to-all.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import jax
 import numpy as np
 
-from flax_transformer.interop.placement import is_key, param_spec
+from flax_transformer.interop.placement import PlacementError, is_expert_tensor, is_key, param_spec
 from flax_transformer.training.errors import RunError
 
 
@@ -36,8 +38,13 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
                        f"{num_processes}: {type(error).__name__}: {str(error)[:500]}") from None
 
 
+AXES = ("data", "fsdp", "expert")  # the mesh's axes, in this order ("expert" only when --mesh names it)
+
+
 def parse_mesh(spec: str | None):
-    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp").
+    """``"data=4,fsdp=2"`` -> a ``jax.sharding.Mesh`` over the first 8 devices, axes ("data", "fsdp");
+    ``"data=2,expert=4"`` (or ``data=..,fsdp=..,expert=..``) adds an "expert" axis: expert parallelism
+    for a mixture of experts (``interop.placement``).
 
     With several processes the mesh must cover all of their devices (``jax.device_count()``).
     """
@@ -50,12 +57,12 @@ def parse_mesh(spec: str | None):
     try:
         for part in spec.split(","):
             name, value = part.split("=")
-            if name.strip() not in sizes or not 1 <= int(value) <= 1 << 20:
+            if name.strip() not in AXES or not 1 <= int(value) <= 1 << 20:
                 raise ValueError(name)
             sizes[name.strip()] = int(value)
     except ValueError:
-        raise RunError(f"--mesh {spec!r}: expected data=N,fsdp=M") from None
-    n = sizes["data"] * sizes["fsdp"]
+        raise RunError(f"--mesh {spec!r}: expected data=N,fsdp=M (and expert=K for a mixture of experts)") from None
+    n = int(np.prod(list(sizes.values())))
     devices = jax.devices()
     if n < 1 or n > len(devices):
         raise RunError(f"--mesh {spec} needs {n} devices, {len(devices)} available "
@@ -63,27 +70,55 @@ def parse_mesh(spec: str | None):
     if jax.process_count() > 1 and n != len(devices):
         raise RunError(f"--mesh {spec} covers {n} devices; a run over {jax.process_count()} processes must cover "
                        f"all {len(devices)} of their devices")
-    grid = np.array(devices[:n]).reshape(sizes["data"], sizes["fsdp"])
-    return jax.sharding.Mesh(grid, ("data", "fsdp"))
+    names = tuple(a for a in AXES if a in sizes)
+    grid = np.array(devices[:n]).reshape([sizes[a] for a in names])
+    return jax.sharding.Mesh(grid, names)
 
 
 def state_shardings(tree, mesh):
+    """The ``NamedSharding`` of every array of ``tree`` (a model's or an optimizer's state) on ``mesh``, by
+    ``param_spec`` on its path; an expert axis that does not divide a tensor's experts is a ``RunError``."""
     from jax.sharding import NamedSharding
 
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x, fsdp)), tree)
+    axes = dict(mesh.shape)
+    try:
+        return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, param_spec(path, x, axes)), tree)
+    except PlacementError as error:
+        raise RunError(f"--mesh {_spelled(mesh)}: {error}") from None
+
+
+def check_expert_axis(tree, mesh) -> None:
+    """Refuse an "expert" axis (size > 1) for a model without experts: it would only replicate every
+    parameter over those devices, which a data axis of that size does too, saying so."""
+    expert = dict(mesh.shape).get("expert", 1)
+    if expert > 1 and not any(is_expert_tensor(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)):
+        raise RunError(f"--mesh {_spelled(mesh)}: expert={expert} needs a mixture of experts, and this model has "
+                       f"no experts; put those devices on data= (or fsdp=) instead")
+
+
+def _spelled(mesh) -> str:
+    return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes a batch is split over: all of them. The expert axis carries data too, as in
+    GShard and Switch Transformer: its devices hold different experts, and each also runs the rest
+    of the model (attention, norms, the router) on its own share of the batch, rather than all of
+    them computing the same tokens; XLA moves the tokens or the experts' weights between them."""
+    return tuple(a for a in AXES if a in mesh.axis_names)
 
 
 def batch_sharding(batch, mesh):
-    """Every batch array split along its first (batch) axis over both mesh axes: data parallel over all devices."""
+    """Every batch array split along its first (batch) axis over every mesh axis: data parallel over all devices."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    n = mesh.size
+    axes = batch_axes(mesh)
+    n = int(np.prod([mesh.shape[a] for a in axes]))
     for key, value in batch.items():
         if np.ndim(value) and np.shape(value)[0] % n:
             raise RunError(f"batch size {np.shape(value)[0]} ({key}) is not divisible by the {n} devices of the mesh")
-    return {k: NamedSharding(mesh, P(("data", "fsdp")) if np.ndim(v) else P()) for k, v in batch.items()}
+    return {k: NamedSharding(mesh, P(axes) if np.ndim(v) else P()) for k, v in batch.items()}
 
 
 def check_batch_size(batch_size: int, mesh) -> None:
@@ -123,9 +158,13 @@ def place_state(model_state, opt_state, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    check_expert_axis(model_state, mesh)
     shardings = (state_shardings(model_state, mesh), state_shardings(opt_state, mesh), NamedSharding(mesh, P()))
     model_state, opt_state = _to_mesh(model_state, shardings[0]), _to_mesh(opt_state, shardings[1])
     specs = [sh.spec for sh in jax.tree.leaves(shardings[0])]
+    experts = (f", {sum('expert' in spec for spec in specs)} split over expert" if "expert" in mesh.axis_names
+               else "")
     print(f"Sharded over {dict(mesh.shape)}: batches over all {mesh.size} devices, "
-          f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp", file=sys.stderr)
+          f"{sum('fsdp' in spec for spec in specs)} of {len(specs)} model arrays split over fsdp{experts}",
+          file=sys.stderr)
     return model_state, opt_state, shardings

@@ -11,7 +11,7 @@ and ``adapter_model.safetensors`` with one pair of tensors per adapted module of
     base_model.model.<module path>.lora_B.weight    (out, r)
 
 The library stores A (in, r) and B (r, out), so both are transposed. The experts' fused weights
-(``target_parameters``, ``lora.ParamLoRA``) are held as PEFT's ``ParamWrapper`` holds them: A
+(``target_parameters``, ``lora_experts.ParamLoRA``) are held as PEFT's ``ParamWrapper`` holds them: A
 (E r, in), B (out, r E), under the experts module's path, the weight adapted first (``gate_up_proj``)
 one ``base_layer.`` deeper when both are (PEFT nests one wrapper per weight). GPT-2's ``c_attn``/``c_proj``/
 ``c_fc`` are transformers' Conv1D (weight (in, out)): PEFT adapts them with ``fan_in_fan_out=True``
@@ -40,11 +40,12 @@ from flax_transformer.interop import converter, files, hf, porting, safetensors_
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
+from flax_transformer.models.lora_experts import EXPERT_PARAMETERS, ParamLoRA
 from flax_transformer.models.moe import LlamaExperts
 from flax_transformer.models.state_dict_errors import StateDictError
 
-__all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "check_base", "hf_module_paths", "load_peft", "read_config",
-           "save_peft"]
+__all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "adapter_module_paths", "check_base", "from_peft_layout",
+           "hf_module_paths", "load_peft", "read_config", "save_peft", "to_peft_layout"]
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -105,7 +106,7 @@ def hf_module_paths(model) -> dict[str, str]:
     nodes = lora.module_nodes(model)
     path_of = {id(node): path for path, node in nodes.items()}
     for path, node in nodes.items():
-        if path and isinstance(node, lora._ADAPTABLE):
+        if path and isinstance(node, lora.ADAPTABLE):
             dotted = lora.dotted_path(path)
             name = _hf_key(model, f"{dotted}.{_our_weight_key(node)}")
             if name is not None:
@@ -119,12 +120,12 @@ def hf_module_paths(model) -> dict[str, str]:
 
 def hf_parameter_names(model) -> dict[str, str]:
     """Our dotted path -> transformers' parameter name, for every expert weight that takes a LoRA as a
-    parameter (``lora.EXPERT_PARAMETERS`` of each ``LlamaExperts``). transformers 5 holds the experts
+    parameter (``lora_experts.EXPERT_PARAMETERS`` of each ``LlamaExperts``). transformers 5 holds the experts
     fused, under our (canonical) names, whatever per-expert names its files use."""
     out = {}
     for path, node in lora.module_nodes(model).items():
         if isinstance(node, LlamaExperts):
-            for name in lora.EXPERT_PARAMETERS:
+            for name in EXPERT_PARAMETERS:
                 dotted = lora.dotted_path((*path, name))
                 out[dotted] = _hf_key(model, dotted) or dotted
     return out
@@ -136,23 +137,41 @@ def _wrapper_paths(names: dict[str, str]) -> dict[str, str]:
     around the last, so the first sits deepest: ``experts.base_layer`` when a second one follows."""
     out, by_module = {}, {}
     for ours, name in names.items():
-        by_module.setdefault(_module_of(name), []).append((lora.EXPERT_PARAMETERS.index(name.rpartition(".")[2]), ours))
+        by_module.setdefault(_module_of(name), []).append((EXPERT_PARAMETERS.index(name.rpartition(".")[2]), ours))
     for module, found in by_module.items():
         for depth, (_, ours) in enumerate(sorted(found)):
             out[ours] = module + ".base_layer" * (len(found) - 1 - depth)
     return out
 
 
-def _experts_to_peft(layer) -> tuple[np.ndarray, np.ndarray]:
-    """A ``lora.ParamLoRA``'s A (E, in, r), B (E, r, out) as PEFT's files hold them: (E r, in), (out, r E)."""
+def adapter_module_paths(model) -> dict[str, str]:
+    """Our adapter path -> the path of the module of PEFT's model (``base_model.model.`` left off) that
+    holds its ``lora_A`` / ``lora_B``: the adapted layer's transformers module, or for a
+    ``lora_experts.ParamLoRA`` its ``ParamWrapper`` (``experts``, ``experts.base_layer``). A LoRA on one
+    head's slice of a transformers projection has none, so it is absent."""
+    modules, weights, everything = hf_module_paths(model), hf_parameter_names(model), lora.layers(model)
+    names = {path: weights[f"{path.rpartition('.')[0]}.{layer.parameter}"]
+             for path, layer in everything.items() if isinstance(layer, ParamLoRA)}
+    return {**{path: modules[path] for path in everything if path in modules}, **_wrapper_paths(names)}
+
+
+def to_peft_layout(layer) -> tuple[np.ndarray, np.ndarray]:
+    """An adapter's A and B as PEFT's module holds them: a layer's (in, r), (r, out) as torch's (r, in),
+    (out, r); a ``ParamLoRA``'s (E, in, r), (E, r, out) as its ``ParamWrapper``'s (E r, in), (out, r E)."""
     a, b = np.asarray(layer.lora_A[...]), np.asarray(layer.lora_B[...])
+    if not isinstance(layer, ParamLoRA):
+        return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
     e, d_in, r = a.shape
-    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, d_in)),
-            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], r * e)))
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, d_in)),  # expert-major rows
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], r * e)))  # expert-minor columns
 
 
-def _expert_from_peft(leaf: str, value: np.ndarray, experts: int) -> np.ndarray:
-    """PEFT's A (E r, in) -> ours (E, in, r); its B (out, r E) -> ours (E, r, out): ``_experts_to_peft`` undone."""
+def from_peft_layout(layer, leaf: str, value: np.ndarray) -> np.ndarray:
+    """PEFT's ``leaf`` ("lora_A" or "lora_B") of ``layer`` (a tensor, or its gradient) in our layout:
+    ``to_peft_layout`` undone."""
+    if not isinstance(layer, ParamLoRA):
+        return value.T
+    experts = layer.lora_A.shape[0]
     if leaf == "lora_A":
         return value.reshape(experts, -1, value.shape[1]).transpose(0, 2, 1)
     return value.reshape(value.shape[0], -1, experts).transpose(2, 1, 0)
@@ -240,25 +259,20 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
     if config is None:
         raise ValueError(f"the {type(model).__name__} has no LoRA layers: lora.apply adds them")
     folder = files.check_target(folder, kind="dir", overwrite=overwrite)
-    paths = hf_module_paths(model)
-    everything = lora.layers(model)
-    params = {path: layer for path, layer in everything.items() if isinstance(layer, lora.ParamLoRA)}
-    layers = {path: layer for path, layer in everything.items() if path not in params}
+    paths, everything = adapter_module_paths(model), lora.layers(model)
+    layers = {path: layer for path, layer in everything.items() if not isinstance(layer, ParamLoRA)}
     weights = hf_parameter_names(model)
-    names = {path: weights[f"{path.rpartition('.')[0]}.{layer.parameter}"] for path, layer in params.items()}
+    experts = {weights[f"{path.rpartition('.')[0]}.{layer.parameter}"]  # transformers' names of the adapted weights
+               for path, layer in everything.items() if isinstance(layer, ParamLoRA)}
     homeless = [path for path in layers if path not in paths]
     if homeless:
         raise ValueError(f"{homeless[0]} is a LoRA on one head's slice of a transformers projection, which no "
                          "module of transformers' model is, so PEFT cannot hold it; adapt the whole projection "
                          "(targets such as 'query', 'value': one LoRA over all heads, as PEFT's)")
     tensors = {}
-    for path, layer in layers.items():
-        module = paths[path]
-        tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(layer.lora_A[...]).T)  # (r, in)
-        tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(layer.lora_B[...]).T)  # (out, r)
-    for path, wrapper in _wrapper_paths(names).items():
-        tensors[f"{PREFIX}{wrapper}.lora_A.weight"], tensors[f"{PREFIX}{wrapper}.lora_B.weight"] = \
-            _experts_to_peft(params[path])
+    for path, layer in everything.items():
+        tensors[f"{PREFIX}{paths[path]}.lora_A.weight"], tensors[f"{PREFIX}{paths[path]}.lora_B.weight"] = \
+            to_peft_layout(layer)
     saved = None
     if modules_to_save:
         saved = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
@@ -283,7 +297,7 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": _target_modules(model, {paths[p] for p in layers}),
-        "target_parameters": _target_parameters(set(names.values()), set(weights.values())) or None,
+        "target_parameters": _target_parameters(experts, set(weights.values())) or None,
         "fan_in_fan_out": any(isinstance(layer, lora.LoRAConv1D) for layer in layers.values()),
         "use_rslora": config.use_rslora,
         "bias": "none",
@@ -336,7 +350,7 @@ def read_config(folder) -> dict:
 def _our_targets(model, targets, chosen: list[str]) -> list[str]:
     """``apply``'s targets for the chosen layers: PEFT's names where they select exactly those in our model
     (the llama family's and GPT-2's names are transformers'), else each layer's escaped path."""
-    if isinstance(targets, list) and all(lora._PLAIN_NAME.fullmatch(t) for t in targets):
+    if isinstance(targets, list) and all(lora.PLAIN_NAME.fullmatch(t) for t in targets):
         try:
             if sorted(lora.find(model, targets)) == sorted(chosen):
                 return sorted(targets)  # peft keeps them as a set: their order means nothing
@@ -462,8 +476,7 @@ def load_peft(model, folder, *, rngs=None):
     for key, (ours, leaf, _) in expected.items():
         param = getattr(layers[ours], leaf)
         value = np.asarray(arrays[key], np.float32)
-        value = _expert_from_peft(leaf, value, param.shape[0]) if isinstance(layers[ours], lora.ParamLoRA) \
-            else value.T  # torch (r, in) -> ours (in, r)
+        value = from_peft_layout(layers[ours], leaf, value)  # torch (r, in) -> ours (in, r), and so on
         param.set_value(jnp.array(value, dtype=param.dtype))
     params = porting.plan_of(model).params
     for key, (path, rule, _) in saved.items():  # the fully trained modules (a classifier head) replace the base's

@@ -21,11 +21,10 @@ checkpoints and weight decay masks see the same base model. The adapters are ``L
 ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` and ``nnx.grad(..., argnums=nnx.DiffState(0, LoRAParam))``.
 
 Experts (``parameters=``, PEFT's ``target_parameters``): the fused expert weights of the llama
-family's mixtures of experts (``mlp.experts.gate_up_proj`` (E, H, 2I), ``mlp.experts.down_proj``
-(E, I, H)) take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a 3-D parameter:
-``W[e] + scale * A[e] @ B[e]``, A (E, in, r), B (E, r, out), the sum formed before the experts run
-(``ParamLoRA``, at ``<experts>.gate_up_proj_lora``; the experts become ``LoRAExperts``). PEFT
-refuses dropout there, and so does ``apply``.
+family's mixtures of experts take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a
+3-D parameter (``lora_experts.ParamLoRA`` under ``lora_experts.LoRAExperts``; that module says how).
+``apply`` draws their A and B as every LoRA's and puts them in place; PEFT refuses dropout there,
+and so does ``apply``.
 
 No torch here; ``interop.peft`` reads and writes PEFT's adapter folders.
 """
@@ -45,11 +44,11 @@ from flax import nnx
 
 from flax_transformer.models import gpt
 from flax_transformer.models.fast_backward import linear_dot_general
+from flax_transformer.models.lora_experts import LoRAExperts, ParamLoRA, find_parameters
 from flax_transformer.models.moe import LlamaExperts
 
-__all__ = ["EXPERT_PARAMETERS", "LORA_FILTER", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRAExperts", "LoRALinear",
-           "LoRAParam", "ParamLoRA", "Sizes", "apply", "config_of", "find", "layers", "merge", "remove", "state_sizes",
-           "trainable", "unmerge"]
+__all__ = ["ADAPTABLE", "LORA_FILTER", "PLAIN_NAME", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRALinear", "LoRAParam",
+           "Sizes", "apply", "config_of", "find", "layers", "merge", "remove", "state_sizes", "trainable", "unmerge"]
 
 
 class LoRAParam(nnx.Param):
@@ -59,10 +58,10 @@ class LoRAParam(nnx.Param):
 
 LORA_FILTER = LoRAParam  # the nnx filter of the adapters: nnx.Optimizer(model, tx, wrt=LORA_FILTER)
 
-# the layers a LoRA can adapt, and the LoRA class of each: their weights are (in, out) both
-_ADAPTABLE = (nnx.Linear, gpt.Linear)
+# the layers a LoRA can adapt (their weights are (in, out) both); _LORA_CLASS gives the LoRA class of each
+ADAPTABLE = (nnx.Linear, gpt.Linear)
 
-_PLAIN_NAME = re.compile(r"\w+")
+PLAIN_NAME = re.compile(r"\w+")  # a target that is a plain module name (PEFT's rule), not a regex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +98,7 @@ def _check_config(config: LoRAConfig) -> None:
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _init_a(key, shape: tuple[int, ...], dtype):
     """PEFT's A: kaiming_uniform(a=sqrt(5)) on torch's (r, in) weight is U(-1/sqrt(in), 1/sqrt(in)); ours is
-    (in, r), or (E, in, r) for experts (PEFT's (E r, in) has the same fan-in)."""
+    (in, r), or (E, in, r) for experts."""
     bound = 1.0 / math.sqrt(shape[-2])
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
@@ -226,69 +225,6 @@ def _added(weight, update):
     return (weight.astype(jnp.float32) + update).astype(weight.dtype)
 
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the LlamaExperts weights a LoRA can take, in definition order
-
-
-@jax.jit
-def _expert_update(a, b, scale):
-    """scale * A[e] @ B[e] for every expert, in float32: (E, in, r) @ (E, r, out) -> (E, in, out)."""
-    return scale * jnp.einsum("eir,ero->eio", a.astype(jnp.float32), b.astype(jnp.float32))
-
-
-class ParamLoRA(nnx.Module):
-    """PEFT's ``ParamWrapper`` on one fused expert weight (E, in, out): one LoRA per expert,
-    ``W[e] + scale * A[e] @ B[e]``, A (E, in, r), B (E, r, out). It lives at
-    ``<experts>.<parameter>_lora``; its ``LoRAExperts`` adds the update to the weight before the
-    experts run (PEFT's parametrization), so every expert computes on its own adapted weight.
-
-    PEFT's files hold A as (E r, in) (expert-major rows) and B as (out, r E) (expert-minor
-    columns); ``interop.peft`` converts.
-    """
-
-    def __init__(self, shape: tuple[int, int, int], config: LoRAConfig, *, parameter: str, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32):
-        e, d_in, d_out = shape
-        self.parameter = parameter  # the experts' weight it adapts
-        self.lora_config, self.lora_scale, self.merged = config, config.scale, False
-        self.lora_A = LoRAParam(_init_a(rngs.params(), (e, d_in, config.rank), jnp.dtype(param_dtype)))
-        self.lora_B = LoRAParam(jnp.zeros((e, config.rank, d_out), param_dtype))
-
-    def update_matrix(self) -> jax.Array:
-        """scale * A[e] @ B[e]: (E, in, out), what ``merge`` adds to the weight, in float32."""
-        return _expert_update(self.lora_A[...], self.lora_B[...], self.lora_scale)
-
-    def shifted(self, weight):
-        """weight + the update, summed in float32, in the weight's dtype: what the experts run on."""
-        return _added(weight, self.update_matrix())
-
-    def _shift(self, sign: float, parent=None) -> None:
-        weight = getattr(parent, self.parameter)
-        weight.set_value(_added(weight[...], sign * self.update_matrix()))
-
-
-class _ShiftedWeights:
-    """The experts as their forward reads them, with adapted weights in place of some of theirs."""
-
-    def __init__(self, experts, weights: dict):
-        self._experts, self._weights = experts, weights
-
-    def __getattr__(self, name):
-        return self._weights[name] if name in self._weights else getattr(self._experts, name)
-
-
-class LoRAExperts(LlamaExperts):
-    """A ``moe.LlamaExperts`` whose weights take ``ParamLoRA``s (children ``gate_up_proj_lora``,
-    ``down_proj_lora``): the experts run on ``W + scale * A @ B`` (each weight alone once merged).
-    The base weights stay at their paths, so porting and checkpoints see the base model."""
-
-    def adapters(self) -> list[ParamLoRA]:
-        return [a for n in EXPERT_PARAMETERS if isinstance(a := getattr(self, f"{n}_lora", None), ParamLoRA)]
-
-    def __call__(self, x, experts, weights):
-        shifted = {a.parameter: a.shifted(getattr(self, a.parameter)[...]) for a in self.adapters() if not a.merged}
-        return LlamaExperts.__call__(_ShiftedWeights(self, shifted), x, experts, weights)
-
-
 def _rebuilt(node, cls, drop=()):
     """An object of ``cls`` holding ``node``'s own attributes (its Param objects themselves) but ``drop``,
     made as nnx's graph unflattening makes nodes (no constructor runs)."""
@@ -300,8 +236,6 @@ def _rebuilt(node, cls, drop=()):
 
 
 _ADAPTERS = (_LoRA, FusedLoRA, ParamLoRA)
-
-
 
 
 def dotted_path(path) -> str:
@@ -322,7 +256,7 @@ def fused_slots(node, path: tuple) -> list[tuple[tuple, str, tuple[str, ...]]]:
 
 def _matches(target: str, name: str, dotted: str) -> bool:
     """PEFT's rule: a plain name is the last path part, anything else a regex on the whole dotted path."""
-    if _PLAIN_NAME.fullmatch(target):
+    if PLAIN_NAME.fullmatch(target):
         return name == target
     return re.fullmatch(target, dotted) is not None
 
@@ -351,34 +285,7 @@ def find(model, targets: str | Sequence[str], parameters: Sequence[str] = ()) ->
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     nodes = module_nodes(model)
     return [dotted_path(path) for path in [*_find(model, targets, nodes, bool(parameters)),
-                                           *_find_parameters(model, tuple(parameters), nodes)]]
-
-
-def _find_parameters(model, parameters: tuple[str, ...], nodes: dict) -> list[tuple]:
-    """The adapter paths (``<experts>.<parameter>_lora``) of the expert weights that ``parameters``
-    name, by PEFT's rule for ``target_parameters``: a weight's dotted path, or a dotted suffix of it."""
-    if isinstance(parameters, str) or not all(isinstance(t, str) and t for t in parameters):
-        raise ValueError(f"LoRA parameters must be a list of parameter names, got {parameters!r}")
-    found, hits = [], dict.fromkeys(parameters, 0)
-    for path, node in nodes.items():
-        if not path or isinstance(node, nnx.Module) or not hasattr(node, "shape"):
-            continue
-        dotted = dotted_path(path)
-        matched = [t for t in parameters if dotted == t or dotted.endswith(f".{t}")]
-        for t in matched:
-            hits[t] += 1
-        if not matched:
-            continue
-        if not (isinstance(nodes[path[:-1]], LlamaExperts) and path[-1] in EXPERT_PARAMETERS):
-            raise ValueError(f"LoRA parameter {matched[0]!r} matches {dotted}, which is not an expert weight "
-                             f"({', '.join(EXPERT_PARAMETERS)} of a LlamaExperts): only those take LoRA as parameters")
-        found.append((*path[:-1], f"{path[-1]}_lora"))
-    unmatched = [t for t, n in hits.items() if n == 0]
-    if unmatched:
-        names = sorted({dotted_path(p) for p, n in nodes.items() if isinstance(n, LlamaExperts)})[:1]
-        raise ValueError(f"LoRA parameters {unmatched} match no parameter of the {type(model).__name__}"
-                         + (f"; its experts are like {names[0]}.gate_up_proj" if names else "; it has no experts"))
-    return found
+                                           *find_parameters(model, tuple(parameters), nodes)]]
 
 
 def _find(model, targets: tuple[str, ...], nodes: dict, may_be_empty: bool = False) -> list[tuple]:
@@ -390,7 +297,7 @@ def _find(model, targets: tuple[str, ...], nodes: dict, may_be_empty: bool = Fal
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"LoRA targets must be non-empty module names or regexes, got {targets!r}")
     for target in targets:
-        if not _PLAIN_NAME.fullmatch(target):
+        if not PLAIN_NAME.fullmatch(target):
             try:
                 re.compile(target)
             except re.error as error:
@@ -402,7 +309,7 @@ def _find(model, targets: tuple[str, ...], nodes: dict, may_be_empty: bool = Fal
         dotted = dotted_path(path)
         for slot, _, names in fused_slots(node, path):
             fused_names.update(names)
-            matched = [t for t in targets if (t in names if _PLAIN_NAME.fullmatch(t)
+            matched = [t for t in targets if (t in names if PLAIN_NAME.fullmatch(t)
                                               else re.fullmatch(t, dotted_path(slot)) is not None)]
             for t in matched:
                 hits[t] += 1
@@ -413,13 +320,13 @@ def _find(model, targets: tuple[str, ...], nodes: dict, may_be_empty: bool = Fal
             continue
         for t in matched:
             hits[t] += 1
-        if not isinstance(node, _ADAPTABLE):
+        if not isinstance(node, ADAPTABLE):
             raise ValueError(f"LoRA target {matched[0]!r} matches {dotted}, a {type(node).__name__}, "
                              "not a linear layer (nnx.Linear or gpt.Linear)")
         found.append(path)
     unmatched = [t for t, n in hits.items() if n == 0]
     if unmatched:
-        names = sorted({str(p[-1]) for p, n in nodes.items() if p and isinstance(n, _ADAPTABLE)})
+        names = sorted({str(p[-1]) for p, n in nodes.items() if p and isinstance(n, ADAPTABLE)})
         also = f", and its attention's projections over all heads {sorted(fused_names)}" if fused_names else ""
         raise ValueError(f"LoRA targets {unmatched} match no module of the {type(model).__name__}; "
                          f"its linear layers are named {names}{also}")
@@ -461,7 +368,7 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
         raise ValueError("the model already has LoRA layers; merge or remove them first (lora.remove)")
     nodes = module_nodes(model)
     found = [(path, nodes.get(path)) for path in _find(model, targets, nodes, bool(parameters))]
-    in_params = _find_parameters(model, parameters, nodes) if parameters else []
+    in_params = find_parameters(model, parameters, nodes) if parameters else []
     deterministic = _in_eval_mode(model)
     wrapped = {}  # id of a LlamaExperts -> the LoRAExperts that replaces it
     for path in in_params:
@@ -469,9 +376,11 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
         if id(experts) not in wrapped:
             wrapped[id(experts)] = _rebuilt(experts, LoRAExperts)
             _set_child(nodes[path[:-2]], path[-2], wrapped[id(experts)])
-        weight = getattr(experts, path[-1][:-len("_lora")])
-        setattr(wrapped[id(experts)], path[-1], ParamLoRA(weight.shape, config, parameter=path[-1][:-len("_lora")],
-                                                           rngs=rngs, param_dtype=param_dtype or weight.dtype))
+        weight = getattr(experts, name := path[-1][:-len("_lora")])
+        (e, d_in, d_out), dtype = weight.shape, jnp.dtype(param_dtype or weight.dtype)
+        a = LoRAParam(_init_a(rngs.params(), (e, d_in, config.rank), dtype))  # PEFT's (E r, in) has the same fan-in
+        setattr(wrapped[id(experts)], path[-1],
+                ParamLoRA(a, LoRAParam(jnp.zeros((e, config.rank, d_out), dtype)), config, parameter=name))
     for path, node in found:
         parent = nodes[path[:-1]]
         if node is None:  # a projection over all heads: the adapter is a new child of the attention

@@ -91,11 +91,17 @@ class LlamaExperts(RecordsInit, nnx.Module):
         self.down_proj = nnx.Param(_normal(rngs.params(), (e, inner, hidden), param_dtype))
 
     def __call__(self, x, experts, weights):
+        return self.run_on(x, experts, weights, self.gate_up_proj[...], self.down_proj[...])
+
+    def run_on(self, x, experts, weights, gate_up_proj, down_proj):
+        """The experts on the weights given, ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H), in place
+        of their own: the hook through which ``lora_experts.LoRAExperts`` runs them on adapted weights.
+        (T, H), (T, k), (T, k) -> (T, H), as ``__call__``."""
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"LlamaExperts.implementation must be one of {IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
         x = x.astype(self.dtype)
-        gate_up, down = self.gate_up_proj[...].astype(self.dtype), self.down_proj[...].astype(self.dtype)
+        gate_up, down = gate_up_proj.astype(self.dtype), down_proj.astype(self.dtype)
         impl = self.implementation
         if impl == "grouped":
             impl = "blocked" if jax.default_backend() == "cpu" else "ragged"

@@ -174,6 +174,10 @@ def adapt(model, config, *, task: str, folder: Path, run_dir=None, fresh: bool =
                 raise RunError(f"--lora-targets: {error}") from None
     else:
         lora.apply(model, **record["lora"], rngs=_rngs(config))
+        lost = sorted(set(record.get("layers", [])) - set(lora.layers(model)))
+        if lost:  # a record that names its adapters' targets but not all of them (no expert "parameters")
+            raise RunError(f"{Path(run_dir) / RECORD} does not rebuild the run's LoRA: {len(lost)} of its layers are "
+                           f"not adapted by its settings {record['lora']} (e.g. {lost[0]})")
     applied = lora.config_of(model)
     sums = base_checksums(model, wrt)
     if record is not None:
@@ -183,16 +187,22 @@ def adapt(model, config, *, task: str, folder: Path, run_dir=None, fresh: bool =
                            f"its {len(record['base'])} frozen tensors differ, e.g. {differ[0]}): put back the folder "
                            "the run started from")
     record = record or {
-        "lora": {"rank": applied.rank, "alpha": applied.alpha, "dropout": applied.dropout,
-                 "targets": list(applied.targets), "use_rslora": applied.use_rslora},
+        "lora": {**_apply_args(applied), "targets": list(applied.targets), "parameters": list(applied.parameters)},
         "layers": list(lora.layers(model)), "init": str(folder), "init_adapter": config.lora.init_adapter,
         "base": sums}
     sizes = lora.state_sizes(model)
     if fresh and is_main_process():
         print(f"LoRA r={applied.rank}, alpha={applied.alpha:g} on {len(record['layers'])} layers "
-              f"({', '.join(applied.targets)}): {sizes.adapted:,} adapter parameters, {sizes.fraction:.2%} of the "
-              f"base's {sizes.full:,}", file=sys.stderr)
+              f"({', '.join((*applied.targets, *applied.parameters))}): {sizes.adapted:,} adapter parameters, "
+              f"{sizes.fraction:.2%} of the base's {sizes.full:,}", file=sys.stderr)
     return Adapted(model, wrt, record)
+
+
+def _apply_args(applied: lora.LoRAConfig) -> dict:
+    """``lora.apply``'s arguments for the LoRA ``applied`` describes (``lora.config_of``): the linear layers'
+    targets and the experts' weights (``parameters``) both, so that the model rebuilt has every adapter."""
+    return {"rank": applied.rank, "alpha": applied.alpha, "dropout": applied.dropout, "targets": applied.targets,
+            "use_rslora": applied.use_rslora, "parameters": applied.parameters}
 
 
 def merged(model):
@@ -261,9 +271,7 @@ def _float32_twin(model, base):
     from flax_transformer.verification import measure
 
     def adapted():
-        applied = lora.config_of(model)
-        lora.apply(base, rank=applied.rank, alpha=applied.alpha, dropout=applied.dropout, targets=applied.targets,
-                   use_rslora=applied.use_rslora, rngs=nnx.Rngs(0))
+        lora.apply(base, **_apply_args(lora.config_of(model)), rngs=nnx.Rngs(0))
         return base
 
     # float32 storage either way: the same values

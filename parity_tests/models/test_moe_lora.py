@@ -18,7 +18,7 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import hf, peft
-from flax_transformer.models import lora
+from flax_transformer.models import lora, lora_experts
 from flax_transformer.models.moe import LlamaExperts
 from parity_tests.conftest import TOL
 
@@ -105,7 +105,7 @@ def _compare(ours, theirs, base_logits):
     logits, grads = _forward_and_grads(ours, jnp.asarray(IDS))
     layers = lora.layers(ours)
     assert sorted(layers) == sorted(adapters)
-    assert any(isinstance(layer, lora.ParamLoRA) for layer in layers.values())
+    assert any(isinstance(layer, lora_experts.ParamLoRA) for layer in layers.values())
     assert _err(logits, want) < TOL
     assert _err(want, base_logits) > 100 * TOL  # the adapters change the output: a lost one would show
     for path, layer in layers.items():
@@ -113,7 +113,7 @@ def _compare(ours, theirs, base_logits):
             assert _err(getattr(layer, leaf)[...], value) == 0.0, (path, leaf)
             assert _err(_at(grads, path)[leaf][...], grad) < TOL, (path, leaf)
             assert np.abs(grad).max() > 1e-4, (path, leaf)  # B is not zero: A learns too
-        if isinstance(layer, lora.ParamLoRA):  # the delta peft adds to the weight, in our (E, in, out) layout
+        if isinstance(layer, lora_experts.ParamLoRA):  # the delta peft adds to the weight, in our (E, in, out) layout
             wrapper = _wrapper(theirs, path)
             assert _err(layer.update_matrix(), wrapper.get_delta_weight("default").detach().numpy()
                         .transpose(0, 2, 1)) < TOL
@@ -142,7 +142,7 @@ def _random_b(model, seed=0):
 
 def _experts_weights(model) -> dict[str, np.ndarray]:
     experts = model.model.layers[0].mlp.experts
-    return {name: np.asarray(getattr(experts, name)[...]) for name in lora.EXPERT_PARAMETERS}
+    return {name: np.asarray(getattr(experts, name)[...]) for name in lora_experts.EXPERT_PARAMETERS}
 
 
 @pytest.mark.slow_cases({"mixtral": "test_moe_adapter_goes_both_ways_through_peft[qwen3_moe] (the same code on "
@@ -158,7 +158,7 @@ def test_moe_adapter_goes_both_ways_through_peft(folder, tmp_path):
                       rngs=nnx.Rngs(0))
     ours.eval()
     base_weights = _experts_weights(ours)
-    experts = [layer for layer in lora.layers(ours).values() if isinstance(layer, lora.ParamLoRA)]
+    experts = [layer for layer in lora.layers(ours).values() if isinstance(layer, lora_experts.ParamLoRA)]
     assert experts and all(e.lora_A.shape[0] == 4 and not np.asarray(e.lora_B[...]).any() for e in experts)
     bound = np.abs(np.asarray(experts[0].lora_A[...])).max()  # peft's init: U(-1/sqrt(in), 1/sqrt(in)) per expert
     assert 0.7 / np.sqrt(experts[0].lora_A.shape[1]) < bound <= 1 / np.sqrt(experts[0].lora_A.shape[1])
@@ -194,11 +194,17 @@ def test_moe_adapter_goes_both_ways_through_peft(folder, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+def moe_folder(tmp_path_factory):
+    """An HF folder of a tiny random Qwen3-MoE."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("moe") / "hf"
     MODELS["qwen3_moe"]().save_pretrained(path)
-    return hf.from_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe(moe_folder):
+    return hf.from_pretrained(moe_folder)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -244,3 +250,37 @@ def test_one_expert_weight_alone_goes_both_ways_and_bad_configs_are_refused(moe,
         with pytest.raises(ValueError, match=message):
             peft.load_peft(model, tmp_path / "adapter")
         assert not lora.layers(model)
+
+
+@pytest.mark.slow(reason="test_moe_adapter_goes_both_ways_through_peft (the experts' adapter paths and layouts the "
+                        "certificate reads, through peft both ways) and test_certified_export_measures_through_peft_and_"
+                        "rechecks (the certificate on linear layers); about 50 s cold, its own peft model and eager grads")
+def test_certified_export_of_expert_lora_passes_and_rechecks(moe, moe_folder, tmp_path, capsys):
+    """``verification.export.save_peft`` of attention and expert LoRA: the certificate compares peft's
+    model with ours (each ParamWrapper's A (E r, in) / B (out, r E) against ours (E, in, r) / (E, r, out),
+    the output, every adapter's gradient), and ``verify --checkpoint`` re-checks it, reading the experts'
+    adapters back with ``load_peft``; an expert tensor changed after the export is named."""
+    from safetensors.numpy import load_file, save_file
+
+    from flax_transformer.cli.commands import main
+    from flax_transformer.verification import export
+    from flax_transformer.verification.certificate import peft as certificate_peft
+
+    ours = lora.apply(nnx.clone(moe), rank=2, alpha=6, targets=["q_proj"],
+                      parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], rngs=nnx.Rngs(0))
+    _random_b(ours)
+    export.save_peft(ours, tmp_path / "adapter", base=moe_folder, task_type="CAUSAL_LM")
+    record = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())
+    assert record["adapter_tensors_loaded"] == 2 * 3  # A and B of q_proj and of the experts' two weights
+    assert record["adapter_grads"]["tensors"] == record["adapter_grads"]["of"] == 2 * 3
+    assert record["adapter_grads"]["max_rel_err"] <= TOL and record["forward"]["max_abs_err"] <= TOL
+    capsys.readouterr()
+    assert main(["verify", "--checkpoint", str(tmp_path / "adapter")]) == 0
+    assert "PEFT LoRA adapter certificate -> pass" in capsys.readouterr().out
+
+    tensors = load_file(tmp_path / "adapter" / peft.WEIGHTS_FILE)
+    key = next(k for k in tensors if k.endswith("experts.base_layer.lora_A.weight"))  # gate_up_proj's A
+    tensors[key] = 2 * tensors[key]
+    save_file(tensors, tmp_path / "adapter" / peft.WEIGHTS_FILE, metadata={"format": "pt"})
+    report = certificate_peft.recheck(tmp_path / "adapter")
+    assert not report.ok and any(key in f for f in report.failures), report.failures

@@ -258,3 +258,48 @@ def test_lm_continues_a_peft_adapter_trained_in_torch(tmp_path):
     saved = _raw_restore(tmp_path / "run" / "checkpoints" / "1")
     weights = [k for k in saved if k.startswith("['model']") and k.endswith(WEIGHTS)]
     assert weights and all("lora_" in k for k in weights), weights
+
+
+def test_a_resumed_run_gets_its_expert_lora_back(tmp_path):
+    """``lora_runs.adapt`` on a run that started from a PEFT adapter with LoRA on an MoE's expert weights
+    (``target_parameters``): ``lora.json`` records them, and the resume (a checkpoint there, so the record
+    decides) adds every adapter again, the experts' included; a record without them (as runs wrote before)
+    is refused in one line rather than resumed without the experts' adapters."""
+    import types
+
+    import torch
+    import transformers
+
+    from flax_transformer.interop import hf, peft
+    from flax_transformer.training import lora_runs
+
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=24, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    peft.save_peft(lora.apply(hf.from_pretrained(tmp_path / "hf"), rank=2, targets=["q_proj"],
+                              parameters=["mlp.experts.down_proj"], rngs=nnx.Rngs(0)), tmp_path / "adapter")
+    config = types.SimpleNamespace(lora=types.SimpleNamespace(init_adapter=str(tmp_path / "adapter")),
+                                   run=types.SimpleNamespace(seed=0))
+    run = tmp_path / "run"
+
+    def adapt(**kwargs):
+        return lora_runs.adapt(hf.from_pretrained(tmp_path / "hf"), config, task="lm", folder=tmp_path / "hf",
+                               run_dir=run, **kwargs)
+
+    started = adapt(fresh=True)
+    run.mkdir()
+    started.write(run)
+    (run / "checkpoints" / "1").mkdir(parents=True)  # resumed after a checkpoint: lora.json decides
+    want = list(lora.layers(started.model))
+    assert "model.layers.0.mlp.experts.down_proj_lora" in want and len(want) == 2
+    resumed = adapt()
+    assert list(lora.layers(resumed.model)) == want
+    assert lora.config_of(resumed.model) == lora.config_of(started.model)
+    record = json.loads((run / "lora.json").read_text())
+    assert record["lora"]["parameters"]
+    record["lora"].pop("parameters")
+    (run / "lora.json").write_text(json.dumps(record))
+    with pytest.raises(errors.RunError, match="does not rebuild the run's LoRA: 1 of its layers"):
+        adapt()

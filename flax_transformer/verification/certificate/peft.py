@@ -133,18 +133,18 @@ def measure(model, folder, base) -> dict:
         raise CertificateError(f"{folder}: peft does not load the adapter as written: peft raised "
                                f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}") from None
     file = safetensors_io.open_safetensors(folder / peft.WEIGHTS_FILE)
-    paths = peft.hf_module_paths(model)
+    paths = peft.adapter_module_paths(model)  # a linear layer's module, or an expert weight's ParamWrapper
     ours = lora.layers(model)
     problems, loaded = [], 0
     modules = dict(theirs.named_modules())
     for path, layer in ours.items():  # what peft holds against what the JAX model holds, not against the file
-        module = modules.get(ROOT + paths[path])
+        module = modules.get(ROOT + paths[path]) if path in paths else None
         if module is None or "default" not in getattr(module, "lora_A", {}):
-            problems.append(f"{paths[path]} has no LoRA in peft's model (its target was skipped)")
+            problems.append(f"{paths.get(path, path)} has no LoRA in peft's model (its target was skipped)")
             continue
-        for leaf in ("lora_A", "lora_B"):
+        for leaf, want in zip(("lora_A", "lora_B"), peft.to_peft_layout(layer), strict=True):
             got = getattr(module, leaf)["default"].weight.detach().float().numpy()
-            want = np.asarray(getattr(layer, leaf)[...], np.float32).T  # ours (in, r) / (r, out): torch's transposed
+            want = want.astype(np.float32)  # ours in peft's layout: (r, in) / (out, r), experts' (E r, in) / (out, r E)
             if got.shape != want.shape or not np.array_equal(got, want):
                 problems.append(f"{paths[path]}.{leaf} in peft's model is not the JAX model's (max |value| "
                                 f"{float(np.abs(got).max()) if got.size else 0:.2e} vs {float(np.abs(want).max()):.2e})")
@@ -173,11 +173,12 @@ def measure(model, folder, base) -> dict:
     (out * torch.from_numpy(projection)).sum().backward()
     want = out.detach().float().numpy()
     torch_grads = {}
-    for path in ours:
+    for path, layer in ours.items():
         module = modules[ROOT + paths[path]]
         for leaf in ("lora_A", "lora_B"):
             grad = getattr(module, leaf)["default"].weight.grad
-            torch_grads[f"{path}.{leaf}"] = None if grad is None else grad.float().numpy().T  # ours is (in, r), (r, out)
+            torch_grads[f"{path}.{leaf}"] = None if grad is None else \
+                peft.from_peft_layout(layer, leaf, grad.float().numpy())  # in our layout
     # the fully trained modules beside the adapter (a classifier head): PEFT trains its copy of them
     named = dict(theirs.named_parameters())
     for key, (path, rule, _) in saved.items():

@@ -20,11 +20,9 @@ checkpoints and weight decay masks see the same base model. The adapters are ``L
 (an ``nnx.Param`` subclass) named ``lora_A`` / ``lora_B``: train only them with
 ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` and ``nnx.grad(..., argnums=nnx.DiffState(0, LoRAParam))``.
 
-Experts (``parameters=``, PEFT's ``target_parameters``): the fused expert weights of the llama
-family's mixtures of experts take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a
-3-D parameter (``lora_experts.ParamLoRA`` under ``lora_experts.LoRAExperts``; that module says how).
-``apply`` draws their A and B as every LoRA's and puts them in place; PEFT refuses dropout there,
-and so does ``apply``.
+Experts (``parameters=``, PEFT's ``target_parameters``): the fused expert weights of the llama family's
+mixtures of experts take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a 3-D parameter
+(``lora_experts`` says how); ``apply`` draws their A and B as every LoRA's, and takes no dropout there.
 
 No torch here; ``interop.peft`` reads and writes PEFT's adapter folders.
 """
@@ -243,7 +241,7 @@ def dotted_path(path) -> str:
 
 
 def layers(model) -> dict[str, _Adapter]:
-    """Dotted path -> LoRA layer (or ``FusedLoRA``), for every adapter of ``model``, in graph order."""
+    """Dotted path -> LoRA layer (or ``FusedLoRA``, ``ParamLoRA``), for every adapter of ``model``, in graph order."""
     return {dotted_path(path): node for path, node in nnx.iter_graph(model) if isinstance(node, _ADAPTERS)}
 
 

@@ -21,8 +21,10 @@ from collections.abc import Mapping
 
 import jax
 
+from flax_transformer.models.lora_experts import EXPERT_PARAMETERS
+
 # the weights of a ``moe.LlamaExperts`` (E first); a ``lora_experts.ParamLoRA`` on one lives at ``<name>_lora``
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERT_WEIGHTS = EXPERT_PARAMETERS
 
 
 class PlacementError(ValueError):

@@ -63,7 +63,8 @@ MODEL_CLASSES: dict[str, tuple[str, ...]] = {
             "GPT2MLP", "GPT2Block", "GPT2Model", "GPT2LMHeadModel"),
     "classic": ("ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention", "PositionalEmbedding",
                 "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder", "Transformer"),
-    "llama": ("LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel",
+    "llama": ("LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaMLP", "LlamaSparseMoeBlock", "LlamaAttention",
+              "LlamaDecoderLayer", "LlamaModel",
               "LlamaForCausalLM"),
 }
 CONFIG_TYPES = {"EncoderConfig": configs.EncoderConfig, "GPTConfig": configs.GPTConfig, "LlamaConfig": LlamaConfig}

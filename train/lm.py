@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=None, metavar="E",
                         help="--model llama: a mixture of E experts in every layer (default: a dense MLP)")
     parser.add_argument("--experts-per-token", type=int, default=None, metavar="K",
-                        help="--model llama --experts E: the experts each token uses (default 2), each --d-ff / K "
+                        help="--model llama --experts E: the experts each token uses (default 2), each the preset's d_ff / K "
                              "wide, so that a token uses as many feed-forward weights as the dense model's")
     parser.add_argument("--level", choices=["char", "word"], default=None,
                         help="tokens: characters (default) or words (notebook 002's tokenizer, the 10,000 most frequent)")

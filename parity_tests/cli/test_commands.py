@@ -97,6 +97,8 @@ def _cli(*args):
     return main([str(a) for a in args])
 
 
+@pytest.mark.slow(reason="test_port_errors_are_clear_and_leave_no_output, test_porting_builds_the_target_without_random_init "
+                  "(port's path and porting itself)")
 def test_port_a_bare_torch_state_dict_both_ways_with_verify(tmp_path, capsys):
     import json
 

@@ -75,6 +75,7 @@ def test_minilm_sentence_pair_with_token_types(minilm):
 
 
 @needs_minilm
+@pytest.mark.slow(reason="test_minilm_hidden_states_pooler_and_sentence_embeddings_match (the same real BERT, through hf)")
 def test_minilm_torch_reference_twin_and_round_trip(minilm, tmp_path):
     tokenizer, reference, model = minilm
     batch = tokenizer(SENTENCES, padding=True, return_tensors="np")

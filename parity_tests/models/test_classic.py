@@ -10,6 +10,7 @@ import logging
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -22,6 +23,8 @@ from parity_tests.conftest import TOL, assert_both_directions
 from . import notebook_classes as nb
 
 
+@pytest.mark.slow(reason="test_both_directions (the classic family's spec: attention, blocks, encoder, decoder, "
+                  "model, with masks)")
 def test_cross_attention_and_single_pieces(rng):
     q = rng.standard_normal((2, 3, 12)).astype(np.float32)
     kv = rng.standard_normal((2, 6, 12)).astype(np.float32)
@@ -32,6 +35,8 @@ def test_cross_attention_and_single_pieces(rng):
     assert_both_directions(tc.PositionalEmbedding(12, 9), (q,))
 
 
+@pytest.mark.slow(reason="test_both_directions (the classic family's spec: attention, blocks, encoder, decoder, "
+                  "model, with masks)")
 def test_decoder_is_causal_and_source_padding_is_invisible(rng):
     model = porting.torch_to_flax(tc.Transformer(40, 30, 16, 4, 2, 24, max_len=12).eval())
     src, tgt = rng.integers(0, 40, size=(1, 6)), rng.integers(0, 30, size=(1, 8))

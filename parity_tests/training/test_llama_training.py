@@ -71,6 +71,8 @@ def whole(tmp_path_factory):
     return folder, metrics
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end (the same CLI and loop), "
+                  "test_train_step_equals_transformers_and_continues_through_torch_state (a llama-family run through torch state)")
 def test_the_run_trains_a_llama_and_records_its_kind(whole):
     folder, metrics = whole
     run = folder / "whole"
@@ -151,6 +153,8 @@ def test_the_torch_export_gives_the_same_logits(whole):
     assert type(checkpoints.load(export)).__name__ == "LlamaForCausalLM"  # and back into Flax
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end (the same CLI and loop), "
+                  "test_train_step_equals_transformers_and_continues_through_torch_state (a llama-family run through torch state)")
 def test_torch_state_round_trip_continues_as_resume(whole, tmp_path):
     """Exported at step 4 and started again with ``init_from_torch`` (``--init-from-torch``), the run
     trains steps 5..8 exactly as the uninterrupted one; its ``--export-torch-state`` file equals the
@@ -174,6 +178,8 @@ def test_torch_state_round_trip_continues_as_resume(whole, tmp_path):
     assert check_export(folder / "whole", folder / "whole.pt") == []
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end (the same CLI and loop), "
+                  "test_train_step_equals_transformers_and_continues_through_torch_state (a llama-family run through torch state)")
 def test_generate_reads_the_run(whole, capsys):
     from flax_transformer.cli.commands import main
 

@@ -91,6 +91,8 @@ def whole(tmp_path_factory):
     return tmp, metrics
 
 
+@pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state (an HF folder "
+                  "trained), test_gpt2_folder_exports_and_the_default_context")
 def test_fine_tune_lowers_the_loss_and_exports_a_folder_transformers_loads(whole):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,6 +135,8 @@ def test_fine_tune_lowers_the_loss_and_exports_a_folder_transformers_loads(whole
         moved.rename(tmp / "init")
 
 
+@pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state (an HF folder "
+                  "trained), test_gpt2_folder_exports_and_the_default_context")
 def test_the_stream_has_no_special_tokens_and_the_prompt_starts_as_the_template_says(whole, tmp_path):
     from flax_transformer.training import hf_init
 

@@ -81,8 +81,8 @@ def _is_head(key: str) -> bool:
     return "['classifier']" in key
 
 
-@pytest.mark.slow(reason="test_lm_continues_a_peft_adapter_trained_in_torch (a LoRA run, peft both ways), "
-                  "test_certified_export_measures_through_peft_and_rechecks (the adapter export)")
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
 def test_classify_trains_the_adapters_and_the_head_and_saves_only_them(cls_run):
     from flax_transformer.interop import hf
 
@@ -107,8 +107,8 @@ def test_classify_trains_the_adapters_and_the_head_and_saves_only_them(cls_run):
     assert moments and all("lora_" in k or _is_head(k) for k in moments), moments
 
 
-@pytest.mark.slow(reason="test_lm_continues_a_peft_adapter_trained_in_torch (a LoRA run, peft both ways), "
-                  "test_certified_export_measures_through_peft_and_rechecks (the adapter export)")
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
 def test_export_peft_loads_in_peft_with_the_runs_logits(cls_run):
     """The run checked its --export-peft in peft (``lora_runs.check_peft``): every adapter key and the head
     loaded, no lora_B at zero, the logits within 1e-4 of the run's model on test reviews."""
@@ -122,8 +122,8 @@ def test_export_peft_loads_in_peft_with_the_runs_logits(cls_run):
     assert cert["forward"]["max_abs_err"] <= 1e-5 and cert["adapter_grads"]["tensors"] == cert["adapter_grads"]["of"]
 
 
-@pytest.mark.slow(reason="test_lm_continues_a_peft_adapter_trained_in_torch (a LoRA run, peft both ways), "
-                  "test_certified_export_measures_through_peft_and_rechecks (the adapter export)")
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
 def test_port_writes_the_runs_adapter_for_peft_and_the_merged_model(cls_run, tmp_path, capsys):
     """``port RUN_DIR DIR --to peft``: the run's adapter and head, certified; ``--merge``: a plain HF
     classifier folder computing the run's logits; a LoRA run without either is refused in one line."""
@@ -147,8 +147,8 @@ def test_port_writes_the_runs_adapter_for_peft_and_the_merged_model(cls_run, tmp
     assert "reads a LoRA training run directory" in capsys.readouterr().err
 
 
-@pytest.mark.slow(reason="test_lm_continues_a_peft_adapter_trained_in_torch (a LoRA run, peft both ways), "
-                  "test_certified_export_measures_through_peft_and_rechecks (the adapter export)")
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
 def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys):
     """The run as a process killed after its step-2 checkpoint leaves it, continued by ``--resume`` alone (the
     base rebuilt from the init folder, LoRA added as ``lora.json`` says, the checkpoint restored): every saved
@@ -173,8 +173,8 @@ def test_classify_resume_equals_the_uninterrupted_run(cls_run, tmp_path, capsys)
     assert losses(tmp / "whole") == losses(split)
 
 
-@pytest.mark.slow(reason="test_lm_continues_a_peft_adapter_trained_in_torch (a LoRA run, peft both ways), "
-                  "test_certified_export_measures_through_peft_and_rechecks (the adapter export)")
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
 def test_a_changed_base_is_refused(cls_run, tmp_path, capsys):
     tmp, _ = cls_run
     run = tmp_path / "run"
@@ -213,6 +213,8 @@ def test_lora_flag_conflicts_are_one_line_and_create_nothing(tmp_path, capsys):
         assert not out.exists() and not (tmp_path / "peft").exists(), flags
 
 
+@pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
+                  "test_moe_adapter_goes_both_ways_through_peft (peft's folder read and trained on)")
 def test_lm_continues_a_peft_adapter_trained_in_torch(tmp_path):
     """A PEFT adapter made with ``get_peft_model`` and two torch AdamW steps; the JAX run's first-step loss is
     the torch model's on that batch, only the adapters train, its checkpoint holds them alone, and its

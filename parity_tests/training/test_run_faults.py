@@ -125,6 +125,9 @@ def _flip_bytes_silently(checkpoint: Path) -> None:
 # ------------------------------------------------------------------------- 8: checksums
 
 
+@pytest.mark.slow(reason="test_a_run_killed_before_its_first_checkpoint_can_be_resumed, "
+                  "test_a_full_disk_during_the_first_checkpoint_is_one_line_and_leaves_nothing (a run's checkpoints when "
+                  "things break)")
 def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before(tmp_path, capsys):
     whole = _tiny_fit(tmp_path / "whole")
     create_run_dir(tmp_path / "run", {"x": 1})

@@ -280,6 +280,7 @@ def test_lm_former_at_word_level(tmp_path):
     assert metrics["val_loss"] < 1.0 and metrics["sample"].startswith("the cat")
 
 
+@pytest.mark.slow(reason="test_lm_tiny_end_to_end (the same CLI and loop), test_seq2seq_examples_and_exact_match")
 def test_seq2seq_tiny_end_to_end(tmp_path, capsys):
     run = tmp_path / "run"
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress"]) == 0

@@ -310,6 +310,7 @@ def test_bf16_run_exported_and_imported_continues_bit_for_bit(tmp_path):
 # ----------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.slow(reason="test_entry_point_continues_an_exported_run_exactly_as_resume (a run across the frameworks)")
 def test_verify_through_torch_state_prints_both_curves_and_fails_on_a_break(monkeypatch, capsys):
     """``flax-transformer verify --train-steps K --through-torch-state``: the round trip for each family
     and optimizer, the curves side by side, exit 1 when one fails. (The continuity itself is tested

@@ -81,9 +81,8 @@ def test_a_correct_bf16_port_passes_bisect_and_fails_float32s_rule():
 
 
 @pytest.mark.parametrize("bug", ["q-norm-after-rope", "window+1"])
-@pytest.mark.slow_cases({
-    "window+1": "test_a_bug_in_a_bf16_model_is_named[q-norm-after-rope] (nearer its budget)",
-})
+@pytest.mark.slow(reason="test_compare_judges_a_bf16_model_by_its_budget (bf16's rule), test_llama_bisect (the same "
+                  "planted llama bugs, named in float32)")
 def test_a_bug_in_a_bf16_model_is_named(bug):
     """Qwen3's norms after RoPE is the bug nearest bf16's budget (2.2 times it at the attention);
     the sliding window one key too wide is 27 times it."""

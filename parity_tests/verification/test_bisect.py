@@ -180,6 +180,8 @@ def test_cli_pair(tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow(reason="test_cli_pair (verify --bisect on the command line), "
+                  "test_cli_pair_float64_inputs_and_mismatched_shapes")
 def test_cli_checkpoint_bisect_json(tmp_path, capsys):
     from flax_transformer.cli.commands import main
     from flax_transformer.verification import export

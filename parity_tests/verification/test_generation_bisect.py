@@ -96,6 +96,7 @@ def test_a_cache_write_lost_after_k_tokens_is_found_at_its_step_in_its_layer(mis
     assert "cached decode path" in report.verdict() and "first cache layer over budget: 1" in report.verdict()
 
 
+@pytest.mark.slow(reason="test_a_cache_write_lost_after_k_tokens_is_found_at_its_step_in_its_layer (the same bisect)")
 def test_a_window_one_key_too_wide_starts_where_a_query_first_sees_past_it(mistral):
     flax_model = porting.torch_to_flax(mistral)
     flax_model.model.layers[1].self_attn.sliding_window = WINDOW + 1

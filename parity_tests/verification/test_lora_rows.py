@@ -25,6 +25,8 @@ def results():
     return {name: lora_rows.measure(case) for name, case in CASES.items()}
 
 
+@pytest.mark.slow(reason="test_a_planted_bug_fails_both_rows (the same rows measured), "
+                  "test_moe_adapter_goes_both_ways_through_peft (LoRA against peft)")
 @pytest.mark.parametrize("name", list(CASES))
 def test_row_passes_forward_and_every_adapter_gradient(results, name):
     result = results[name]
@@ -43,6 +45,7 @@ def test_every_family_and_the_layer_are_covered():
     assert all(case.targets for case in CASES.values())
 
 
+@pytest.mark.slow(reason="test_a_planted_bug_fails_both_rows (the same rows measured)")
 def test_counts_every_adapted_layer(results):
     # one adapted layer per target and per layer/head: GTransformer (1 block): toqueries, tovalues, ff.0
     assert results["former GTransformer"].compared == 2 * 3

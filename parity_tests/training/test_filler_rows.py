@@ -115,6 +115,7 @@ def test_filler_rows_change_no_seq2seq_loss_metric_or_gradient():
     _assert_same(a, _loss_metrics_grads(seq2seq.loss_fn, model, filler))
 
 
+@pytest.mark.slow(reason="test_filler_rows_change_no_classify_loss_metric_or_gradient (filler rows weigh nothing)")
 def test_evaluators_weight_batches_by_their_real_count():
     """Validation and test metrics equal those of all the examples in one batch, whatever the
     bucketing, the filler rows and a short last batch."""

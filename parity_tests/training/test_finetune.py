@@ -204,6 +204,7 @@ def test_an_init_folder_that_is_not_bert_is_refused(tmp_path, fake_data, capsys)
     assert "no such folder" in err
 
 
+@pytest.mark.slow(reason="test_each_refusal_is_one_line_before_anything_is_written (an HF run's refusals)")
 def test_a_tokenizer_that_does_not_match_the_vocabulary_is_refused(tmp_path, fake_data, capsys):
     folder = make_tiny_bert(tmp_path / "small-vocab", vocab_size=1000)
     err = _refused(["--model", "hf", "--preset", "tiny", "--init", folder, "--data-dir", fake_data], tmp_path, capsys)

@@ -155,6 +155,7 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_to_the_one_before
 # ------------------------------------------------------------------------- 10: each step once in the log
 
 
+@pytest.mark.slow(reason="test_a_run_killed_before_its_first_checkpoint_can_be_resumed (a run resumed)")
 def test_resuming_a_finished_run_logs_each_step_once(tmp_path):
     create_run_dir(tmp_path, {"x": 1})
     _tiny_fit(tmp_path)  # as if killed after the final checkpoint (and after its final evaluation line)

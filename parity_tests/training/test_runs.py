@@ -439,6 +439,7 @@ def test_empty_dataset_and_bad_labels_are_refused(tmp_path, capsys):
     assert not (tmp_path / "r2").exists()
 
 
+@pytest.mark.slow(reason="test_a_resumed_run_equals_the_uninterrupted_one (resume restores the run's own configuration)")
 def test_resume_with_another_configuration_changes_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     assert _main("seq2seq", ["--preset", "tiny", "--out", run, "--no-progress", "--steps", 10]) == 0

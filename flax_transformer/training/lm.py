@@ -151,7 +151,7 @@ def _check_experts(config: LMConfig) -> None:
     if k > config.experts:
         raise ValueError(f"--experts-per-token {k} must be at most --experts ({config.experts})")
     if config.d_ff % k:
-        raise ValueError(f"--d-ff {config.d_ff} must be divisible by --experts-per-token {k}: each expert is "
+        raise ValueError(f"the preset's d_ff ({config.d_ff}) must be divisible by --experts-per-token {k}: each expert is "
                          "d_ff / k wide, so that a token uses d_ff feed-forward units as the dense model's")
 
 

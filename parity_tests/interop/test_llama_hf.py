@@ -48,7 +48,7 @@ def _batch():
     return ids, mask
 
 
-def _logits(model, ids, mask) -> np.ndarray:
+def logits(model, ids, mask) -> np.ndarray:
     """Logits of a transformers, torch_reference or Flax (jitted) model, float32 numpy."""
     if isinstance(model, transformers.PreTrainedModel):
         return hf.transformers_output(model, ids, mask)
@@ -83,7 +83,7 @@ def case(request, tmp_path_factory):
             p.add_(0.2 * torch.randn(p.shape))
     folder = tmp_path_factory.mktemp(kind) / "hf"
     reference.save_pretrained(folder)
-    want = _logits(reference, *_batch())
+    want = logits(reference, *_batch())
     return kind, reference, folder, want, hf.from_pretrained(folder)
 
 
@@ -91,8 +91,8 @@ def test_folder_imports(case):
     """transformers' folder -> Flax and torch_reference, logits as transformers' at 1e-5."""
     kind, reference, folder, want, model = case
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.model_type == kind
-    assert _err(_logits(model, *_batch()), want) <= TOL
-    assert _err(_logits(hf.torch_from_pretrained(folder), *_batch()), want) <= TOL
+    assert _err(logits(model, *_batch()), want) <= TOL
+    assert _err(logits(hf.torch_from_pretrained(folder), *_batch()), want) <= TOL
 
 
 def test_folder_exports(case, tmp_path):
@@ -106,7 +106,7 @@ def test_folder_exports(case, tmp_path):
         assert config["model_type"] == kind and config["architectures"] == [type(reference).__name__]
         again, report = _transformers_load(tmp_path / name)
         assert report == {} and type(again) is type(reference)
-        assert _err(_logits(again, *_batch()), _logits(ours, *_batch())) <= TOL
+        assert _err(logits(again, *_batch()), logits(ours, *_batch())) <= TOL
         assert set(open_weights(tmp_path / name)) == set(open_weights(folder)), name  # transformers' names, no more
     assert ("lm_head.weight" in open_weights(folder)) == (not reference.config.tie_word_embeddings)
 
@@ -130,7 +130,7 @@ def test_older_readers_take_the_same_model(case, tmp_path):
     config.pop("rope_parameters"), config.pop("layer_types", None)
     file.write_text(json.dumps(config))
     older, report = _transformers_load(tmp_path / "out")
-    assert report == {} and _err(_logits(older, *_batch()), want) <= TOL
+    assert report == {} and _err(logits(older, *_batch()), want) <= TOL
     assert hf.from_pretrained(tmp_path / "out").config == model.config
 
 
@@ -176,7 +176,7 @@ def test_port_to_a_sharded_bf16_folder(tmp_path, capsys):
     assert json.loads((out / "generation_config.json").read_text()) == generation
     assert hf.from_pretrained(out).config.eos_token_id == (4, 5)
     again, report = _transformers_load(out)
-    assert report == {} and _err(_logits(hf.from_pretrained(out), *_batch()), _logits(again, *_batch())) <= TOL
+    assert report == {} and _err(logits(hf.from_pretrained(out), *_batch()), logits(again, *_batch())) <= TOL
 
 
 @pytest.mark.parametrize("config, message", [

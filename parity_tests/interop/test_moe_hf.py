@@ -21,21 +21,11 @@ from flax_transformer.interop import hf
 from flax_transformer.interop.safetensors_io import ShardError, open_weights
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.state_dict_errors import StateDictError
-from flax_transformer.verification import verify
 from parity_tests.conftest import TOL
+from parity_tests.interop.test_llama_hf import logits
 from parity_tests.models.test_moe import KINDS, hf_model, padded_inputs
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")
-
-
-def _logits(model, ids, mask) -> np.ndarray:
-    """Logits of a transformers, torch_reference or Flax (jitted) model, float32 numpy."""
-    if isinstance(model, transformers.PreTrainedModel):
-        return hf.transformers_output(model, ids, mask)
-    if isinstance(model, torch.nn.Module):
-        with torch.no_grad():
-            return model(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
-    return np.asarray(verify.flax_module_call(model, ids, mask), np.float32)
 
 
 def _err(got, want) -> float:
@@ -59,7 +49,7 @@ def case(request, tmp_path_factory):
     reference = hf_model(kind)
     folder = tmp_path_factory.mktemp(kind) / "hf"
     reference.save_pretrained(folder)
-    want = _logits(reference, *padded_inputs())
+    want = logits(reference, *padded_inputs())
     return kind, reference, folder, want, hf.from_pretrained(folder)
 
 
@@ -74,15 +64,15 @@ def test_folder_reads_and_writes_back(case, tmp_path):
     or mismatched, as the right class, computing the same logits."""
     kind, reference, folder, want, model = case
     ids, mask = padded_inputs()
-    assert model.config.model_type == kind and _err(_logits(model, ids, mask), want) <= TOL
-    assert _err(_logits(hf.torch_from_pretrained(folder), ids, mask), want) <= TOL
+    assert model.config.model_type == kind and _err(logits(model, ids, mask), want) <= TOL
+    assert _err(logits(hf.torch_from_pretrained(folder), ids, mask), want) <= TOL
     hf.save_pretrained(model, tmp_path / "out")
     assert set(open_weights(tmp_path / "out")) == set(open_weights(folder))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == kind and config["architectures"] == [type(reference).__name__]
     again, report = _transformers_load(tmp_path / "out")
     assert report == {} and type(again) is type(reference)
-    assert _err(_logits(again, ids, mask), want) <= TOL
+    assert _err(logits(again, ids, mask), want) <= TOL
 
 
 @pytest.mark.slow_cases({
@@ -98,7 +88,7 @@ def test_fused_in_memory_layout_reads(case, tmp_path):
     state = {k: v.detach().clone().contiguous().numpy() for k, v in reference.state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
     save_file(state, tmp_path / "fused" / "model.safetensors")
-    assert _err(_logits(hf.from_pretrained(tmp_path / "fused"), *padded_inputs()), want) <= TOL
+    assert _err(logits(hf.from_pretrained(tmp_path / "fused"), *padded_inputs()), want) <= TOL
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe"], indirect=True)  # a shared expert, a dense layer, a tied head
@@ -116,7 +106,7 @@ def test_bf16_sharded_save(case, tmp_path):
     again, report = _transformers_load(out)
     assert report == {}
     ids, mask = padded_inputs()
-    assert _err(_logits(hf.from_pretrained(out), ids, mask), _logits(again, ids, mask)) <= TOL
+    assert _err(logits(hf.from_pretrained(out), ids, mask), logits(again, ids, mask)) <= TOL
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -209,4 +199,4 @@ def test_port_an_moe_folder(case, tmp_path, capsys):
     assert "-> pass" in capsys.readouterr().out
     assert set(open_weights(tmp_path / "out")) == set(open_weights(folder))
     again, report = _transformers_load(tmp_path / "out")
-    assert report == {} and _err(_logits(again, *padded_inputs()), want) <= TOL
+    assert report == {} and _err(logits(again, *padded_inputs()), want) <= TOL

@@ -197,6 +197,12 @@ def test_generate_reads_the_run(whole, capsys):
     (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 must divide the heads (2)"),
     (["--model", "gpt", "--kv-heads", "1"], "--kv-heads applies to --model llama only"),
     (["--model", "llama", "--kv-heads", "0"], "--kv-heads must be at least 1"),
+    (["--model", "llama", "--experts", "4", "--experts-per-token", "5"], "--experts-per-token 5 must be at most --experts (4)"),
+    (["--model", "llama", "--experts-per-token", "2"], "--experts-per-token needs --experts"),
+    (["--model", "hf", "--init", "nowhere", "--experts", "4"], "--experts applies to --model llama only"),
+    (["--model", "llama", "--experts", "8", "--experts-per-token", "5"], "the preset's d_ff (192) must be divisible by --experts-per-token 5"),
+    (["--model", "gpt", "--experts", "4"], "--experts applies to --model llama only"),
+    (["--model", "llama", "--experts", "0"], "--experts must be at least 1"),
 ])
 def test_bad_flags_are_one_line_before_anything_is_made(tmp_path, capsys, flags, message):
     from train.lm import main

@@ -245,25 +245,6 @@ def test_experts_preset_has_the_dense_llamas_active_parameters(preset):
     assert lm.moe_of(moe).router_aux_loss_coef == lm.AUX_LOSS_COEF
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model", "llama", "--experts", "4", "--experts-per-token", "5"], "--experts-per-token 5 must be at most --experts (4)"),
-    (["--model", "llama", "--experts-per-token", "2"], "--experts-per-token needs --experts"),
-    (["--model", "hf", "--init", "nowhere", "--experts", "4"], "--experts applies to --model llama only"),
-    (["--model", "llama", "--experts", "8", "--experts-per-token", "5"], "--d-ff 192 must be divisible by --experts-per-token 5"),
-    (["--model", "gpt", "--experts", "4"], "--experts applies to --model llama only"),
-    (["--model", "llama", "--experts", "0"], "--experts must be at least 1"),
-])
-def test_bad_expert_flags_are_one_line_before_anything_is_made(tmp_path, capsys, flags, message):
-    from train.lm import main
-
-    with pytest.raises(SystemExit) as raised:
-        main(["--preset", "tiny", "--out", str(tmp_path / "run"), *flags])
-    assert raised.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state")
 def test_experts_run_through_torch_state_continues_as_resume(tmp_path):
     """``--model llama --experts 4``, exported at step 4 (``export_run``) and started again with

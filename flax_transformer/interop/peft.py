@@ -10,19 +10,14 @@ and ``adapter_model.safetensors`` with one pair of tensors per adapted module of
     base_model.model.<module path>.lora_A.weight    (r, in)     torch nn.Linear layout of A
     base_model.model.<module path>.lora_B.weight    (out, r)
 
-The library stores A (in, r) and B (r, out), so both are transposed. The experts' fused weights
-(``target_parameters``, ``lora_experts.ParamLoRA``) are held as PEFT's ``ParamWrapper`` holds them: A
-(E r, in), B (out, r E), under the experts module's path, the weight adapted first (``gate_up_proj``)
-one ``base_layer.`` deeper when both are (PEFT nests one wrapper per weight). GPT-2's ``c_attn``/``c_proj``/
-``c_fc`` are transformers' Conv1D (weight (in, out)): PEFT adapts them with ``fan_in_fan_out=True``
-and the same A/B shapes (the flag only transposes the merged update). Module paths are transformers'
-own: the library's porting names, translated by ``hf``'s key tables for the models ``hf.save_pretrained``
-writes (BERT's ``layers.0.feed_forward.linear_1`` is ``encoder.layer.0.intermediate.dense``), and the
-porting names themselves for any other model.
+The library stores A (in, r) and B (r, out): both transposed. Experts' fused weights (``target_parameters``,
+``lora_experts.ParamLoRA``) are held as PEFT's ``ParamWrapper`` holds them: A (E r, in), B (out, r E), under
+the experts' path, ``gate_up_proj`` one ``base_layer.`` deeper when both are adapted. GPT-2's Conv1D layers
+take ``fan_in_fan_out=True`` and the same shapes. Module paths are transformers' own (``hf``'s key tables
+for the models ``hf.save_pretrained`` writes), the porting names for any other model.
 
-Loading is strict and all or nothing: the adapter is checked whole (config, prefix, every missing,
-unexpected or mis-shaped tensor) before LoRA is added to the model. Safetensors only: a pickled
-``adapter_model.bin`` is refused. torch and peft are not needed here.
+Loading is all or nothing: the adapter is checked whole (config, prefix, every missing, unexpected or
+mis-shaped tensor) before LoRA is added. Safetensors only (a pickled ``adapter_model.bin`` is refused).
 """
 
 from __future__ import annotations

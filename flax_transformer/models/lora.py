@@ -6,12 +6,10 @@ A LoRA layer adds a low-rank update to a frozen linear layer:
 
 (``use_rslora=True``: scale = alpha / sqrt(r)). A starts as PEFT's does, kaiming_uniform(a=sqrt(5))
 on torch's (r, in) weight, which is U(-1/sqrt(in), 1/sqrt(in)); B starts at zero, so a freshly
-adapted model computes exactly what the base computed. Dropout acts on the LoRA branch's input
-only, and follows ``model.eval()`` / ``model.train()``.
+adapted model computes what the base computed. Dropout acts on the LoRA branch's input only.
 
-Layout: A and B are stored in the Flax (in, out) orientation of the kernel they adapt, so the
-update ``A @ B`` has the kernel's shape. PEFT's files hold torch's ``lora_A.weight`` (r, in) and
-``lora_B.weight`` (out, r): the transposes (``interop.peft`` converts).
+Layout: A and B in the Flax (in, out) orientation of the kernel they adapt (``A @ B`` has its shape);
+PEFT's files hold the transposes, torch's (r, in) and (out, r) (``interop.peft`` converts).
 
 The LoRA layers *are* the layers they adapt (``LoRALinear`` subclasses ``nnx.Linear``,
 ``LoRAConv1D`` the notebook/GPT-2 ``gpt.Linear``) and keep the same ``Param`` objects, so
@@ -20,9 +18,8 @@ checkpoints and weight decay masks see the same base model. The adapters are ``L
 (an ``nnx.Param`` subclass) named ``lora_A`` / ``lora_B``: train only them with
 ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` and ``nnx.grad(..., argnums=nnx.DiffState(0, LoRAParam))``.
 
-Experts (``parameters=``, PEFT's ``target_parameters``): the fused expert weights of the llama family's
-mixtures of experts take one rank-r LoRA per expert, as PEFT's ``ParamWrapper`` adapts a 3-D parameter
-(``lora_experts`` says how); ``apply`` draws their A and B as every LoRA's, and takes no dropout there.
+Experts (``parameters=``, PEFT's ``target_parameters``): one rank-r LoRA per expert of the fused weights, as
+PEFT's ``ParamWrapper`` (``lora_experts``); ``apply`` draws their A and B as every LoRA's, no dropout there.
 
 No torch here; ``interop.peft`` reads and writes PEFT's adapter folders.
 """

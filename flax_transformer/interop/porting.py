@@ -383,7 +383,10 @@ def torch_to_flax(torch_module, flax_module=None, *, rename=None, dtype=None, pa
         except TypeError as error:
             raise TypeError(f"{error}; to port your own model, pass its Flax twin: "
                             "torch_to_flax(torch_module, flax_module)") from None
-        kwargs = dict(torch_module.init_kwargs(), dtype=dtype or jnp.float32, param_dtype=param_dtype or jnp.float32)
+        # the types only where asked: a twin built with the defaults records (and compiles) like one built
+        # by hand with them, so the two directions of a check share a compiled program
+        kwargs = dict(torch_module.init_kwargs(), **{k: v for k, v in (('dtype', dtype), ('param_dtype', param_dtype))
+                                                      if v is not None})
         flax_module = build_unfilled(cls, kwargs, seed=seed)
     elif not isinstance(flax_module, nnx.Module):
         raise TypeError(f"flax_module must be a Flax NNX module, got {type(flax_module).__name__}")

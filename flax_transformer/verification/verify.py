@@ -365,11 +365,15 @@ def perturb_torch(torch_module, seed: int) -> None:
 
 
 def perturb_flax(flax_module, seed: int) -> None:
-    key = jax.random.key(seed)
+    """The same noise on every Flax parameter, drawn in numpy: a JAX draw (and sum) compiles a program
+    for each parameter shape, which cost a check of a small model more than the check itself."""
+    generator = np.random.default_rng(seed)
     for _, variable in nnx.iter_graph(flax_module):
         if isinstance(variable, nnx.Param):
-            key, sub = jax.random.split(key)
-            variable.set_value(variable[...] + NOISE * jax.random.normal(sub, variable.shape, variable.dtype))
+            value = variable[...]
+            noisy = np.asarray(value, np.float32) + NOISE * generator.standard_normal(value.shape, np.float32)
+            noisy = jnp.asarray(noisy.astype(value.dtype))  # uncommitted, as a fresh parameter is: one compile
+            variable.set_value(jax.device_put(noisy, value.sharding) if len(value.sharding.device_set) > 1 else noisy)
 
 
 # ------------------------------------------------------------------- gradients

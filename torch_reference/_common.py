@@ -132,7 +132,8 @@ def normalize_mask(mask, batch: int, q_len: int, k_len: int, *, heads: int | Non
 # ------------------------------------------------------------------------- attention
 
 
-def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None):
+def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None, softcap: float | None = None,
+           sinks=None):
     """softmax(scale * q k^T) v with a boolean mask.
 
     Args:
@@ -141,6 +142,9 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None):
         mask: bool, True = may attend, broadcastable to (b, h, q_len, k_len).
         scale: multiplies the scores; None when q and k already carry it.
         dropout: an ``nn.Dropout`` applied to the weights (None: no dropout).
+        softcap: the scaled scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
+        sinks: (h,) one logit per head that joins each row's softmax and takes its share of the
+            probability, the rest going to the keys (GPT-OSS).
 
     Returns:
         out (b, h, q_len, d_v) and weights (b, h, q_len, k_len). A query row whose
@@ -149,10 +153,16 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout=None):
     scores = q @ k.transpose(-2, -1)  # (b, h, q, k)
     if scale is not None:
         scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     # softmax statistics in fp32 whatever the compute dtype
-    weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is None:
+        weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:  # the sink is one more column of the softmax, dropped after
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = F.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if mask is not None:
         # a fully masked row softmaxes to uniform weights over "min" scores: zero it
         weights = weights.masked_fill(~mask, 0.0)

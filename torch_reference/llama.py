@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from flax_transformer.models.input_specs import InputSpec
-from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
+from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.rope import RopeScaling, attention_scaling, rope_for, rope_inverse_frequencies
 
 from ._common import ACTIVATIONS, Module, attend, check_features, check_token_ids, check_values, normalize_mask
 from .moe import LlamaExperts, LlamaTopKRouter
@@ -76,41 +77,49 @@ def attention_keep(attention_mask, batch: int, length: int, window: int | None, 
 # ------------------------------------------------------------------------ RoPE
 
 
-def inverse_frequencies(config: LlamaConfig, dtype: torch.dtype, device, positions=None) -> torch.Tensor:
-    """RoPE's inverse frequencies (head_dim / 2,) in ``dtype`` (``llama_config.rope_inverse_frequencies``).
+def inverse_frequencies(config: LlamaConfig, dtype: torch.dtype, device, positions=None,
+                        layer_type: str = "full_attention") -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,) in ``dtype`` of the layers of ``layer_type``
+    (``rope.rope_inverse_frequencies``).
 
     ``dynamic`` scaling reads the call's position ids: once their largest + 1 passes
     ``max_position_embeddings``, theta grows with it (transformers' NTK formula, float32 torch ops).
     """
-    table = torch.from_numpy(rope_inverse_frequencies(config, np.float64 if dtype == torch.float64 else np.float32))
+    table = torch.from_numpy(rope_inverse_frequencies(config, np.float64 if dtype == torch.float64 else np.float32,
+                                                      layer_type))
     inv_freq = table.to(device=device, dtype=dtype)
-    scaling = config.rope_scaling
+    theta, scaling = rope_for(config, layer_type)
     if scaling is None or scaling.rope_type != "dynamic":
         return inv_freq
     dim, trained = config.head_dim, config.max_position_embeddings
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
     length = torch.clamp(positions.max() + 1, min=trained)
-    stretched = config.rope_theta * ((scaling.factor * length.to(dtype) / trained) - (scaling.factor - 1)) ** (
+    stretched = theta * ((scaling.factor * length.to(dtype) / trained) - (scaling.factor - 1)) ** (
         dim / (dim - 2))
     return torch.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
 
 
 class LlamaRotaryEmbedding(Module):
-    """RoPE's cos and sin for given positions (no parameters)."""
+    """RoPE's cos and sin for given positions (no parameters), for the layers of ``layer_type`` (Gemma 3's
+    sliding layers have their own base); YaRN's attention factor multiplies both."""
 
     _init_converters = {"config": LlamaConfig.from_any}
 
-    def __init__(self, config):
+    def __init__(self, config, layer_type="full_attention"):
         super().__init__()
-        self.config = LlamaConfig.from_any(config)
+        self.config, self.layer_type = LlamaConfig.from_any(config), layer_type
+        self.attention_scaling = attention_scaling(rope_for(self.config, layer_type)[1])
 
     def forward(self, x, position_ids):
         """x: any tensor of the compute dtype; position_ids (b|1, t). Returns cos, sin (b|1, t, head_dim)."""
         dtype = _statistics_dtype(x.dtype)
-        inv_freq = inverse_frequencies(self.config, dtype, x.device, position_ids)
+        inv_freq = inverse_frequencies(self.config, dtype, x.device, position_ids, self.layer_type)
         freqs = position_ids[..., None].to(dtype) * inv_freq  # (b, t, d / 2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (b, t, d): the two halves share frequencies
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def rotate_half(x):
@@ -189,7 +198,8 @@ class LlamaAttention(Module):
         config = LlamaConfig.from_any(config)
         hidden, d, heads, kv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.hidden_size, self.head_dim, self.num_key_value_groups = hidden, d, config.num_key_value_groups
-        self.scaling = d ** -0.5
+        self.scaling = (config.query_pre_attn_scalar or d) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = config.layer_window(layer_idx)
         self.q_proj = nn.Linear(hidden, heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv * d, bias=config.attention_bias)
@@ -197,11 +207,14 @@ class LlamaAttention(Module):
         self.o_proj = nn.Linear(heads * d, hidden, bias=config.o_proj_bias)
         if config.qk_norm:  # per head over head_dim (Qwen3), or over the whole projection (OLMoE)
             whole = config.qk_norm_scope == "projection"
-            self.q_norm = LlamaRMSNorm(heads * d if whole else d, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(kv * d if whole else d, eps=config.rms_norm_eps)
+            norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
+            self.q_norm = LlamaRMSNorm(heads * d if whole else d, **norm)
+            self.k_norm = LlamaRMSNorm(kv * d if whole else d, **norm)
         self.qk_norm = config.qk_norm and config.qk_norm_scope
         self.clip_qkv = config.clip_qkv
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        if config.attention_sinks:  # GPT-OSS: a logit per query head in each softmax's denominator
+            self.sinks = nn.Parameter(torch.empty(heads).normal_(0.0, 0.02))
+        self.rotary_emb = LlamaRotaryEmbedding(config, config.layer_type(layer_idx))
         self.attn_dropout = nn.Dropout(config.attention_dropout)
 
     def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False):
@@ -225,7 +238,8 @@ class LlamaAttention(Module):
         cos, sin = self.rotary_emb(x, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, t, d)
-        out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout)
+        out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout, softcap=self.softcap,
+                              sinks=getattr(self, "sinks", None))
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
         return (out, weights) if return_weights else out
 
@@ -266,7 +280,12 @@ class LlamaSparseMoeBlock(Module):
 
 
 class LlamaDecoderLayer(Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer.
+
+    With ``sandwich_norms`` (Gemma 2/3) the attention's output is normalised too
+    (``post_attention_layernorm``) and the MLP sits between ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
+    """
 
     _init_converters = {"config": LlamaConfig.from_any}
 
@@ -279,6 +298,10 @@ class LlamaDecoderLayer(Module):
         self.mlp = LlamaSparseMoeBlock(config) if sparse else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+            self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
 
     def forward(self, x, attention_mask=None, position_ids=None, *, return_weights=False, router_logits=None):
         """(b, t, hidden) -> (b, t, hidden) (and its attention weights (b, h, t, t) with ``return_weights``);
@@ -286,9 +309,14 @@ class LlamaDecoderLayer(Module):
         attended = self.self_attn(self.input_layernorm(x), attention_mask, position_ids, return_weights=return_weights)
         if return_weights:
             attended, weights = attended
-        x = x + attended
-        normed = self.post_attention_layernorm(x)
-        x = x + (self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed))
+        if self.sandwich:  # Gemma 2/3
+            x = x + self.post_attention_layernorm(attended)
+            normed = self.pre_feedforward_layernorm(x)
+        else:
+            x = x + attended
+            normed = self.post_attention_layernorm(x)
+        out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
+        x = x + (self.post_feedforward_layernorm(out) if self.sandwich else out)
         return (x, weights) if return_weights else x
 
 
@@ -389,6 +417,10 @@ class LlamaForCausalLM(Module):
                             router_logits=logits)
         if return_attentions:
             hidden, attentions = hidden
-        out = (self.lm_head(hidden),) + ((attentions,) if return_attentions else ()) + (
+        scores = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping  # Gemma 2: cap * tanh(logits / cap)
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        out = (scores,) + ((attentions,) if return_attentions else ()) + (
             (tuple(logits),) if output_router_logits else ())
         return out if len(out) > 1 else out[0]

@@ -45,12 +45,13 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"position_wise_feed_forward\.0|position_wise_feed_forward\.2": "linear",
         r"layer_norm1|layer_norm2|layer_norm3": "layer_norm",
     },
-    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2, Qwen3, Gemma and the MoE four)
+    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2/3, Gemma 1-3, the MoEs, GPT-OSS)
         r"": "rms_norm",  # a bare LlamaRMSNorm
         r"embed_tokens": "embedding",
         r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|shared_expert_gate": "linear",
         r"mlp\.gate": "router",
         r"experts": "experts",
-        r"input_layernorm|post_attention_layernorm|norm|q_norm|k_norm": "rms_norm",
+        r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|norm"
+        r"|q_norm|k_norm": "rms_norm",
     },
 }

@@ -22,11 +22,12 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
 * ``gpt2`` -> ``gpt.GPT2LMHeadModel`` with ``GPTConfig``: pre-LN, tanh GELU, final
   LayerNorm, tied embeddings, Conv1D layout. Called as ``model(input_ids,
   attention_mask=None)`` -> logits.
-* ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma`` -> ``llama.LlamaForCausalLM`` with
-  ``LlamaConfig.from_hf`` (the ``model_type`` picks its conventions). Called as
+* ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3_text``, the
+  mixtures of experts and ``gpt_oss`` -> ``llama.LlamaForCausalLM`` with ``LlamaConfig.from_hf``
+  (the ``model_type`` picks its conventions: ``llama_hf_config``). Called as
   ``model(input_ids, attention_mask=None, position_ids=None)`` -> logits. Names are
   transformers' own; a tied model's file holds no ``lm_head.weight``, as transformers
-  writes it. ``gemma2`` is refused (soft-capping, alternating windows, extra norms).
+  writes it.
 * A folder in Meta's original layout (``consolidated.NN.pth`` + ``params.json``, no ``config.json``)
   -> the same ``llama.LlamaForCausalLM``; ``meta_llama`` renames, joins the model-parallel shards
   and moves ``wq``/``wk``'s rows from Meta's interleaved RoPE to transformers' half split.

@@ -20,8 +20,8 @@ from flax_transformer.interop.converter import Row, convert
 from flax_transformer.interop.converter_ops import MXFP4, Join, Split, Stack
 from flax_transformer.interop.safetensors_io import read
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
-from flax_transformer.models.llama_config import MODEL_TYPES as LLAMA_TYPES
 from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.llama_hf_config import MODEL_TYPES as LLAMA_TYPES
 from flax_transformer.models.moe_config import MOE_TYPES
 
 HEADS = (Split("h", axis=0, size="num_attention_heads"),)  # one HF tensor, a slice per head on our side
@@ -153,10 +153,6 @@ def config_of(raw: dict, *, pooler: bool = True):
         return "gpt2", GPTConfig.from_any(raw)
     if model_type in LLAMA_TYPES:
         return model_type, LlamaConfig.from_hf(raw)
-    if model_type == "gemma2":  # Gemma 2's sandwich norms, query_pre_attn_scalar, soft-capping and alternating
-        # windows are another block than the llama file's: refused, not approximated
-        raise ValueError("model_type 'gemma2' is not supported: its soft-capping, alternating sliding windows and "
-                         "extra norms do not fit the llama family")
     raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.interop.hf reads 'bert', 'distilbert', "
                      f"'roberta', 'gpt2' and {', '.join(repr(k) for k in LLAMA_TYPES)}")
 

@@ -41,7 +41,8 @@ from flax_transformer.interop.converter import Context, Row, pattern, to_canonic
 from flax_transformer.interop.converter_ops import EmbeddingShards, Join, Replicated, RopePermute, concat
 from flax_transformer.interop.safetensors_io import Lazy, read
 from flax_transformer.interop.values import to_numpy
-from flax_transformer.models.llama_config import LlamaConfig, RopeScaling
+from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.rope import RopeScaling
 from flax_transformer.models.state_dict_errors import StateDictError
 
 # how model-parallel shards hold a tensor: split along its rows (column-parallel), its columns

@@ -169,7 +169,7 @@ def _same_batch_dims(q, k, v, mask) -> bool:
 
 
 def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropout | None = None,
-           implementation: str = "reference", need_weights: bool = True):
+           implementation: str = "reference", need_weights: bool = True, softcap: float | None = None, sinks=None):
     """softmax(scale * q k^T) v with a boolean mask.
 
     Args:
@@ -178,6 +178,10 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
         mask: bool, True = may attend, broadcastable to (b, h, q_len, k_len).
         scale: multiplies the scores; None when q and k already carry it.
         dropout: an ``nnx.Dropout`` applied to the weights.
+        softcap: the scaled scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
+        sinks: (h,) one logit per head that joins each row's softmax and takes its share of the
+            probability, the rest going to the keys (GPT-OSS). With ``softcap`` or ``sinks`` the
+            reference math runs (whatever ``implementation``), differentiated by JAX.
 
         implementation: see ``set_attention``; the fused path is taken only when the
             weights are not needed and dropout is inactive.
@@ -187,6 +191,12 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
         A query row whose keys are all masked gets all-zero weights (so a zero output), never NaN.
     """
     dropout_active = dropout is not None and not dropout.deterministic and dropout.rate > 0
+    if softcap is not None or sinks is not None:
+        weights = _capped_weights(q, k, None if mask is None else jnp.asarray(mask).astype(jnp.bool_), scale,
+                                  softcap, sinks).astype(q.dtype)
+        if dropout is not None:
+            weights = dropout(weights)
+        return weights @ v, weights
     if implementation != "reference" and not need_weights and not dropout_active and q.ndim in (3, 4):
         return fused_attention(q, k, v, mask, scale=scale, implementation=implementation), None
     if mask is not None:
@@ -202,3 +212,23 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, dropout: nnx.Dropo
     if dropout is not None:
         weights = dropout(weights)
     return values_matmul(weights, v), weights
+
+
+def _capped_weights(q, k, mask, scale, softcap, sinks):
+    """``attend``'s weights with Gemma 2's soft-capping and GPT-OSS's sinks: the scores scaled, capped
+    (``softcap * tanh(scores / softcap)``), masked, then softmaxed in float32 with each head's sink as
+    one more column, which is dropped after. Fully masked rows: all zero."""
+    scores = q @ jnp.swapaxes(k, -1, -2)  # (b, h, q, k)
+    if scale is not None:
+        scores = scores * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = scores.astype(jnp.float32)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        weights = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(jnp.reshape(sinks.astype(jnp.float32), (-1, 1, 1)), scores.shape[:-1] + (1,))
+        weights = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return weights if mask is None else jnp.where(mask, weights, 0.0)

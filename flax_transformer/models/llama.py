@@ -35,8 +35,9 @@ from flax_transformer.models.constructor_records import RecordsInit
 from flax_transformer.models.input_checks import check_features, check_token_ids, is_concrete
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
-from flax_transformer.models.llama_config import LlamaConfig, RopeScaling, rope_inverse_frequencies
+from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.moe import LlamaExperts, LlamaTopKRouter
+from flax_transformer.models.rope import RopeScaling, attention_scaling, rope_for, rope_inverse_frequencies
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaSparseMoeBlock", "RopeScaling"]
@@ -88,22 +89,26 @@ def check_no_mask_with_cache(attention_mask, position_ids) -> None:
 # ------------------------------------------------------------------------ RoPE
 
 
-def inverse_frequencies(config: LlamaConfig, positions=None) -> jax.Array:
-    """RoPE's inverse frequencies (head_dim / 2,), float32 (``llama_config.rope_inverse_frequencies``).
+def inverse_frequencies(config: LlamaConfig, positions=None, layer_type: str = "full_attention") -> jax.Array:
+    """RoPE's inverse frequencies (head_dim / 2,), float32, of the layers of ``layer_type``
+    (``rope.rope_inverse_frequencies``).
 
     ``dynamic`` scaling reads the call's position ids: once their largest + 1 passes
     ``max_position_embeddings``, theta grows with it (transformers' NTK formula, float32 ops).
     """
-    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
-    scaling = config.rope_scaling
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config, layer_type=layer_type))
+    theta, scaling = rope_for(config, layer_type)
     if scaling is None or scaling.rope_type != "dynamic":
         return inv_freq
     dim, trained = config.head_dim, config.max_position_embeddings
     exponents = jnp.arange(0, dim, 2).astype(jnp.float32) / dim
     length = jnp.maximum(jnp.max(positions) + 1, trained)
-    stretched = config.rope_theta * ((scaling.factor * length.astype(jnp.float32) / trained) - (scaling.factor - 1)) ** (
+    stretched = theta * ((scaling.factor * length.astype(jnp.float32) / trained) - (scaling.factor - 1)) ** (
         dim / (dim - 2))
     return jnp.where(length > trained, 1.0 / (stretched ** exponents), inv_freq)
+
+
+_normal = nnx.initializers.normal(0.02)  # transformers' initializer_range
 
 
 class _LlamaConfigModule(RecordsInit, nnx.Module):
@@ -111,17 +116,23 @@ class _LlamaConfigModule(RecordsInit, nnx.Module):
 
 
 class LlamaRotaryEmbedding(_LlamaConfigModule):
-    """RoPE's cos and sin for given positions (no parameters)."""
+    """RoPE's cos and sin for given positions (no parameters), for the layers of ``layer_type`` (Gemma 3's
+    sliding layers have their own base); YaRN's attention factor multiplies both."""
 
-    def __init__(self, config, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32, param_dtype=jnp.float32):
-        self.config = LlamaConfig.from_any(config)
+    def __init__(self, config, layer_type="full_attention", *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.config, self.layer_type = LlamaConfig.from_any(config), layer_type
+        self.attention_scaling = attention_scaling(rope_for(self.config, layer_type)[1])
 
     def __call__(self, x, position_ids):
         """x: any array of the compute dtype; position_ids (b|1, t). Returns cos, sin (b|1, t, head_dim)."""
-        inv_freq = inverse_frequencies(self.config, position_ids)
+        inv_freq = inverse_frequencies(self.config, position_ids, self.layer_type)
         freqs = position_ids[..., None].astype(jnp.float32) * inv_freq  # (b, t, d / 2)
         angles = jnp.concatenate((freqs, freqs), axis=-1)  # (b, t, d): the two halves share frequencies
-        return jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.astype(x.dtype), sin.astype(x.dtype)
 
 
 def rotate_half(x):
@@ -196,7 +207,8 @@ class LlamaAttention(_LlamaConfigModule):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         hidden, d, heads, kv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.hidden_size, self.head_dim, self.num_key_value_groups = hidden, d, config.num_key_value_groups
-        self.scaling, self.dtype = d ** -0.5, dtype
+        self.scaling, self.dtype = (config.query_pre_attn_scalar or d) ** -0.5, dtype
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = config.layer_window(layer_idx)
         self.attention_impl = "reference"  # see set_attention
         self.q_proj = Linear(hidden, heads * d, use_bias=config.attention_bias, **kw)
@@ -207,9 +219,12 @@ class LlamaAttention(_LlamaConfigModule):
         whole = config.qk_norm_scope == "projection"
         self.qk_norm = config.qk_norm and config.qk_norm_scope
         self.clip_qkv = config.clip_qkv
-        self.q_norm = LlamaRMSNorm(heads * d if whole else d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
-        self.k_norm = LlamaRMSNorm(kv * d if whole else d, eps=config.rms_norm_eps, **kw) if config.qk_norm else None
-        self.rotary_emb = LlamaRotaryEmbedding(config, **kw)
+        norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
+        self.q_norm = LlamaRMSNorm(heads * d if whole else d, **norm) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(kv * d if whole else d, **norm) if config.qk_norm else None
+        # GPT-OSS: a logit per query head in each softmax's denominator (transformers' init: N(0, 0.02))
+        self.sinks = nnx.Param(_normal(rngs.params(), (heads,), param_dtype)) if config.attention_sinks else None
+        self.rotary_emb = LlamaRotaryEmbedding(config, config.layer_type(layer_idx), **kw)
         self.attn_dropout = nnx.Dropout(config.attention_dropout, rngs=rngs)
 
     def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False):
@@ -250,7 +265,8 @@ class LlamaAttention(_LlamaConfigModule):
             k, v = cache = update_cache(cache, k, v, index)  # (b, h_kv, max_len, d)
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, s, d)
         out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
-                              implementation=self.attention_impl, need_weights=return_weights)
+                              implementation=self.attention_impl, need_weights=return_weights, softcap=self.softcap,
+                              sinks=None if self.sinks is None else self.sinks[...].astype(self.dtype))
         out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * d) -> (b, t, hidden)
         if cache is not None:
             return out, cache
@@ -296,7 +312,12 @@ class LlamaSparseMoeBlock(_LlamaConfigModule):
 
 
 class LlamaDecoderLayer(_LlamaConfigModule):
-    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); ``mlp`` is a ``LlamaSparseMoeBlock`` in a sparse layer.
+
+    With ``sandwich_norms`` (Gemma 2/3) the attention's output is normalised too
+    (``post_attention_layernorm``) and the MLP sits between ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
+    """
 
     def __init__(self, config, layer_idx=0, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         config = LlamaConfig.from_any(config)
@@ -308,6 +329,9 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         self.mlp = LlamaSparseMoeBlock(config, **kw) if sparse else LlamaMLP(config, **kw)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, **norm) if sandwich else None
+        self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, **norm) if sandwich else None
 
     def __call__(self, x, attention_mask=None, position_ids=None, *, cache=None, index=0, return_weights=False,
                  router_logits=None):
@@ -319,9 +343,14 @@ class LlamaDecoderLayer(_LlamaConfigModule):
                                   return_weights=return_weights)
         if cache is not None or return_weights:
             attended, extra = attended  # the cache, or the weights
-        x = x + attended
-        normed = self.post_attention_layernorm(x)
-        x = x + (self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed))
+        if self.pre_feedforward_layernorm is None:
+            x = x + attended
+            normed = self.post_attention_layernorm(x)
+        else:  # Gemma 2/3's sandwich
+            x = x + self.post_attention_layernorm(attended)
+            normed = self.pre_feedforward_layernorm(x)
+        out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
+        x = x + (out if self.post_feedforward_layernorm is None else self.post_feedforward_layernorm(out))
         return (x, extra) if cache is not None or return_weights else x
 
 
@@ -422,8 +451,11 @@ class LlamaForCausalLM(_LlamaConfigModule):
     def _head(self, hidden):
         """(b, t, hidden) -> (b, t, vocab_size) float32 logits: the LM head or the tied embedding."""
         if self.lm_head is None:
-            return (hidden @ self.model.embed_tokens.embedding[...].astype(self.dtype).T).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = (hidden @ self.model.embed_tokens.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_logit_softcapping  # Gemma 2: cap * tanh(logits / cap)
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     def init_cache(self, batch: int, length: int):
         """An empty key/value cache for decoding up to ``length`` positions: per layer, keys and values

@@ -1,104 +1,27 @@
-"""The llama family's configuration: Llama, Mistral, Qwen2, Qwen3 and Gemma in one frozen dataclass.
+"""The llama family's configuration in one frozen dataclass: Llama, Mistral, Qwen2/3, Gemma 1-3, the
+mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS).
 
 Pure Python, like ``configs.py``: torch_reference reads it without JAX. Each switch is a
-variant that real checkpoints use; ``LlamaConfig.from_hf`` reads a transformers config
-(``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``GemmaConfig``, or
-their ``config.json`` as a dict) and converts it once.
+variant that real checkpoints use; ``LlamaConfig.from_hf`` reads a transformers config (or its
+``config.json`` as a dict) and converts it once (``llama_hf_config``: each type's conventions);
+the RoPE settings are ``rope.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from flax_transformer.models import llama_hf_config
 from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
+from flax_transformer.models.llama_hf_config import MODEL_TYPES
 from flax_transformer.models.moe_config import MOE_TYPES, MoeConfig
+from flax_transformer.models.rope import RopeScaling, llama3_scaling
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", *MOE_TYPES)
 QK_NORMS = ("head", "projection")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-
-
-def _getter(config):
-    """``get(name, default)`` on a dict (a ``config.json``) or any object with attributes."""
-    return config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How RoPE's frequencies are stretched for contexts longer than the training one.
-
-    rope_type:
-        ``"linear"``: every frequency divided by ``factor`` (positions interpolated).
-        ``"dynamic"``: NTK scaling; once a call's largest position reaches
-            ``max_position_embeddings``, theta grows with it. Computed from each call alone
-            (transformers' module also remembers the longest call it has seen).
-        ``"llama3"``: Llama 3.1's: wavelengths above ``original_max_position_embeddings /
-            low_freq_factor`` divided by ``factor``, below ``.../ high_freq_factor`` kept, and a
-            smooth blend between. Its error is zero at position 0 and grows with position.
-    """
-
-    rope_type: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES[1:]:
-            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported ({', '.join(ROPE_TYPES[1:])}; "
-                             "or rope_scaling=None for plain RoPE)")
-        factor = check_positive_float("rope_scaling.factor", self.factor)
-        if factor < 1.0:
-            raise ValueError(f"rope_scaling.factor must be >= 1, got {self.factor!r}")
-        _set(self, "factor", factor)
-        if self.rope_type == "llama3":
-            for name in ("low_freq_factor", "high_freq_factor"):
-                _set(self, name, check_positive_float(f"rope_scaling.{name}", getattr(self, name)))
-            if not self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(f"rope_scaling.low_freq_factor ({self.low_freq_factor}) must be below "
-                                 f"high_freq_factor ({self.high_freq_factor})")
-            if self.original_max_position_embeddings is None:
-                raise ValueError("rope_scaling of type 'llama3' needs original_max_position_embeddings")
-        if self.original_max_position_embeddings is not None:
-            _set(self, "original_max_position_embeddings", check_size(
-                "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings))
-
-    @classmethod
-    def from_any(cls, value, *, max_position_embeddings: int | None = None) -> RopeScaling | None:
-        """From a dict in transformers' form (``rope_type`` or the older ``type``), or None.
-
-        ``{"rope_type": "default"}`` is plain RoPE: None. llama3 without
-        ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does.
-        """
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"rope_scaling must be None or a dict with 'rope_type', got {shown(value)}")
-        kind = value.get("rope_type", value.get("type", "default"))
-        if kind == "default":
-            return None
-        if value.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("rope partial_rotary_factor other than 1 is not supported")
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in value.items() if k in known and k != "rope_type"}
-        if kind == "llama3" and fields.get("original_max_position_embeddings") is None:
-            fields["original_max_position_embeddings"] = max_position_embeddings
-        return cls(rope_type=kind, **fields)
-
-    def to_dict(self) -> dict:
-        """transformers' ``rope_scaling`` dict (``rope_type`` and the older ``type`` both written)."""
-        out = {"rope_type": self.rope_type, "type": self.rope_type, "factor": self.factor}
-        if self.rope_type == "llama3":
-            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
-                       original_max_position_embeddings=self.original_max_position_embeddings)
-        return out
 
 
 @dataclass(frozen=True)
@@ -127,6 +50,17 @@ class LlamaConfig:
             float32 (Gemma); initialised to zeros then.
         embed_scale: the embeddings are multiplied by it, rounded to the compute dtype (Gemma:
             sqrt(hidden_size)).
+        sandwich_norms: Gemma 2/3's four norms a block: the attention's output normalised
+            (``post_attention_layernorm``) before the residual, the feed-forward between
+            ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``.
+        query_pre_attn_scalar: the scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3);
+            None: ``head_dim ** -0.5``.
+        attn_logit_softcapping, final_logit_softcapping: ``cap * tanh(x / cap)`` on the scaled
+            scores before the mask, and on the logits (Gemma 2); None: no cap.
+        attention_sinks: a learned logit per query head (``self_attn.sinks``) joins each softmax's
+            denominator, taking its share of the probability (GPT-OSS).
+        rope_local_base_freq: the RoPE base of the sliding layers, unscaled (Gemma 3); None: every
+            layer takes ``rope_theta`` and ``rope_scaling``.
         pad_token_id: the embedding row that gets no gradient (``nn.Embedding(padding_idx=)``).
         bos_token_id, eos_token_id: the tokenizer's begin and end ids as the checkpoint's
             ``config.json`` gives them (an end id may be a list: Llama 3 has three), carried to
@@ -159,6 +93,12 @@ class LlamaConfig:
     layer_types: tuple[str, ...] | None = None
     norm_plus_one: bool = False
     embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    attention_sinks: bool = False
+    rope_local_base_freq: float | None = None
     attention_dropout: float = 0.0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -169,7 +109,12 @@ class LlamaConfig:
         _check_fields(self, sizes=("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                                    "max_position_embeddings"), counts=("num_hidden_layers",),
                       probabilities=("attention_dropout",), epsilons=("rms_norm_eps", "rope_theta", "embed_scale"),
-                      flags=("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm", "norm_plus_one"))
+                      flags=("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm", "norm_plus_one",
+                             "sandwich_norms", "attention_sinks"))
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_base_freq"):
+            if getattr(self, name) is not None:
+                _set(self, name, check_positive_float(f"LlamaConfig.{name}", getattr(self, name)))
         heads = self.num_attention_heads
         kv = check_size("LlamaConfig.num_key_value_heads", heads if self.num_key_value_heads is None
                         else self.num_key_value_heads)
@@ -232,6 +177,12 @@ class LlamaConfig:
         """How many query heads share one key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def layer_type(self, layer_idx: int) -> str:
+        """"full_attention" or "sliding_attention": the kind of layer ``layer_idx`` (its window and RoPE)."""
+        if self.layer_types is None:
+            return "full_attention" if self.sliding_window is None else "sliding_attention"
+        return self.layer_types[layer_idx]
+
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (None: it sees every earlier key)."""
         if self.layer_types is None:
@@ -247,120 +198,23 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
-        """From a transformers ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config`` or
-        ``GemmaConfig`` (or its ``config.json`` dict, or a namespace), converted once.
-
-        Each ``model_type`` brings its own conventions: Qwen2's q/k/v biases without an o bias,
-        Qwen3's q/k norms, Gemma's ``1 + w`` norms and sqrt(hidden) embedding scale, Mistral's and
-        Qwen's sliding windows. The RoPE settings are read from ``rope_parameters`` (transformers 5)
-        or ``rope_scaling`` and ``rope_theta`` (older files). Options this model does not compute are
-        refused, naming the option, rather than ignored.
-        """
-        get = _getter(config)
-        kind = get("model_type", "llama")
-        if kind not in MODEL_TYPES:
-            raise ValueError(f"model_type {kind!r} is not a llama-family model ({', '.join(MODEL_TYPES)})")
-        for name, plain in (("use_bidirectional_attention", False), ("attn_logit_softcapping", None),
-                            ("final_logit_softcapping", None), ("partial_rotary_factor", None)):
-            if get(name, plain) not in (plain, None, False, 1.0):
-                raise ValueError(f"{kind} option {name}={get(name, plain)!r} is not supported")
-        heads, hidden = get("num_attention_heads", cls.num_attention_heads), get("hidden_size", cls.hidden_size)
-        max_positions = get("max_position_embeddings", cls.max_position_embeddings)
-        # rope_scaling first, as transformers 5 reads a config.json (a config object has both, equal)
-        rope = get("rope_scaling", None) or get("rope_parameters", None) or {}
-        theta = (rope.get("rope_theta", None) if isinstance(rope, dict) else None) or get("rope_theta", None)
-        scaling = RopeScaling.from_any(rope or None, max_position_embeddings=max_positions)
-        values = dict(
-            vocab_size=get("vocab_size", cls.vocab_size), hidden_size=hidden,
-            intermediate_size=get("intermediate_size", cls.intermediate_size),
-            num_hidden_layers=get("num_hidden_layers", cls.num_hidden_layers), num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads", None) or heads,
-            head_dim=get("head_dim", None),
-            hidden_act=_hidden_act(get, kind),
-            max_position_embeddings=max_positions, rms_norm_eps=get("rms_norm_eps", cls.rms_norm_eps),
-            rope_theta=theta or cls.rope_theta, rope_scaling=scaling,
-            tie_word_embeddings=get("tie_word_embeddings", kind in ("gemma",)),
-            attention_bias=get("attention_bias", None) or False, o_proj_bias=get("o_proj_bias", None),
-            mlp_bias=get("mlp_bias", None) or False, qk_norm=get("qk_norm", kind in ("qwen3", "qwen3_moe", "olmoe")),
-            qk_norm_scope=get("qk_norm_scope", "projection" if kind == "olmoe" else "head"),
-            clip_qkv=get("clip_qkv", None) if kind == "olmoe" else None,
-            moe=MoeConfig.from_hf(get, kind) if kind in MOE_TYPES else None,
-            norm_plus_one=get("norm_plus_one", kind == "gemma"),
-            embed_scale=get("embed_scale", math.sqrt(hidden) if kind == "gemma" else 1.0),
-            attention_dropout=get("attention_dropout", 0.0) or 0.0, pad_token_id=get("pad_token_id", None),
-            bos_token_id=get("bos_token_id", None), eos_token_id=get("eos_token_id", None), model_type=kind)
-        if kind == "qwen2":  # q/k/v always biased, o never (transformers' Qwen2Attention)
-            values.update(attention_bias=True, o_proj_bias=False)
-        if kind == "qwen2_moe":  # q/k/v biased as qkv_bias says, o never
-            values.update(attention_bias=bool(get("qkv_bias", True)), o_proj_bias=False)
-        if kind in ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
-            window = get("sliding_window", None)
-            if kind in ("mistral", "mixtral"):
-                values["sliding_window"] = window
-            elif kind == "qwen3_moe":  # every layer slides, or none
-                values["sliding_window"] = window if get("use_sliding_window", False) else None
-            elif window is not None and get("use_sliding_window", get("layer_types", None) is not None):
-                first = get("max_window_layers", 0)
-                types = get("layer_types", None) or [
-                    "sliding_attention" if i >= first else "full_attention" for i in range(values["num_hidden_layers"])]
-                if "sliding_attention" in types:
-                    values.update(sliding_window=window, layer_types=tuple(types))
-        return cls(**values)
+        """From a transformers config of a llama-family ``model_type`` (``MODEL_TYPES``: ``LlamaConfig``,
+        ``MistralConfig``, ``Qwen2Config``, ``Gemma2Config``, ``Gemma3TextConfig`` or a multimodal
+        ``Gemma3Config``'s text part, ``GptOssConfig``, the MoE ones...), or its ``config.json`` dict, or a
+        namespace, converted once with that type's conventions and defaults (``llama_hf_config``)."""
+        return cls(**llama_hf_config.read(config, {f: getattr(cls, f) for f in (
+            "num_attention_heads", "hidden_size", "num_hidden_layers", "max_position_embeddings", "rope_theta",
+            "vocab_size", "intermediate_size", "rms_norm_eps")}))
 
     def to_hf_dict(self) -> dict:
-        """A transformers ``config.json`` for this model's ``model_type``.
+        """A transformers ``config.json`` for this model's ``model_type`` (``llama_hf_config.write``).
 
         The RoPE settings go under ``rope_parameters`` (transformers 5) and ``rope_scaling`` /
         ``rope_theta`` (what older readers take), so that either reads them. A switch that
         transformers' class for this ``model_type`` does not have (a Mistral with biases, a Llama
         with q/k norms) is refused, naming it: the folder would load as another model.
         """
-        kind = self.model_type
-        wrong = _hf_mismatches(self)
-        if wrong:
-            raise ValueError(f"transformers' {kind} model cannot hold this config: " + "; ".join(
-                f"{name}={value!r} (a {kind} has {want!r})" for name, value, want in wrong))
-        architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "mixtral": "MixtralForCausalLM",
-                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                         "olmoe": "OlmoeForCausalLM"}
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling is not None:
-            rope.update(self.rope_scaling.to_dict())
-            rope.pop("type")
-        out = dict(architectures=[architectures[kind]], model_type=kind, vocab_size=self.vocab_size,
-                   hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                   num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
-                   max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-                   rope_theta=self.rope_theta, rope_parameters=rope,
-                   rope_scaling=None if self.rope_scaling is None else self.rope_scaling.to_dict(),
-                   tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
-                   attention_dropout=self.attention_dropout, initializer_range=0.02,
-                   pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id,
-                   eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id)
-        if kind == "llama":
-            out["mlp_bias"] = self.mlp_bias
-        if self.moe is not None:
-            out.update(self.moe.to_hf(kind, self.intermediate_size))
-        if kind == "qwen2_moe":
-            out["qkv_bias"] = self.attention_bias
-        if kind == "olmoe":
-            out["clip_qkv"] = self.clip_qkv
-        if kind in ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
-            out["sliding_window"] = self.sliding_window
-        if kind == "qwen3_moe":
-            out["use_sliding_window"] = self.sliding_window is not None
-        if kind in ("qwen2", "qwen3", "qwen2_moe"):
-            sliding = self.sliding_window is not None
-            types = list(self.layer_types or (
-                ["sliding_attention" if sliding else "full_attention"] * self.num_hidden_layers))
-            # older readers slide from layer max_window_layers on (exact where full layers come first)
-            first = types.index("sliding_attention") if sliding else self.num_hidden_layers
-            out.update(use_sliding_window=sliding, layer_types=types, max_window_layers=first)
-        if kind == "gemma":  # transformers 4.x's Gemma reads hidden_activation, 5.x hidden_act
-            out["hidden_activation"] = self.hidden_act
-        return out
+        return llama_hf_config.write(self)
 
     # -------------------------------------------------------------- presets
 
@@ -381,7 +235,7 @@ class LlamaConfig:
         """Llama 3.1 8B's shape (128k context through llama3 RoPE scaling)."""
         return cls(**{**dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                             rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING(8.0)), **kw})
+                             rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=llama3_scaling(8.0)), **kw})
 
     @classmethod
     def llama3_1b(cls, **kw) -> LlamaConfig:
@@ -389,7 +243,7 @@ class LlamaConfig:
         return cls(**{**dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                              max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                             rope_scaling=_LLAMA3_SCALING(32.0), tie_word_embeddings=True), **kw})
+                             rope_scaling=llama3_scaling(32.0), tie_word_embeddings=True), **kw})
 
     @classmethod
     def mistral_7b(cls, **kw) -> LlamaConfig:
@@ -421,79 +275,3 @@ class LlamaConfig:
                              num_attention_heads=8, num_key_value_heads=1, head_dim=256, max_position_embeddings=8192,
                              hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, norm_plus_one=True,
                              embed_scale=math.sqrt(2048), pad_token_id=0, model_type="gemma"), **kw})
-
-
-def _hidden_act(get, kind: str) -> str:
-    """The activation transformers computes for a config. A Gemma config.json's "gelu" is a legacy
-    spelling of the tanh approximation (transformers 5 reads it so; 4.x read ``hidden_activation``);
-    our own fields (``dataclasses.asdict``, which has ``norm_plus_one``) mean what they say."""
-    act = get("hidden_act", None) or get("hidden_activation", None) or (
-        "gelu_pytorch_tanh" if kind == "gemma" else "silu")
-    if kind == "gemma" and act == "gelu" and get("norm_plus_one", None) is None:
-        return "gelu_pytorch_tanh"
-    return act
-
-
-def _hf_mismatches(config: LlamaConfig) -> list[tuple[str, object, object]]:
-    """(option, this config's value, what transformers' class for its model_type computes) for each
-    switch that class cannot express."""
-    kind, gemma = config.model_type, config.model_type == "gemma"
-    want = dict(norm_plus_one=gemma, embed_scale=math.sqrt(config.hidden_size) if gemma else 1.0,
-                qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe"), o_proj_bias=config.attention_bias,
-                qk_norm_scope="projection" if kind == "olmoe" else "head")
-    if kind != "olmoe":
-        want["clip_qkv"] = None
-    elif config.head_dim * config.num_attention_heads != config.hidden_size:  # its q norm is over hidden_size
-        want["head_dim"] = config.hidden_size // config.num_attention_heads
-    if kind != "llama":
-        want["mlp_bias"] = False
-    if kind in ("mistral", "mixtral"):
-        want["attention_bias"] = False
-    if kind == "qwen2":  # q/k/v always biased, o never
-        want.update(attention_bias=True, o_proj_bias=False)
-    if kind == "qwen2_moe":  # q/k/v as qkv_bias says, o never
-        want["o_proj_bias"] = False
-    if kind in ("llama", "gemma", "olmoe"):
-        want["sliding_window"] = None
-    if kind in ("mistral", "mixtral", "qwen3_moe") and config.sliding_window is not None:  # one window for all
-        want["layer_types"] = config.layer_types if set(config.layer_types or ()) <= {"sliding_attention"} else None
-    if gemma and config.hidden_act == "gelu":
-        want["hidden_act"] = "gelu_pytorch_tanh"  # transformers reads a Gemma's "gelu" so
-    return [(name, getattr(config, name), value) for name, value in want.items() if getattr(config, name) != value]
-
-
-def rope_inverse_frequencies(config: LlamaConfig, dtype=np.float32) -> np.ndarray:
-    """RoPE's inverse frequencies (head_dim / 2,) in ``dtype``, computed once on the host and shared
-    by both packages. ``dynamic`` scaling changes them per call (the models do that); this is its
-    table below ``max_position_embeddings``.
-
-    transformers' formulas in its order of float32 roundings (its ``scalar / tensor`` is
-    ``tensor.reciprocal() * scalar``), with one difference: ``theta ** exponent`` is rounded once
-    from float64. torch's vectorised float32 pow is within one ulp of that and differs from it on
-    about 1.6% of the entries, and differently on other CPUs (AVX-512, AVX2 and scalar code
-    paths); XLA's differs again between its constant folder and its kernels. At position p a
-    one-ulp frequency moves the angle by up to p * 2**-24 radians (1e-3 at 16k).
-    """
-    dim, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling
-    one = dtype(1)
-    exponents = np.arange(0, dim, 2).astype(dtype) / dtype(dim)
-    inv_freq = one / (float(dtype(theta)) ** exponents.astype(np.float64)).astype(dtype)
-    if scaling is None or scaling.rope_type == "dynamic":
-        return inv_freq
-    factor = dtype(scaling.factor)
-    if scaling.rope_type == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths divided by factor, short ones kept, a smooth blend between
-    low, high, context = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings
-    low_freq_wavelen, high_freq_wavelen = context / low, context / high
-    wavelen = (one / inv_freq) * dtype(2 * math.pi)
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = ((one / wavelen) * dtype(context) - dtype(low)) / dtype(high - low)
-    smoothed = (one - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(medium, smoothed, scaled).astype(dtype)
-
-
-def _LLAMA3_SCALING(factor: float) -> RopeScaling:
-    return RopeScaling("llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=8192)

@@ -13,21 +13,24 @@ qwen2_moe      ``num_experts``        ``moe_intermediate_..`` ``norm_topk_prob``
                                                                                    gate; dense layers among sparse
 qwen3_moe      ``num_experts``        ``moe_intermediate_..`` ``norm_topk_prob``   dense layers among sparse
 olmoe          ``num_experts``        ``intermediate_size``   ``norm_topk_prob``   (q/k norms over the whole width)
+gpt_oss        ``num_local_experts``  ``intermediate_size``   always (softmax of   a router and experts with biases,
+                                                              the top k logits)    the clamped SwiGLU (``swiglu_*``)
 =============  =====================  ======================  ===================  =============================
 
-Every router is transformers': a bias-free linear gate, softmax over all experts in float32, then
-the top ``num_experts_per_tok`` (softmax before top-k), renormalised where the row says.
+Every router but GPT-OSS's is transformers': a bias-free linear gate, softmax over all experts in
+float32, then the top ``num_experts_per_tok`` (softmax before top-k), renormalised where the row
+says. GPT-OSS's (``GptOssMLP``) has a bias and takes the softmax of the top k logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flax_transformer.models.arg_checks import check_size, shown
+from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "qwen3_moe": 0.001, "olmoe": 0.01}  # transformers' defaults
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "qwen3_moe": 0.001, "olmoe": 0.01, "gpt_oss": 0.001}  # transformers' defaults
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class MoeConfig:
         router_aux_loss_coef: the load-balancing loss's weight in the training loss.
         router_jitter_noise: Mixtral's multiplicative U(1 - j, 1 + j) noise on the block's input,
             in train mode only.
+        swiglu_limit, swiglu_alpha: GPT-OSS's experts: ``(clamp(up, -limit, limit) + 1) *
+            g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
     """
 
     num_experts: int = 8
@@ -61,6 +66,8 @@ class MoeConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         _check_fields(self, sizes=("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -82,6 +89,8 @@ class MoeConfig:
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0 or coef == float("inf"):
             raise ValueError(f"MoeConfig.router_aux_loss_coef must be a finite number >= 0, got {shown(coef)}")
         _set(self, "router_aux_loss_coef", float(coef))
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            _set(self, name, check_positive_float(f"MoeConfig.{name}", getattr(self, name)))
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has the sparse block (else a dense MLP), as transformers decides."""
@@ -99,9 +108,9 @@ class MoeConfig:
         if experts is None:
             raise ValueError(f"a {kind} config needs num_experts (or num_local_experts)")
         qwen = kind in ("qwen2_moe", "qwen3_moe")
-        values = dict(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", 2),
+        values = dict(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", 4 if kind == "gpt_oss" else 2),
                       moe_intermediate_size=get("moe_intermediate_size" if qwen else "intermediate_size", None),
-                      norm_topk_prob=True if kind == "mixtral" else bool(get("norm_topk_prob", False)),
+                      norm_topk_prob=True if kind in ("mixtral", "gpt_oss") else bool(get("norm_topk_prob", False)),
                       fp32_routing_weights=kind == "mixtral",
                       router_aux_loss_coef=get("router_aux_loss_coef", _AUX_COEF[kind]))
         if values["moe_intermediate_size"] is None:
@@ -113,24 +122,26 @@ class MoeConfig:
                           mlp_only_layers=tuple(get("mlp_only_layers", None) or ()))
         if kind == "mixtral":
             values["router_jitter_noise"] = get("router_jitter_noise", 0.0) or 0.0
+        if kind == "gpt_oss":
+            values.update(swiglu_limit=get("swiglu_limit", 7.0), swiglu_alpha=get("swiglu_alpha", 1.702))
         return cls(**values)
 
     def to_hf(self, kind: str, dense_intermediate_size: int) -> dict:
         """transformers' fields for model_type ``kind``; refuses what that class cannot hold."""
         wrong = []
-        if kind == "mixtral":
-            wrong += [(n, v, w) for n, v, w in (("norm_topk_prob", self.norm_topk_prob, True),
-                                                ("fp32_routing_weights", self.fp32_routing_weights, True))
-                      if v != w]
-        elif self.fp32_routing_weights:
-            wrong.append(("fp32_routing_weights", True, False))
+        if kind in ("mixtral", "gpt_oss") and not self.norm_topk_prob:
+            wrong.append(("norm_topk_prob", False, True))
+        if self.fp32_routing_weights != (kind == "mixtral"):
+            wrong.append(("fp32_routing_weights", self.fp32_routing_weights, kind == "mixtral"))
+        if kind != "gpt_oss" and (self.swiglu_limit, self.swiglu_alpha) != (7.0, 1.702):
+            wrong.append(("swiglu_limit, swiglu_alpha", (self.swiglu_limit, self.swiglu_alpha), "GPT-OSS's only"))
         if (kind == "qwen2_moe") != (self.shared_expert_intermediate_size is not None):
             wrong.append(("shared_expert_intermediate_size", self.shared_expert_intermediate_size,
                           "a size" if kind == "qwen2_moe" else None))
         if kind not in ("qwen2_moe", "qwen3_moe") and (self.decoder_sparse_step != 1 or self.mlp_only_layers):
             wrong.append(("dense layers (decoder_sparse_step, mlp_only_layers)",
                           (self.decoder_sparse_step, self.mlp_only_layers), (1, ())))
-        if kind in ("mixtral", "olmoe") and self.moe_intermediate_size != dense_intermediate_size:
+        if kind in ("mixtral", "olmoe", "gpt_oss") and self.moe_intermediate_size != dense_intermediate_size:
             wrong.append(("moe_intermediate_size", self.moe_intermediate_size, dense_intermediate_size))
         if kind != "mixtral" and self.router_jitter_noise:
             wrong.append(("router_jitter_noise", self.router_jitter_noise, 0.0))
@@ -141,6 +152,8 @@ class MoeConfig:
                    output_router_logits=False)
         if kind == "mixtral":
             out.update(num_local_experts=self.num_experts, router_jitter_noise=self.router_jitter_noise)
+        elif kind == "gpt_oss":
+            out.update(num_local_experts=self.num_experts, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         else:
             out.update(num_experts=self.num_experts, norm_topk_prob=self.norm_topk_prob)
         if kind in ("qwen2_moe", "qwen3_moe"):

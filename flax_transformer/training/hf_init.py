@@ -200,7 +200,7 @@ DECODERS = "Llama, Mistral, Qwen2, Qwen3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, 
 def _lm_config(folder: Path):
     """(config.json, model_type, our config) of a causal LM folder; ``RunError`` for anything else."""
     from flax_transformer.interop import hf, hf_tables
-    from flax_transformer.models.llama_config import MODEL_TYPES
+    from flax_transformer.models.llama_hf_config import MODEL_TYPES
 
     try:
         raw = hf.read_config(folder)

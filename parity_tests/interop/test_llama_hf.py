@@ -197,13 +197,13 @@ def test_export_refuses_what_its_model_type_cannot_hold(config, message, tmp_pat
 
 def test_config_files_read_as_transformers_reads_them(tmp_path):
     """A Gemma config.json's legacy "gelu" is the tanh approximation (and exported so); rope_scaling wins
-    over rope_parameters, as in transformers; gemma2 is refused in one line."""
+    over rope_parameters, as in transformers; an unknown model_type is refused in one line."""
     gemma = LlamaConfig.from_hf(dict(model_type="gemma", hidden_act="gelu"))
     assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.to_hf_dict()["hidden_activation"] == "gelu_pytorch_tanh"
     both = LlamaConfig.from_hf(dict(model_type="llama", rope_theta=7.0, rope_scaling=dict(type="linear", factor=2.0),
                                     rope_parameters=dict(rope_type="default", rope_theta=7.0)))
     assert both.rope_scaling.rope_type == "linear" and both.rope_scaling.factor == 2.0
-    (tmp_path / "g2").mkdir()
-    (tmp_path / "g2" / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
-    with pytest.raises(ValueError, match="'gemma2' is not supported: its soft-capping"):
-        hf.from_pretrained(tmp_path / "g2")
+    (tmp_path / "g4").mkdir()
+    (tmp_path / "g4" / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma4_text'"):
+        hf.from_pretrained(tmp_path / "g4")

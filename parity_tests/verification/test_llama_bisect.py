@@ -28,7 +28,8 @@ import flax_transformer.models.llama as fl
 import torch_reference.llama as tl
 from flax_transformer.interop import porting
 from flax_transformer.models.attention import attend
-from flax_transformer.models.llama_config import LlamaConfig, rope_inverse_frequencies
+from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.rope import rope_inverse_frequencies
 from flax_transformer.verification import bisect, verify
 
 B, T, WINDOW = 2, 12, 4

@@ -40,6 +40,11 @@ LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_fact
               original_max_position_embeddings=8192)
 LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
 DYNAMIC = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)  # NTK from position 8192 (max_position_embeddings)
+# YaRN as GPT-OSS sets it (no truncation), and with DeepSeek's mscale pair and a truncated ramp
+YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=4096)
+YARN_MSCALE = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                   mscale_all_dim=0.707, original_max_position_embeddings=4096)
 
 # name -> (transformers family, config switches): each switch is one that real checkpoints use. One
 # layer where two add nothing (compiling the gradient is most of a variant's time)
@@ -53,7 +58,21 @@ VARIANTS = {
                                              max_window_layers=1, num_hidden_layers=2)),  # full, then sliding
     "qwen3-qk-norm": ("Qwen3", dict(head_dim=16, num_key_value_heads=1)),
     "gemma": ("Gemma", dict(head_dim=64, num_key_value_heads=1, hidden_act="gelu_pytorch_tanh", pad_token_id=0)),
+    # Gemma 2: sandwich norms, caps that bite (scores of a few units against a cap of 1; logits against 2),
+    # query_pre_attn_scalar, a 3-key window on layer 0 and a full layer 1
+    "gemma2-caps-window": ("Gemma2", dict(head_dim=16, sliding_window=3, attn_logit_softcapping=1.0,
+                                          final_logit_softcapping=2.0, query_pre_attn_scalar=10, num_hidden_layers=2,
+                                          pad_token_id=0)),
+    # Gemma 3: q/k norms in 1 + w, the sliding layer's own RoPE base, linear scaling on the full layer only
+    "gemma3-local-rope": ("Gemma3Text", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                             rope_parameters=dict(full_attention=dict(rope_type="linear", factor=4.0,
+                                                                                      rope_theta=1e6),
+                                                                  sliding_attention=dict(rope_type="default",
+                                                                                         rope_theta=1e4)),
+                                             layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2,
+                                             pad_token_id=0)),
 }
+CAUSAL_LM = {"Gemma3Text": "Gemma3"}  # families whose *ForCausalLM is named otherwise than their config
 
 
 def hf_model(family: str, switches: dict, seed: int = 0):
@@ -62,7 +81,7 @@ def hf_model(family: str, switches: dict, seed: int = 0):
     ``model(input_ids, attention_mask, position_ids)``, it returns the logits alone."""
     config = getattr(transformers, f"{family}Config")(**{**BASE, **switches})
     config._attn_implementation = "eager"
-    base = getattr(transformers, f"{family}ForCausalLM")
+    base = getattr(transformers, f"{CAUSAL_LM.get(family, family)}ForCausalLM")
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         return base.forward(self, input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -170,8 +189,8 @@ def test_block_both_ways(rng):
     assert compare(block, flax_block, args, tol=TOL).passed
 
 
-@pytest.mark.parametrize("rope", [LLAMA3, LINEAR, DYNAMIC, dict(rope_type="default", rope_theta=10000.0)],
-                         ids=lambda rope: rope["rope_type"])
+@pytest.mark.parametrize("rope", [LLAMA3, LINEAR, DYNAMIC, dict(rope_type="default", rope_theta=10000.0), YARN,
+                                  YARN_MSCALE], ids=lambda rope: rope["rope_type"] + ("-mscale" if "mscale" in rope else ""))
 @pytest.mark.slow_cases({
     "dynamic": "test_rope_against_transformers_at_long_positions: the llama3, linear, default RoPE",
 })
@@ -200,14 +219,23 @@ def test_rope_against_transformers_at_long_positions(rope):
         assert np.abs(a - c).max() <= bound and np.abs(b - c).max() <= bound and np.abs(a - b).max() <= tight
 
 
-@pytest.mark.parametrize("family,cls", [("Qwen3", "LlamaAttention"), ("Gemma", "LlamaDecoderLayer")])
-def test_attention_and_block_equal_transformers(family, cls, rng):
-    """Our attention (Qwen3's q/k norms) and block (Gemma's) load transformers' strictly and give its
-    outputs for its RoPE and causal mask, in torch and in Flax."""
-    hf = hf_model(family, VARIANTS["qwen3-qk-norm" if family == "Qwen3" else "gemma"][1])
-    ours = getattr(tl, cls)(LlamaConfig.from_hf(hf.config), 0)
-    layer = hf.model.layers[0]
-    theirs = layer.self_attn if cls == "LlamaAttention" else layer
+# GPT-OSS's full-attention layer (1): sinks far from zero (set below), YaRN, q/k/v/o biases
+GPT_OSS = dict(head_dim=16, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, rope_parameters=YARN,
+               max_position_embeddings=131072)
+
+
+@pytest.mark.parametrize("family,cls,layer", [("Qwen3", "LlamaAttention", 0), ("Gemma", "LlamaDecoderLayer", 0),
+                                              ("GptOss", "LlamaAttention", 1)])
+def test_attention_and_block_equal_transformers(family, cls, layer, rng):
+    """Our attention (Qwen3's q/k norms; GPT-OSS's sinks and YaRN) and block (Gemma's) load
+    transformers' strictly and give its outputs for its RoPE and causal mask, in torch and in Flax."""
+    hf = hf_model(family, {"Qwen3": VARIANTS["qwen3-qk-norm"][1], "Gemma": VARIANTS["gemma"][1],
+                           "GptOss": GPT_OSS}[family])
+    ours = getattr(tl, cls)(LlamaConfig.from_hf(hf.config), layer)
+    theirs = hf.model.layers[layer].self_attn if cls == "LlamaAttention" else hf.model.layers[layer]
+    if family == "GptOss":
+        with torch.no_grad():  # sinks that take a real share of each row: logits of a few units
+            theirs.sinks.copy_(torch.linspace(-3.0, 3.0, theirs.sinks.numel()))
     ours.load_state_dict(theirs.state_dict(), strict=True)
     x = rng.standard_normal((B, T, hf.config.hidden_size)).astype(np.float32)
     positions = OFFSETS[:, None] + np.arange(T)[None]

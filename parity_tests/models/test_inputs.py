@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem, in both frameworks, before any computation."""
 
+import functools
 import subprocess
 import sys
 import types
@@ -23,20 +24,25 @@ from flax_transformer.models.configs import EncoderConfig
 VOCAB, SEQ = 20, 8
 
 
-def _models():
-    """(name, torch model, flax model) for each model that takes token ids."""
-    cfg = EncoderConfig.tiny(vocab_size=VOCAB, max_position_embeddings=SEQ)
-    return [
-        ("CTransformer", tf.CTransformer(8, 2, 1, SEQ, VOCAB, 2), ff.CTransformer(8, 2, 1, SEQ, VOCAB, 2, rngs=nnx.Rngs(0))),
-        ("GTransformer", tf.GTransformer(8, 2, 1, SEQ, VOCAB), ff.GTransformer(8, 2, 1, SEQ, VOCAB, rngs=nnx.Rngs(0))),
-        ("TransformerEncoder", te.TransformerEncoder(cfg), fe.TransformerEncoder(cfg, rngs=nnx.Rngs(0))),
-        ("TransformerForSequenceClassification", te.TransformerForSequenceClassification(cfg),
-         fe.TransformerForSequenceClassification(cfg, rngs=nnx.Rngs(0))),
-        ("GPTTransformer", tg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ), fg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ, rngs=nnx.Rngs(0))),
-    ]
+# name -> (torch model, flax model), built when a test first asks (not at collection: every worker
+# of every run collects this module)
+_BUILDERS = {
+    "CTransformer": lambda cfg: (tf.CTransformer(8, 2, 1, SEQ, VOCAB, 2),
+                                 ff.CTransformer(8, 2, 1, SEQ, VOCAB, 2, rngs=nnx.Rngs(0))),
+    "GTransformer": lambda cfg: (tf.GTransformer(8, 2, 1, SEQ, VOCAB), ff.GTransformer(8, 2, 1, SEQ, VOCAB, rngs=nnx.Rngs(0))),
+    "TransformerEncoder": lambda cfg: (te.TransformerEncoder(cfg), fe.TransformerEncoder(cfg, rngs=nnx.Rngs(0))),
+    "TransformerForSequenceClassification": lambda cfg: (te.TransformerForSequenceClassification(cfg),
+                                                         fe.TransformerForSequenceClassification(cfg, rngs=nnx.Rngs(0))),
+    "GPTTransformer": lambda cfg: (tg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ),
+                                   fg.GPTTransformer(1, 8, 16, 2, VOCAB, SEQ, rngs=nnx.Rngs(0))),
+}
+MODELS = list(_BUILDERS)  # each model that takes token ids
 
 
-MODELS = _models()
+@functools.cache
+def built(name: str):
+    """(torch model, flax model) of ``name``, built once per process."""
+    return _BUILDERS[name](EncoderConfig.tiny(vocab_size=VOCAB, max_position_embeddings=SEQ))
 IDS = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
 
 
@@ -60,9 +66,9 @@ BAD_IDS = [
 
 @pytest.mark.parametrize("framework", ["torch", "flax"])
 @pytest.mark.parametrize("what,ids,error,message", BAD_IDS, ids=[b[0] for b in BAD_IDS])
-@pytest.mark.parametrize("name,torch_model,flax_model", MODELS, ids=[m[0] for m in MODELS])
-def test_bad_ids(name, torch_model, flax_model, what, ids, error, message, framework, monkeypatch):
-    model = torch_model if framework == "torch" else flax_model
+@pytest.mark.parametrize("name", MODELS)
+def test_bad_ids(name, what, ids, error, message, framework, monkeypatch):
+    model = built(name)[framework == "flax"]
     if error is None:  # uint8: nn.Embedding refuses it, so torch says so up front; JAX gathers it fine
         if framework == "flax":
             return
@@ -97,9 +103,9 @@ BAD_MASKS = [
 
 @pytest.mark.parametrize("framework", ["torch", "flax"])
 @pytest.mark.parametrize("what,mask,error,message", BAD_MASKS, ids=[b[0] for b in BAD_MASKS])
-@pytest.mark.parametrize("name,torch_model,flax_model", MODELS, ids=[m[0] for m in MODELS])
-def test_bad_masks(name, torch_model, flax_model, what, mask, error, message, framework, monkeypatch):
-    model = torch_model if framework == "torch" else flax_model
+@pytest.mark.parametrize("name", MODELS)
+def test_bad_masks(name, what, mask, error, message, framework, monkeypatch):
+    model = built(name)[framework == "flax"]
     _forbid_embedding_lookups(framework, model, monkeypatch)
     with pytest.raises(error, match=message):
         _call(framework, model, IDS, mask)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ import numpy as np
 
 from flax_transformer.interop import files, meta_llama, safetensors_io, targets
 from flax_transformer.interop.converter import convert, pattern
-from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, ours_to_hf
+from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, language_model, ours_to_hf
 from flax_transformer.interop.safetensors_io import open_weights, read
 from flax_transformer.models.arg_checks import check_positive_float
 
@@ -101,6 +102,12 @@ def read_folder(path, *, classifier: bool = False) -> tuple[dict, str, object, d
     except ValueError as error:
         raise ValueError(f"{path / 'config.json'}: {error}") from None
     weights = open_weights(path)
+    if raw.get("model_type") == "gemma3":
+        weights, left_out = language_model(weights)
+        if left_out:
+            warnings.warn(f"{path}: a multimodal Gemma 3 folder: read its language model (a gemma3_text "
+                          f"LlamaForCausalLM) and left out its {len(left_out)} vision tower and projector tensors, "
+                          "which a text-only model has no place for", stacklevel=3)
     if kind == "roberta":
         pooler = not classifier and bool({"pooler.dense.weight", "roberta.pooler.dense.weight"} & set(weights))
         config = dataclasses.replace(config, pooler=pooler)
@@ -200,7 +207,7 @@ def transformers_from_pretrained(path):
     raw = read_config(path)
     kind = raw.get("model_type")
     cls = (transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.AutoModelForCausalLM
-           if kind in LLAMA_TYPES else transformers.AutoModel)
+           if kind in LLAMA_TYPES or kind == "gemma3" else transformers.AutoModel)
     bar, verbosity = transformers.utils.logging.is_progress_bar_enabled(), transformers.logging.get_verbosity()
     transformers.utils.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()

@@ -72,6 +72,9 @@ LLAMA_ROWS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both si
     Row("model.layers.{i}.self_attn.{qk_norm}.weight", "model.layers.{i}.self_attn.{qk_norm}.weight"),  # Qwen3
     Row("model.layers.{i}.mlp.{mlp}.{p}", "model.layers.{i}.mlp.{mlp}.{p}"),
     Row("model.layers.{i}.{norm}.weight", "model.layers.{i}.{norm}.weight"),
+    # Gemma 2 and 3's sandwich norms: around the feed-forward too
+    Row("model.layers.{i}.pre_feedforward_layernorm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
+    Row("model.layers.{i}.post_feedforward_layernorm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     Row("model.norm.weight", "model.norm.weight"),
     Row("lm_head.weight", "lm_head.weight"),  # only when the head is not tied
 ]
@@ -106,6 +109,13 @@ GPT_OSS_MXFP4_ROWS = [  # GPT-OSS's released files: the experts' weights in MXFP
     Row(("model.layers.{i}.mlp.experts.{proj}_blocks", "model.layers.{i}.mlp.experts.{proj}_scales"),
         "model.layers.{i}.mlp.experts.{proj}", (MXFP4(),)),
 ]
+
+# A multimodal Gemma 3 (model_type "gemma3"): its language model under the prefixes transformers 4.50-4.51
+# (and 5's save_pretrained, which writes the older layout back) and 4.52-5's loaded models use; the vision
+# tower and its projector, which LlamaForCausalLM has no place for, are left out
+MULTIMODAL_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+MULTIMODAL_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 # RoPE tables that older transformers saved (and still skip on load): computed, not weights
 LLAMA_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
@@ -153,8 +163,27 @@ def config_of(raw: dict, *, pooler: bool = True):
         return "gpt2", GPTConfig.from_any(raw)
     if model_type in LLAMA_TYPES:
         return model_type, LlamaConfig.from_hf(raw)
+    if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):  # the language model of a multimodal one
+        return "gemma3_text", LlamaConfig.from_hf(raw)
     raise ValueError(f"unsupported model_type {model_type!r}: flax_transformer.interop.hf reads 'bert', 'distilbert', "
                      f"'roberta', 'gpt2' and {', '.join(repr(k) for k in LLAMA_TYPES)}")
+
+
+def language_model(weights: dict) -> tuple[dict, list]:
+    """(the language model's tensors under a ``gemma3_text`` folder's names, the names of those left out:
+    the vision tower and projector) of a multimodal Gemma 3 folder. A tensor of neither part is kept as
+    it is, for the strict load to name."""
+    out, left_out = {}, []
+    for key, value in weights.items():
+        if key.startswith(MULTIMODAL_VISION):
+            left_out.append(key)
+            continue
+        for old, new in MULTIMODAL_TEXT:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        out[key] = value
+    return out, left_out
 
 
 def table_of(kind: str) -> list:

@@ -42,6 +42,7 @@ DEFAULTS = {
                     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                       original_max_position_embeddings=4096)),
 }
+_ABSENT = object()  # a field a config leaves out, told from one it sets to null
 WINDOWED = ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 
 
@@ -67,6 +68,10 @@ def read(config, defaults: dict) -> dict:
     def field(name, fallback=None):
         value = get(name, None)
         return own.get(name, fallback) if value is None else value
+
+    def cap(name):  # a null soft-cap is no cap (transformers' Gemma2Config(attn_logit_softcapping=None)): only a
+        value = get(name, _ABSENT)  # cap the file or object leaves out takes its type's default
+        return own.get(name) if value is _ABSENT else value
 
     for name, plain in (("use_bidirectional_attention", False), ("partial_rotary_factor", None)):
         if get(name, plain) not in (plain, None, False, 1.0):
@@ -99,8 +104,7 @@ def read(config, defaults: dict) -> dict:
         embed_scale=get("embed_scale", math.sqrt(hidden) if gemma else 1.0),
         sandwich_norms=get("sandwich_norms", kind in ("gemma2", "gemma3_text")),
         query_pre_attn_scalar=field("query_pre_attn_scalar"),
-        attn_logit_softcapping=field("attn_logit_softcapping"),
-        final_logit_softcapping=field("final_logit_softcapping"),
+        attn_logit_softcapping=cap("attn_logit_softcapping"), final_logit_softcapping=cap("final_logit_softcapping"),
         attention_sinks=get("attention_sinks", kind == "gpt_oss"),
         attention_dropout=get("attention_dropout", 0.0) or 0.0, pad_token_id=get("pad_token_id", None),
         bos_token_id=get("bos_token_id", None), eos_token_id=get("eos_token_id", None), model_type=kind)
@@ -208,7 +212,18 @@ def write(config) -> dict:
         out["rope_parameters"] = {"full_attention": rope, "sliding_attention": {"rope_type": "default",
                                                                                 "rope_theta": local}}
         out["rope_local_base_freq"] = local
+        pattern = _full_every(out["layer_types"])
+        if pattern is not None:  # transformers 4.50-4.52 read which layers slide from this alone
+            out["sliding_window_pattern"] = pattern
     return out
+
+
+def _full_every(types: list) -> int | None:
+    """k where every k-th layer is full and the others slide (Gemma 3's ``sliding_window_pattern``), else None."""
+    for k in range(1, len(types) + 2):
+        if types == ["full_attention" if (i + 1) % k == 0 else "sliding_attention" for i in range(len(types))]:
+            return k
+    return None
 
 
 def mismatches(config) -> list[tuple[str, object, object]]:

@@ -37,7 +37,18 @@ VARIANTS = {
                             num_hidden_layers=2)),  # a full layer, then a sliding one
     "qwen3": ("Qwen3", dict(head_dim=16, attention_bias=True)),
     "gemma": ("Gemma", dict(head_dim=16, num_key_value_heads=1, pad_token_id=0)),
+    # a 3-key window on layer 0 (the rows are 7 long), caps that bite (logits of a few units), a scalar
+    # that is not head_dim, and positions past max_position_embeddings
+    "gemma2": ("Gemma2", dict(head_dim=8, sliding_window=3, query_pre_attn_scalar=12, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0, num_hidden_layers=2, max_position_embeddings=4)),
+    # linear scaling on the full layer only, the sliding layer's own base, and no soft-caps (null in the file)
+    "gemma3_text": ("Gemma3", dict(head_dim=8, sliding_window=3, query_pre_attn_scalar=12, num_hidden_layers=2,
+                                   layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4,
+                                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=4.0,
+                                                                            rope_theta=1e6),
+                                                        sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
 }
+CONFIGS = {"Gemma3": "Gemma3Text"}  # families whose config class is named otherwise than their *ForCausalLM
 
 
 def _batch():
@@ -77,7 +88,7 @@ def case(request, tmp_path_factory):
     family, switches = VARIANTS[kind]
     torch.manual_seed(0)
     reference = getattr(transformers, f"{family}ForCausalLM")(
-        getattr(transformers, f"{family}Config")(**{**BASE, **switches})).eval()
+        getattr(transformers, f"{CONFIGS.get(family, family)}Config")(**{**BASE, **switches})).eval()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.2 * torch.randn(p.shape))
@@ -111,12 +122,14 @@ def test_folder_exports(case, tmp_path):
     assert ("lm_head.weight" in open_weights(folder)) == (not reference.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2"], indirect=True)  # llama3 scaling; a full and a sliding layer
+# llama3 scaling; a full and a sliding layer; Gemma 2's alternating layers; Gemma 3's two RoPEs and its pattern
+@pytest.mark.parametrize("case", ["llama", "qwen2", "gemma2", "gemma3_text"], indirect=True)
 def test_older_readers_take_the_same_model(case, tmp_path):
     """What transformers 5 reads from newer keys is written for older readers too: llama3 RoPE under
     rope_scaling (``rope_type`` and the older ``type``) and rope_theta, Qwen's windows as
-    use_sliding_window + max_window_layers. Without rope_parameters and layer_types, transformers
-    (which then reads the older keys) computes the same logits."""
+    use_sliding_window + max_window_layers, Gemma 3's full-layer scaling as rope_scaling, its sliding
+    layers' base as rope_local_base_freq and its layers as sliding_window_pattern. Without
+    rope_parameters and layer_types, transformers (which then reads the older keys) computes the same logits."""
     kind, reference, folder, want, model = case
     hf.save_pretrained(model, tmp_path / "out")
     file = tmp_path / "out" / "config.json"
@@ -125,8 +138,11 @@ def test_older_readers_take_the_same_model(case, tmp_path):
         scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
         assert config["rope_scaling"] == {**scaling, "type": "llama3"} and config["rope_theta"] == LLAMA3["rope_theta"]
         assert config["rope_parameters"] == LLAMA3
-    else:
+    elif kind == "qwen2":
         assert config["use_sliding_window"] and config["max_window_layers"] == 1 and config["sliding_window"] == 3
+    elif kind == "gemma3_text":
+        assert config["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": 4.0}
+        assert (config["rope_theta"], config["rope_local_base_freq"], config["sliding_window_pattern"]) == (1e6, 100.0, 2)
     config.pop("rope_parameters"), config.pop("layer_types", None)
     file.write_text(json.dumps(config))
     older, report = _transformers_load(tmp_path / "out")

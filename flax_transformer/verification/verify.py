@@ -16,18 +16,19 @@ torch is imported here at call time only (this is a verification module).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_transformer.verification import llama_specs
 from flax_transformer.verification.compare import compare
 from flax_transformer.verification.frameworks import apply as apply_compiled
 from flax_transformer.verification.frameworks import max_abs_err, to_numpy
 from flax_transformer.verification.reports import TOLERANCE, Row, grads_row
+from flax_transformer.verification.spec import Spec, floats, ids
 
 # ------------------------------------------------------------------ inputs
 
@@ -59,22 +60,7 @@ def _mask_for(case: str, rng, b, t):
     return padding_mask(rng, b, t, empty_row=True), causal  # fully-masked-row
 
 
-# ------------------------------------------------------------ comparison
-
-
 # ------------------------------------------------------------------- specs
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One module to verify: how to build it (in torch) and what to feed it."""
-
-    family: str
-    name: str
-    build: Callable[[bool], object]  # causal -> torch module
-    inputs: Callable[[np.random.Generator, np.ndarray | None], tuple[tuple, dict]]
-    cases: tuple[str, ...]
-    causal_via_mask: bool = False  # no causal switch: causal cases pass a (b, t, t) mask
 
 
 def full_mask(padding: np.ndarray | None, b: int, t: int, causal: bool) -> np.ndarray | None:
@@ -84,14 +70,6 @@ def full_mask(padding: np.ndarray | None, b: int, t: int, causal: bool) -> np.nd
     keys = np.ones((b, t), bool) if padding is None else padding.astype(bool)
     mask = np.broadcast_to(keys[:, None, :], (b, t, t))
     return mask & np.tril(np.ones((t, t), bool)) if causal else mask.copy()
-
-
-def _floats(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def _ids(rng, vocab, b, t):
-    return rng.integers(0, vocab, size=(b, t)).astype(np.int64)
 
 
 def specs(b: int = 3, t: int = 7) -> list[Spec]:
@@ -107,8 +85,8 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
     model_cases = ("none", "padding", "fully-masked-row")
     causal_cases = ("causal", "causal+padding", "fully-masked-row")
     enc = dict(causal_via_mask=True)
-    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m), {})  # noqa: E731
-    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
+    x_in = lambda rng, m: ((floats(rng, b, t, emb), m), {})  # noqa: E731
+    ids_in = lambda rng, m: ((ids(rng, vocab, b, t), m), {})  # noqa: E731
     cfg = EncoderConfig.tiny(vocab_size=vocab, hidden_size=emb, num_attention_heads=heads, max_position_embeddings=seq)
     post_ln = dataclasses.replace(cfg, norm_first=False)
     bert = EncoderConfig.bert(dataclasses.asdict(cfg))
@@ -130,13 +108,13 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
              x_in, attention_cases, **enc),
         Spec("encoder", "MultiHeadAttention", lambda c: te.MultiHeadAttention(cfg),
              x_in, attention_cases, **enc),
-        Spec("encoder", "FeedForward", lambda c: te.FeedForward(cfg), lambda rng, m: ((_floats(rng, b, t, emb),), {}),
+        Spec("encoder", "FeedForward", lambda c: te.FeedForward(cfg), lambda rng, m: ((floats(rng, b, t, emb),), {}),
              ("none",)),
         Spec("encoder", "TransformerEncoderLayer", lambda c: te.TransformerEncoderLayer(cfg),
              x_in, attention_cases, **enc),
         Spec("encoder", "TransformerEncoderLayer(post-LN)", lambda c: te.TransformerEncoderLayer(post_ln),
              x_in, attention_cases, **enc),
-        Spec("encoder", "Embeddings", lambda c: te.Embeddings(cfg), lambda rng, m: ((_ids(rng, vocab, b, t),), {}),
+        Spec("encoder", "Embeddings", lambda c: te.Embeddings(cfg), lambda rng, m: ((ids(rng, vocab, b, t),), {}),
              ("none",)),
         Spec("encoder", "TransformerEncoder", lambda c: te.TransformerEncoder(cfg), ids_in, model_cases),
         Spec("encoder", "TransformerForSequenceClassification",
@@ -157,113 +135,28 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
         Spec("classic", "MultiHeadAttention", lambda c: tc.MultiHeadAttention(emb, emb // heads, heads),
              lambda rng, m: (_self_att(rng, m), {}), attention_cases, **enc),
         Spec("classic", "EncoderBlock", lambda c: tc.EncoderBlock(emb, emb // heads, 2 * emb, heads),
-             lambda rng, m: ((_floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
+             lambda rng, m: ((floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
         Spec("classic", "DecoderBlock", lambda c: tc.DecoderBlock(emb, emb // heads, 2 * emb, heads),
              lambda rng, m: (_decoder_block_inputs(rng, m, b, t, emb), {}), model_cases),
         Spec("classic", "TransformerEncoder", lambda c: tc.TransformerEncoder(2, emb, heads, 2 * emb),
-             lambda rng, m: ((_floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
+             lambda rng, m: ((floats(rng, b, t, emb), _masked_out(m)), {}), attention_cases, **enc),
         Spec("classic", "TransformerDecoder", lambda c: tc.TransformerDecoder(2, emb, emb // heads, 2 * emb, heads),
              lambda rng, m: (_decoder_block_inputs(rng, m, b, t, emb), {}), model_cases),
         Spec("classic", "Transformer", lambda c: tc.Transformer(vocab, vocab - 7, emb, heads, 2, 2 * emb, max_len=seq),
              lambda rng, m: (_seq2seq_inputs(rng, m, vocab, b, t), {}), model_cases),
         # HuggingFace shapes: BERT (post-LN, token types, pooler) and GPT-2 (pre-LN, tied head)
         Spec("encoder", "TransformerEncoder(BERT)", lambda c: te.TransformerEncoder(bert),
-             lambda rng, m: ((_ids(rng, vocab, b, t), m, rng.integers(0, 2, size=(b, t))), {}), model_cases),
+             lambda rng, m: ((ids(rng, vocab, b, t), m, rng.integers(0, 2, size=(b, t))), {}), model_cases),
         Spec("encoder", "TransformerForSequenceClassification(BERT)",  # [CLS] through the pooler: HF's
              lambda c: te.TransformerForSequenceClassification(bert), ids_in, model_cases),
         Spec("encoder", "TransformerForSequenceClassification(BERT, mean)",
              lambda c: te.TransformerForSequenceClassification(dataclasses.replace(bert, classifier_pooling="mean")),
              ids_in, model_cases),
         Spec("gpt", "GPT2LMHeadModel", lambda c: tg.GPT2LMHeadModel(gpt2), ids_in, ("none", "padding")),
-        *_llama_specs(b, t, emb, vocab),
-        *_moe_specs(b, t, emb, vocab),
-    ]
-
-
-# Each row's first position (b rows take them in turn): llama3 and dynamic RoPE scaling change
-# nothing at position 0 and more with each position, so the llama rows reach beyond 16,000.
-LLAMA_OFFSETS = (0, 8190, 16380)
-
-
-def _llama_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
-    """The llama family (always causal; ``attention_mask`` (b, t), 1 = token), every switch a real
-    checkpoint uses: GQA and MQA, head_dim beyond hidden / heads, RoPE plain, linear, dynamic and
-    llama3 at long positions, q/k norms, biases, a sliding window, Gemma's ``1 + w`` norms, tanh
-    GELU and scaled embeddings, tied and untied heads."""
-    from flax_transformer.models.llama_config import LlamaConfig
-    from torch_reference import llama as tl
-
-    def config(**switches):
-        return LlamaConfig(**{**dict(vocab_size=vocab, hidden_size=emb, intermediate_size=2 * emb, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                     max_position_embeddings=8192, rms_norm_eps=1e-5), **switches})
-
-    # head_dim 8 under llama3 puts one frequency in each band: kept, blended, divided by factor
-    llama3 = dict(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
-    gemma = dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh", norm_plus_one=True,
-                 embed_scale=emb ** 0.5, model_type="gemma")
-    positions = (np.array(LLAMA_OFFSETS)[np.arange(b) % len(LLAMA_OFFSETS), None] + np.arange(t)).astype(np.int64)
-    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m, positions), {})  # noqa: E731
-    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m, positions), {})  # noqa: E731
-    cases = ("causal", "causal+padding", "fully-masked-row")
-    layers = {
-        "LlamaAttention(GQA, llama3 RoPE)": (tl.LlamaAttention, config(**llama3)),  # its other switches: blocks
-        "LlamaDecoderLayer(GQA, llama3 RoPE)": (tl.LlamaDecoderLayer, config(**llama3)),
-        "LlamaDecoderLayer(q/k/v biases, MLP biases, window 3, dynamic RoPE)": (tl.LlamaDecoderLayer, config(
-            attention_bias=True, o_proj_bias=False, mlp_bias=True, sliding_window=3,
-            rope_scaling=dict(rope_type="dynamic", factor=4.0))),
-        "LlamaDecoderLayer(MHA, q/k norm, linear RoPE)": (tl.LlamaDecoderLayer, config(
-            num_key_value_heads=4, qk_norm=True, rope_scaling=dict(rope_type="linear", factor=4.0))),
-        "LlamaDecoderLayer(Gemma: 1+w norms, tanh GELU, MQA, head_dim 16)": (tl.LlamaDecoderLayer, config(**gemma)),
-    }
-    models = {
-        "LlamaForCausalLM(untied, GQA, llama3 RoPE)": config(num_hidden_layers=2, **llama3),
-        "LlamaForCausalLM(tied, Gemma)": config(tie_word_embeddings=True, pad_token_id=0, **gemma),  # 1 layer
-    }
-    return ([Spec("llama", name, lambda c, cls=cls, cfg=cfg: cls(cfg), x_in, cases) for name, (cls, cfg) in layers.items()]
-            + [Spec("llama", name, lambda c, cfg=cfg: tl.LlamaForCausalLM(cfg), ids_in, cases)
-               for name, cfg in models.items()])
-
-
-def _moe_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
-    """The llama family's mixtures of experts (family "moe"): the sparse block of each router kind (top-k
-    renormalised or not, a shared expert), a decoder layer with OLMoE's q/k norms and clipping, and two
-    models with dense layers among sparse, a window, a tied head. Routing near ties are ``compare``'s."""
-    from flax_transformer.models.llama_config import LlamaConfig
-    from flax_transformer.models.moe_config import MoeConfig
-    from torch_reference import llama as tl
-
-    def config(kind, moe, **switches):
-        return LlamaConfig(**{**dict(vocab_size=vocab, hidden_size=emb, intermediate_size=2 * emb, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                                     max_position_embeddings=64, model_type=kind, moe=MoeConfig(**moe)), **switches})
-
-    mixtral = config("mixtral", dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=2 * emb,
-                                     fp32_routing_weights=True), sliding_window=3)
-    qwen2 = config("qwen2_moe", dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
-                                     norm_topk_prob=False, shared_expert_intermediate_size=20),
-                   attention_bias=True, o_proj_bias=False)
-    olmoe = config("olmoe", dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=2 * emb,
-                                 norm_topk_prob=False), qk_norm=True, qk_norm_scope="projection", clip_qkv=2.0,
-                   head_dim=None)
-    qwen3 = config("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
-                                     norm_topk_prob=True, decoder_sparse_step=2), num_hidden_layers=2, head_dim=12,
-                   qk_norm=True, tie_word_embeddings=True)
-    x_only = lambda rng, m: ((_floats(rng, b, t, emb),), {})  # noqa: E731
-    x_in = lambda rng, m: ((_floats(rng, b, t, emb), m), {})  # noqa: E731
-    ids_in = lambda rng, m: ((_ids(rng, vocab, b, t), m), {})  # noqa: E731
-    cases = ("causal", "causal+padding", "fully-masked-row")
-    return [
-        Spec("moe", "LlamaSparseMoeBlock(Mixtral: top-2 of 5, renormalised)",
-             lambda c: tl.LlamaSparseMoeBlock(mixtral), x_only, ("none",)),
-        Spec("moe", "LlamaSparseMoeBlock(Qwen2-MoE: top-3 of 7, shared expert)",
-             lambda c: tl.LlamaSparseMoeBlock(qwen2), x_only, ("none",)),
-        Spec("moe", "LlamaDecoderLayer(OLMoE: top-1 of 4, q/k norms, clip_qkv)",
-             lambda c: tl.LlamaDecoderLayer(olmoe), x_in, cases),
-        Spec("moe", "LlamaForCausalLM(Qwen3-MoE: dense then sparse, head_dim 12, tied)",
-             lambda c: tl.LlamaForCausalLM(qwen3), ids_in, cases),
-        Spec("moe", "LlamaForCausalLM(Mixtral: window 3)", lambda c: tl.LlamaForCausalLM(mixtral), ids_in, cases),
+        *llama_specs.llama_specs(b, t, emb, vocab),
+        *llama_specs.moe_specs(b, t, emb, vocab),
+        *llama_specs.gemma_specs(b, t, emb, vocab),
+        *llama_specs.gpt_oss_specs(b, t, emb, vocab),
     ]
 
 
@@ -273,21 +166,21 @@ def _masked_out(keep):
 
 
 def _self_att(rng, keep):
-    x = _floats(rng, keep.shape[0] if keep is not None else 3, 7, 24)
+    x = floats(rng, keep.shape[0] if keep is not None else 3, 7, 24)
     return x, x, x, _masked_out(keep)
 
 
 def _decoder_block_inputs(rng, padding, b, t, emb):
     """Target states, encoder output (length t + 2), source padding and the causal target mask."""
-    x, enc = _floats(rng, b, t, emb), _floats(rng, b, t + 2, emb)
+    x, enc = floats(rng, b, t, emb), floats(rng, b, t + 2, emb)
     src = None if padding is None else np.concatenate([padding, np.ones((b, 2), padding.dtype)], 1) == 0
     tgt = np.triu(np.ones((t, t), bool), 1)[None]
     return x, enc, None if src is None else src[:, None, :], tgt
 
 
 def _seq2seq_inputs(rng, padding, vocab, b, t):
-    src = _ids(rng, vocab, b, t)
-    tgt = _ids(rng, vocab - 7, b, t - 2)
+    src = ids(rng, vocab, b, t)
+    tgt = ids(rng, vocab - 7, b, t - 2)
     tgt_mask = None if padding is None else np.maximum(padding[:, : t - 2], np.eye(1, t - 2, dtype=padding.dtype))
     return src, tgt, padding, tgt_mask
 
@@ -383,7 +276,9 @@ MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "Transforme
           "TransformerForSequenceClassification", "TransformerForSequenceClassification(post-LN)", "GPTTransformer",
           "Transformer", "TransformerEncoder(BERT)", "TransformerForSequenceClassification(BERT)",
           "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel",
-          "LlamaForCausalLM(untied, GQA, llama3 RoPE)", "LlamaForCausalLM(tied, Gemma)")
+          "LlamaForCausalLM(untied, GQA, llama3 RoPE)", "LlamaForCausalLM(tied, Gemma)",
+          "LlamaForCausalLM(Gemma 2: caps, sliding then full)",
+          "LlamaForCausalLM(Gemma 3: local RoPE base, linear scaling on the full layer)")
 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:

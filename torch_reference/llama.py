@@ -38,7 +38,7 @@ from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.rope import RopeScaling, attention_scaling, rope_for, rope_inverse_frequencies
 
 from ._common import ACTIVATIONS, Module, attend, check_features, check_token_ids, check_values, normalize_mask
-from .moe import LlamaExperts, LlamaTopKRouter
+from .moe import GptOssMLP, LlamaExperts, LlamaTopKRouter
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaSparseMoeBlock", "RopeScaling"]
@@ -296,6 +296,8 @@ class LlamaDecoderLayer(Module):
         self.self_attn = LlamaAttention(config, layer_idx)
         sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
         self.mlp = LlamaSparseMoeBlock(config) if sparse else LlamaMLP(config)
+        if config.model_type == "gpt_oss":  # every layer sparse: router and experts with biases
+            self.mlp = GptOssMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.sandwich = config.sandwich_norms
@@ -315,7 +317,10 @@ class LlamaDecoderLayer(Module):
         else:
             x = x + attended
             normed = self.post_attention_layernorm(x)
-        out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
+        if isinstance(self.mlp, GptOssMLP):
+            out, _ = self.mlp(normed, router_logits)  # and the router scores, as transformers'
+        else:
+            out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
         x = x + (self.post_feedforward_layernorm(out) if self.sandwich else out)
         return (x, weights) if return_weights else x
 

@@ -1,5 +1,7 @@
 """The mixture of experts of the llama family in PyTorch: the router, the experts held fused, the
-load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert).
+load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert);
+GPT-OSS's block is ``GptOssMLP`` here (transformers' ``GptOssTopKRouter``, ``GptOssExperts``: names,
+layouts and math, the experts' sum in grouped_mm's order).
 
 Parameter names and layouts are transformers 5's in-memory ones: ``mlp.gate.weight`` (E, H),
 ``mlp.experts.gate_up_proj`` (E, 2I, H) with gate in the first I rows and up in the last, and
@@ -24,7 +26,8 @@ from flax_transformer.models.llama_config import LlamaConfig
 
 from ._common import ACTIVATIONS, Module
 
-__all__ = ["LlamaExperts", "LlamaTopKRouter", "load_balancing_loss", "route"]
+__all__ = ["GptOssExperts", "GptOssMLP", "GptOssTopKRouter", "LlamaExperts", "LlamaTopKRouter", "load_balancing_loss",
+           "route"]
 
 
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,6 +94,90 @@ class LlamaExperts(Module):
             h = F.linear(self.act_fn(gate) * up, self.down_proj[e])
             out[token, slot] = h * weights[token, slot, None]
         return out.sum(dim=1).to(x.dtype)
+
+
+class GptOssTopKRouter(Module):
+    """GPT-OSS's router: ``weight`` (E, H), ``bias`` (E,). (T, H) -> (logits (T, E), scores (T, k), experts (T, k)):
+    the k largest logits, then the softmax of those k alone, in the logits' dtype."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.num_experts = moe.num_experts_per_tok, moe.num_experts
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size).normal_(0.0, 0.02))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts).normal_(0.0, 0.02))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight, self.bias)
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return logits, F.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+class GptOssExperts(Module):
+    """GPT-OSS's experts, transformers' layout: ``gate_up_proj`` (E, H, 2I) with gate and up interleaved
+    column by column, ``gate_up_proj_bias`` (E, 2I), ``down_proj`` (E, I, H), ``down_proj_bias`` (E, H).
+
+    ``forward(x (T, H), experts (T, k), weights (T, k))`` -> (T, H): for each token, sum_j weights[t, j] *
+    (swiglu(x @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]), e = experts[t, j], where
+    swiglu(h) = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        e, inner, hidden = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        self.num_experts, self.intermediate_size = e, inner
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(e, hidden, 2 * inner).normal_(0.0, 0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(e, inner, hidden).normal_(0.0, 0.02))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, hidden))
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # interleaved, column by column
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x, experts, weights):
+        tokens, k = experts.shape
+        out = torch.zeros(tokens, k, x.shape[-1], dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+        for e in range(self.num_experts):
+            token, slot = torch.where(experts == e)
+            if token.numel() == 0:
+                continue
+            h = self._apply_gate(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
+            h = h @ self.down_proj[e] + self.down_proj_bias[e]
+            out[token, slot] = h * weights[token, slot, None]
+        return out.sum(dim=1).to(x.dtype)
+
+
+class GptOssMLP(Module):
+    """GPT-OSS's sparse block: ``router`` then ``experts``. (b, t, H) -> ((b, t, H), router scores (b t, k));
+    ``router_logits``, a list, gets the (b t, E) logits, as transformers records them."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        self.hidden_size = config.hidden_size
+        self.router = GptOssTopKRouter(config)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x, router_logits=None):
+        b, t, _ = x.shape
+        flat = x.reshape(-1, self.hidden_size)  # (b t, H)
+        logits, scores, experts = self.router(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        return self.experts(flat, experts, scores).reshape(b, t, -1), scores
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:

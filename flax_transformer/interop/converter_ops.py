@@ -407,6 +407,9 @@ class MXFP4(Op):
             b, s = _shape(blocks), _shape(scales)
             if len(b) != 4 or b[:-1] != s:
                 raise OpShapeError(f"blocks {list(b)}, scales {list(s)}", "(E, N, G, B) and (E, N, G)")
+            kinds = [np.dtype(_dtype([v])) for v in (blocks, scales)]
+            if kinds != [np.dtype(np.uint8)] * 2:  # anything else would be cast to bytes silently
+                raise OpShapeError(f"blocks {kinds[0]}, scales {kinds[1]}", "uint8 blocks and scales")
             shape = (b[0], b[2] * b[3] * 2, b[1])
             out[rest] = _lazy([blocks, scales], shape, ml_dtypes.bfloat16, mxfp4_dequantise)
         return out

@@ -49,8 +49,10 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"": "rms_norm",  # a bare LlamaRMSNorm
         r"embed_tokens": "embedding",
         r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|shared_expert_gate": "linear",
-        r"mlp\.gate": "router",
-        r"experts": "experts",
+        r"mlp\.gate|mlp\.router": "router",  # the MoEs' gate, GPT-OSS's router (with a bias)
+        # one path, two layouts: the module's type decides (a lookup by path alone, porting.flax_path_to_torch,
+        # gets the last kind's rule for the shared leaves: Mixtral's)
+        r"experts": ("gpt_oss_experts", "experts"),
         r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|norm"
         r"|q_norm|k_norm": "rms_norm",
     },

@@ -52,7 +52,16 @@ import numpy as np
 
 from flax_transformer.interop import files, meta_llama, safetensors_io, targets
 from flax_transformer.interop.converter import convert, pattern
-from flax_transformer.interop.hf_tables import ENCODERS, LLAMA_TYPES, config_of, hf_to_ours, language_model, ours_to_hf
+from flax_transformer.interop.hf_tables import (
+    ENCODERS,
+    LLAMA_TYPES,
+    MXFP4_CONFIG,
+    check_write_quantisation,
+    config_of,
+    hf_to_ours,
+    language_model,
+    ours_to_hf,
+)
 from flax_transformer.interop.safetensors_io import open_weights, read
 from flax_transformer.models.arg_checks import check_positive_float
 
@@ -359,7 +368,8 @@ def save_dtype(dtype):
 
 
 def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tokenizer_from=None,
-                    labels=None, max_shard_size=None, dtype=None, before_swap: files.BeforeSwap | None = None) -> Path:
+                    labels=None, max_shard_size=None, dtype=None, quantisation: str | None = None,
+                    before_swap: files.BeforeSwap | None = None) -> Path:
     """Write ``config.json`` + safetensors weights that transformers loads with no missing or
     unexpected keys: ``BertModel``, ``DistilBertModel``, ``RobertaModel``, their
     ``*ForSequenceClassification``, ``GPT2LMHeadModel``, or the ``LlamaForCausalLM``,
@@ -384,6 +394,9 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
         dtype: the stored dtype (``jnp.bfloat16``, ``jnp.float16``, ``jnp.float32``);
             default each parameter's own. Written as the config's ``dtype``, so transformers
             loads a bf16 folder as bf16.
+        quantisation: None (the default: plain tensors, also for a GPT-OSS read from an MXFP4 folder)
+            or ``"mxfp4"`` (GPT-OSS: the experts' weights as ``*_blocks`` + ``*_scales`` with the
+            released folders' ``quantization_config``; lossy for weights MXFP4 cannot hold).
         before_swap: see ``files.write_dir``; ``verification.export.save_pretrained`` writes the
             folder with its verification certificate this way.
 
@@ -395,6 +408,7 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     """
     path = files.check_target(path, kind="dir", overwrite=overwrite)
     kind, config, classifier = kind_of(model)
+    check_write_quantisation("classifier" if classifier else kind, quantisation)
     dtype = save_dtype(dtype)
     if max_shard_size is not None:
         safetensors_io.parse_size(max_shard_size)  # a bad size fails before anything is written
@@ -410,7 +424,9 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
         weights |= convert(spec.classifier_rows, {k: v for k, v in state.items() if not k.startswith("encoder.")},
                            forward=False, format_name="HuggingFace")
     else:
-        weights = ours_to_hf(kind, state, config)
+        weights = ours_to_hf(kind, state, config, quantisation=quantisation)
+    if quantisation is not None:
+        hf_config["quantization_config"] = dict(MXFP4_CONFIG)
     if dtype is not None:
         hf_config["dtype"] = dtype.name
         weights = {k: v.astype(dtype) if np.issubdtype(np.dtype(v.dtype), np.floating)

@@ -70,6 +70,7 @@ LLAMA_ROWS = [  # Llama, Mistral, Qwen2, Qwen3, Gemma: the same names on both si
     Row("model.embed_tokens.weight", "model.embed_tokens.weight"),
     Row("model.layers.{i}.self_attn.{attn}.{p}", "model.layers.{i}.self_attn.{attn}.{p}"),
     Row("model.layers.{i}.self_attn.{qk_norm}.weight", "model.layers.{i}.self_attn.{qk_norm}.weight"),  # Qwen3
+    Row("model.layers.{i}.self_attn.sinks", "model.layers.{i}.self_attn.sinks"),  # GPT-OSS
     Row("model.layers.{i}.mlp.{mlp}.{p}", "model.layers.{i}.mlp.{mlp}.{p}"),
     Row("model.layers.{i}.{norm}.weight", "model.layers.{i}.{norm}.weight"),
     # Gemma 2 and 3's sandwich norms: around the feed-forward too
@@ -109,6 +110,17 @@ GPT_OSS_MXFP4_ROWS = [  # GPT-OSS's released files: the experts' weights in MXFP
     Row(("model.layers.{i}.mlp.experts.{proj}_blocks", "model.layers.{i}.mlp.experts.{proj}_scales"),
         "model.layers.{i}.mlp.experts.{proj}", (MXFP4(),)),
 ]
+_GPT_OSS_PLAIN = [Row("model.layers.{i}.mlp.experts.{proj}", "model.layers.{i}.mlp.experts.{proj}")]
+_GPT_OSS_REST = [  # the biases (never quantised), the router, then the llama rows (with the sinks)
+    Row("model.layers.{i}.mlp.experts.{proj}_bias", "model.layers.{i}.mlp.experts.{proj}_bias"),
+    Row("model.layers.{i}.mlp.router.{p}", "model.layers.{i}.mlp.router.{p}"),
+    *LLAMA_ROWS,
+]
+# GPT-OSS: transformers 5 saves the experts as they are held (gate_up_proj (E, H, 2I) interleaved, down_proj
+# (E, I, H)); the released folders hold them in MXFP4. Both read; the first row of a target is what is
+# written, so the plain table writes plain tensors and the MXFP4 one quantises them again.
+GPT_OSS_ROWS = [*_GPT_OSS_PLAIN, *GPT_OSS_MXFP4_ROWS, *_GPT_OSS_REST]
+GPT_OSS_MXFP4_WRITE_ROWS = [*GPT_OSS_MXFP4_ROWS, *_GPT_OSS_PLAIN, *_GPT_OSS_REST]
 
 # A multimodal Gemma 3 (model_type "gemma3"): its language model under the prefixes transformers 4.50-4.51
 # (and 5's save_pretrained, which writes the older layout back) and 4.52-5's loaded models use; the vision
@@ -150,8 +162,30 @@ ENCODERS = {
 }
 
 
+# quantised folders read (dequantised on load), by quantization_config's quant_method -> model_types
+DEQUANTISED = {"mxfp4": ("gpt_oss",)}
+# what transformers leaves unquantised in GPT-OSS's released folders (written with an MXFP4 export)
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def check_quantisation(raw: dict) -> str | None:
+    """The quant_method of a ``config.json`` (None: not quantised), refused where this library cannot
+    dequantise it for that model_type."""
+    quantised = raw.get("quantization_config")
+    if quantised is None:
+        return None
+    method = quantised.get("quant_method") if isinstance(quantised, dict) else None
+    if raw.get("model_type") not in DEQUANTISED.get(method, ()):
+        known = "; ".join(f"{m!r} for {', '.join(kinds)}" for m, kinds in DEQUANTISED.items())
+        raise ValueError(f"quantization_config with quant_method {method!r} on a {raw.get('model_type')!r} "
+                         f"model is not read here (dequantised on load: {known})")
+    return method
+
+
 def config_of(raw: dict, *, pooler: bool = True):
     """(model_type, our config) of a ``config.json``; ``pooler`` for RoBERTa (its classifier has none)."""
+    check_quantisation(raw)
     model_type = raw.get("model_type")
     if model_type == "bert":
         return "bert", EncoderConfig.bert(raw)
@@ -192,6 +226,8 @@ def table_of(kind: str) -> list:
         return ENCODERS[kind].rows
     if kind == "mixtral":
         return MIXTRAL_ROWS
+    if kind == "gpt_oss":
+        return GPT_OSS_ROWS
     if kind in MOE_TYPES:
         return MOE_ROWS
     return LLAMA_ROWS if kind in LLAMA_TYPES else GPT2_ROWS
@@ -247,7 +283,17 @@ def hf_to_ours(kind: str, weights: dict, config) -> dict:
     return convert(table_of(kind), weights, forward=True, config=config)
 
 
-def ours_to_hf(kind: str, state: dict, config=None) -> dict:
+def ours_to_hf(kind: str, state: dict, config=None, *, quantisation: str | None = None) -> dict:
     """torch_reference names -> HF names and layouts (the inverse of ``hf_to_ours``); with ``config``,
-    every head of a split tensor must be there."""
-    return convert(table_of(kind), state, forward=False, config=config, format_name="HuggingFace")
+    every head of a split tensor must be there. ``quantisation="mxfp4"`` (GPT-OSS): the experts' weights
+    as ``*_blocks`` + ``*_scales`` (exact only for weights MXFP4 holds: others are rounded)."""
+    check_write_quantisation(kind, quantisation)
+    table = table_of(kind) if quantisation is None else GPT_OSS_MXFP4_WRITE_ROWS
+    return convert(table, state, forward=False, config=config, format_name="HuggingFace")
+
+
+def check_write_quantisation(kind: str, quantisation: str | None) -> None:
+    """A quantised export is written for GPT-OSS in MXFP4 only; anything else is refused before any work."""
+    if quantisation is not None and (quantisation != "mxfp4" or kind not in DEQUANTISED["mxfp4"]):
+        raise ValueError(f"quantisation {quantisation!r} is not written for a {kind!r} model "
+                         f"(only 'mxfp4', for {', '.join(DEQUANTISED['mxfp4'])})")

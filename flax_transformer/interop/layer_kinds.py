@@ -89,7 +89,10 @@ LEAF_RULES: dict[str, dict[str, tuple[str, str]]] = {
     "table": {"embeddings": ("embeddings", AS_IS)},
     # the llama family's fused experts (transformers 5's in-memory names)
     "experts": {"gate_up_proj": ("gate_up_proj", EXPERTS), "down_proj": ("down_proj", EXPERTS)},
-    "router": {"weight": ("weight", AS_IS)},  # the experts' gate: (E, H) on both sides
+    # GPT-OSS's: transformers holds them input first already, (E, H, 2I) interleaved and (E, I, H), as Flax does
+    "gpt_oss_experts": {"gate_up_proj": ("gate_up_proj", AS_IS), "gate_up_proj_bias": ("gate_up_proj_bias", AS_IS),
+                        "down_proj": ("down_proj", AS_IS), "down_proj_bias": ("down_proj_bias", AS_IS)},
+    "router": {"weight": ("weight", AS_IS), "bias": ("bias", AS_IS)},  # (E, H) on both sides; GPT-OSS's has a bias
 }
 
 # Flax module type -> kind of layer, tested with isinstance, so subclasses count. A
@@ -107,6 +110,8 @@ LAYER_KINDS: list[tuple[type, str]] = [
     (gpt.Embeddings, "table"),
     (moe.LlamaExperts, "experts"),
     (moe.LlamaTopKRouter, "router"),
+    (moe.GptOssExperts, "gpt_oss_experts"),
+    (moe.GptOssTopKRouter, "router"),
 ]
 
 
@@ -149,9 +154,14 @@ class Plan(NamedTuple):
 
 
 def kinds_at(table: TableKinds | None, module_path: str, module) -> tuple[str, ...]:
-    """The table's kinds where it has an entry for the path, else the module's own type."""
+    """The table's kinds where it has an entry for the path, else the module's own type. Where the
+    table lists several kinds for one path and the module's type is one of them, that one (the
+    llama family's ``experts``: Mixtral's layout or GPT-OSS's, the same leaf names told apart by type)."""
     kinds = table(module_path) if table is not None else None
-    return kinds if kinds is not None else kinds_of(module) if module is not None else ()
+    if kinds is None:
+        return kinds_of(module) if module is not None else ()
+    typed = tuple(k for k in kinds_of(module) if k in kinds) if len(kinds) > 1 and module is not None else ()
+    return typed or kinds
 
 
 def plan_keys(model, table: TableKinds | None = None) -> Plan:

@@ -285,15 +285,19 @@ def open_weights(path) -> dict:
 
 
 def _torch_names(model) -> dict[str, tuple]:
-    """{flax path: (torch name, layout rule, Param)} of every parameter of a flax_transformer model."""
+    """{flax path: (torch name, layout rule, Param)} of every parameter of a flax_transformer model, as
+    ``porting`` places them (the family's table, then each module's type: GPT-OSS's experts and Mixtral's
+    share a path; a parameter of no layer, such as attention sinks, keeps its name)."""
     from flax_transformer.interop import porting
 
     family, out = porting.family_of(model), {}
-    for path, param in porting.flax_params(model).items():
-        mapped = porting.flax_path_to_torch(family, path)
-        if mapped is None:
-            raise StateDictError(unexpected=[f"{path} (no porting rule in the {family!r} table)"])
-        out[path] = (*mapped, param)
+    plan = porting.plan_of(model)
+    for path, param in plan.params.items():
+        slots = plan.slots[path]
+        if len(slots) != 1:
+            raise StateDictError(unexpected=[f"{path} (placed two ways by the {family!r} table: "
+                                             f"{', '.join(s.torch_key for s in slots)})"])
+        out[path] = (slots[0].torch_key, slots[0].rule, param)
     return out
 
 

@@ -36,7 +36,7 @@ from flax_transformer.models.input_checks import check_features, check_token_ids
 from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
 from flax_transformer.models.llama_config import LlamaConfig
-from flax_transformer.models.moe import LlamaExperts, LlamaTopKRouter
+from flax_transformer.models.moe import GptOssMLP, LlamaExperts, LlamaTopKRouter
 from flax_transformer.models.rope import RopeScaling, attention_scaling, rope_for, rope_inverse_frequencies
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
@@ -327,6 +327,8 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         self.self_attn = LlamaAttention(config, layer_idx, **kw)
         sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
         self.mlp = LlamaSparseMoeBlock(config, **kw) if sparse else LlamaMLP(config, **kw)
+        if config.model_type == "gpt_oss":  # every layer sparse: router and experts with biases
+            self.mlp = GptOssMLP(config, **kw)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         sandwich = config.sandwich_norms
@@ -349,7 +351,10 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         else:  # Gemma 2/3's sandwich
             x = x + self.post_attention_layernorm(attended)
             normed = self.pre_feedforward_layernorm(x)
-        out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
+        if isinstance(self.mlp, GptOssMLP):
+            out, _ = self.mlp(normed, router_logits)  # and the router scores, as transformers'
+        else:
+            out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
         x = x + (out if self.post_feedforward_layernorm is None else self.post_feedforward_layernorm(out))
         return (x, extra) if cache is not None or return_weights else x
 

@@ -1,5 +1,6 @@
 """The mixture of experts of the llama family in Flax NNX: the router, the experts held fused, the
-load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert).
+load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert);
+GPT-OSS's block is ``GptOssMLP`` here (``router`` and ``experts``, both with biases).
 
 The twin of ``torch_reference.moe``: same class names and parameter paths (``mlp.gate.weight`` (E, H),
 ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). The experts' kernels are stored as Flax
@@ -22,9 +23,19 @@ Ways to run the experts, one result (``LlamaExperts.implementation``, or ``set_e
 
 Both weight each token's k outputs and sum them over its k choices in top-k's order (largest first),
 as transformers' default ``grouped_mm`` does.
+
+GPT-OSS (``GptOssTopKRouter``, ``GptOssExperts``, ``GptOssMLP``: transformers' names and layouts). Its
+experts are already stored input first in transformers (``gate_up_proj`` (E, H, 2I), gate and up
+interleaved column by column, ``down_proj`` (E, I, H), and biases (E, 2I), (E, H)), which is the Flax
+kernel layout: the arrays port as they are (``layer_kinds``: ``"gpt_oss_experts"``, no transpose) and
+stay interleaved, the gating reading the even and odd columns. They run on the same four
+implementations as ``LlamaExperts`` (``run_experts``: the gating is a function, each row's expert adds
+its bias), and ``set_experts`` reaches them too.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +45,8 @@ from flax_transformer.models.constructor_records import RecordsInit
 from flax_transformer.models.layers import ACTIVATIONS
 from flax_transformer.models.llama_config import LlamaConfig
 
-__all__ = ["IMPLEMENTATIONS", "LlamaExperts", "LlamaTopKRouter", "load_balancing_loss", "route", "set_experts"]
+__all__ = ["IMPLEMENTATIONS", "GptOssExperts", "GptOssMLP", "GptOssTopKRouter", "LlamaExperts", "LlamaTopKRouter",
+           "load_balancing_loss", "route", "run_experts", "set_experts"]
 
 IMPLEMENTATIONS = ("grouped", "ragged", "blocked", "dense")
 BLOCK_ROWS = 128  # "blocked": the most rows of one block (fewer when the experts get fewer rows on average)
@@ -97,28 +109,45 @@ class LlamaExperts(RecordsInit, nnx.Module):
         """The experts on the weights given, ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H), in place
         of their own: the hook through which ``lora_experts.LoRAExperts`` runs them on adapted weights.
         (T, H), (T, k), (T, k) -> (T, H), as ``__call__``."""
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"LlamaExperts.implementation must be one of {IMPLEMENTATIONS}, "
-                             f"got {self.implementation!r}")
-        x = x.astype(self.dtype)
-        gate_up, down = gate_up_proj.astype(self.dtype), down_proj.astype(self.dtype)
-        impl = self.implementation
-        if impl == "grouped":
-            impl = "blocked" if jax.default_backend() == "cpu" else "ragged"
-        run = {"ragged": _grouped, "blocked": _blocked, "dense": _dense}[impl]
-        chosen = run(x, experts, gate_up, down, ACTIVATIONS[self.hidden_act], self.intermediate_size)  # (T, k, H)
-        # the wider of the two (Mixtral's fp32 weights on bf16 outputs: fp32 through the sum, as grouped_mm);
-        # chosen by width, since strict dtype promotion has no bf16 -> fp32 rule
-        wide = weights.dtype if jnp.finfo(weights.dtype).bits > jnp.finfo(chosen.dtype).bits else chosen.dtype
-        out = chosen.astype(wide) * weights.astype(wide)[..., None]
-        return jnp.sum(out, axis=1).astype(self.dtype)
+        gate = functools.partial(_gated, act=ACTIVATIONS[self.hidden_act], inner=self.intermediate_size)
+        return run_experts(self.implementation, x, experts, weights, gate_up_proj, down_proj, gate, dtype=self.dtype)
+
+
+def run_experts(implementation: str, x, experts, weights, gate_up_proj, down_proj, gate, gate_up_bias=None,
+                down_bias=None, *, dtype=jnp.float32):
+    """The experts' shared body, one of ``IMPLEMENTATIONS``: (T, H), (T, k), (T, k) -> (T, H).
+
+    ``gate_up_proj`` (E, H, G) and ``down_proj`` (E, I, H); ``gate`` maps a row's (.., G) to (.., I)
+    (``LlamaExperts``: act(first half) * second half; ``GptOssExperts``: the clamped SwiGLU on
+    interleaved columns); ``gate_up_bias`` (E, G) and ``down_bias`` (E, H), when given, are added to
+    each row of its expert. Each token's k outputs are weighted and summed over its choices.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"the experts' implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    x = x.astype(dtype)
+    gate_up, down = gate_up_proj.astype(dtype), down_proj.astype(dtype)
+    biases = tuple(None if b is None else b.astype(dtype) for b in (gate_up_bias, down_bias))
+    if implementation == "grouped":
+        implementation = "blocked" if jax.default_backend() == "cpu" else "ragged"
+    run = {"ragged": _grouped, "blocked": _blocked, "dense": _dense}[implementation]
+    chosen = run(x, experts, gate_up, down, gate, *biases)  # (T, k, H)
+    # the wider of the two (Mixtral's fp32 weights on bf16 outputs: fp32 through the sum, as grouped_mm);
+    # chosen by width, since strict dtype promotion has no bf16 -> fp32 rule
+    wide = weights.dtype if jnp.finfo(weights.dtype).bits > jnp.finfo(chosen.dtype).bits else chosen.dtype
+    out = chosen.astype(wide) * weights.astype(wide)[..., None]
+    return jnp.sum(out, axis=1).astype(dtype)
 
 
 def _gated(h, act, inner: int):
     return act(h[..., :inner]) * h[..., inner:]
 
 
-def _grouped(x, experts, gate_up, down, act, inner: int):
+def _plus(h, bias, rows_expert):
+    """h (.., N) plus each row's expert's bias (E, N); ``rows_expert`` indexes the bias rows like h's leading axes."""
+    return h if bias is None else h + bias[rows_expert]
+
+
+def _grouped(x, experts, gate_up, down, gate, gate_up_bias=None, down_bias=None):
     """(T, k, H): each (token, choice) pair's expert output, the pairs sorted by expert and run as
     one ragged group per expert."""
     tokens, k = experts.shape
@@ -126,8 +155,9 @@ def _grouped(x, experts, gate_up, down, act, inner: int):
     order = jnp.argsort(flat, stable=True)  # (T k,): pairs grouped by expert, tokens in order within
     sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)  # (T k, H)
-    h = _gated(jax.lax.ragged_dot(rows, gate_up, sizes), act, inner)
-    out = jax.lax.ragged_dot(h, down, sizes)  # (T k, H), sorted
+    sorted_expert = flat[order]
+    h = gate(_plus(jax.lax.ragged_dot(rows, gate_up, sizes), gate_up_bias, sorted_expert))
+    out = _plus(jax.lax.ragged_dot(h, down, sizes), down_bias, sorted_expert)  # (T k, H), sorted
     return jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)
 
 
@@ -137,7 +167,7 @@ def _block_rows(pairs: int, experts: int) -> int:
     return max(8, min(BLOCK_ROWS, 1 << (mean - 1).bit_length()))
 
 
-def _blocked(x, experts, gate_up, down, act, inner: int):
+def _blocked(x, experts, gate_up, down, gate, gate_up_bias=None, down_bias=None):
     """(T, k, H): the pairs sorted by expert, padded per expert to whole blocks, one matmul per used block."""
     tokens, k = experts.shape
     num_experts, hidden = gate_up.shape[0], x.shape[1]
@@ -156,8 +186,9 @@ def _blocked(x, experts, gate_up, down, act, inner: int):
                                num_experts - 1).astype(jnp.int32)
     used = (padded_end[-1] // rows_per).astype(jnp.int32)
     rows = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[source].reshape(blocks, rows_per, hidden)
-    h = _gated(_block_matmul(rows, gate_up, block_expert, used), act, inner)
-    out = _block_matmul(h, down, block_expert, used).reshape(blocks * rows_per, hidden)
+    row_expert = block_expert[:, None]  # (blocks, 1): a padded row's bias is never read back
+    h = gate(_plus(_block_matmul(rows, gate_up, block_expert, used), gate_up_bias, row_expert))
+    out = _plus(_block_matmul(h, down, block_expert, used), down_bias, row_expert).reshape(blocks * rows_per, hidden)
     where = jnp.zeros((pairs,), jnp.int32).at[order].set(slot)  # the padded row of each (token, choice)
     return out[where].reshape(tokens, k, hidden)
 
@@ -196,18 +227,103 @@ def _block_matmul_bwd(saved, grads):
 _block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
-def _dense(x, experts, gate_up, down, act, inner: int):
+def _dense(x, experts, gate_up, down, gate, gate_up_bias=None, down_bias=None):
     """(T, k, H): every expert on every token, then each token's chosen k."""
-    h = _gated(jnp.einsum("th,ehi->eti", x, gate_up), act, inner)
-    out = jnp.einsum("eti,eih->teh", h, down)  # (T, E, H)
+    every = jnp.arange(gate_up.shape[0])
+    h = gate(_plus(jnp.einsum("th,ehi->eti", x, gate_up), gate_up_bias, every[:, None]))  # (E, T, I)
+    out = _plus(jnp.einsum("eti,eih->teh", h, down), down_bias, every[None, :])  # (T, E, H)
     return jnp.take_along_axis(out, experts[..., None], axis=1)
 
 
+# ------------------------------------------------------------------ GPT-OSS
+
+
+def _clamped_swiglu(h, limit: float, alpha: float):
+    """GPT-OSS's gating on interleaved columns (gate even, up odd): (up' + 1) * g * sigmoid(alpha g) with
+    g = min(gate, limit), up' = clip(up, -limit, limit). ``where``, not ``minimum``: the gradient at the
+    limit itself passes, as torch's ``clamp`` lets it."""
+    gate, up = h[..., ::2], h[..., 1::2]
+    gate = jnp.where(gate > limit, limit, gate)
+    up = jnp.where(up > limit, limit, jnp.where(up < -limit, -limit, up))
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class GptOssTopKRouter(RecordsInit, nnx.Module):
+    """GPT-OSS's router: ``weight`` (E, H) and ``bias`` (E,). (T, H) -> (logits (T, E), scores (T, k),
+    experts (T, k)): the k largest logits, then the softmax of those k alone, in the logits' dtype."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.dtype = moe.num_experts_per_tok, dtype
+        self.weight = nnx.Param(_normal(rngs.params(), (moe.num_experts, config.hidden_size), param_dtype))
+        self.bias = nnx.Param(_normal(rngs.params(), (moe.num_experts,), param_dtype))  # transformers' init: both normal
+
+    def __call__(self, x):
+        logits = x.astype(self.dtype) @ self.weight[...].astype(self.dtype).T + self.bias[...].astype(self.dtype)
+        top, experts = jax.lax.top_k(logits, self.top_k)
+        return logits, jax.nn.softmax(top, axis=-1), experts
+
+
+class GptOssExperts(RecordsInit, nnx.Module):
+    """GPT-OSS's E experts held fused, in transformers' layout (already input first): ``gate_up_proj``
+    (E, H, 2I) with gate and up interleaved column by column, ``gate_up_proj_bias`` (E, 2I), ``down_proj``
+    (E, I, H), ``down_proj_bias`` (E, H).
+
+    ``__call__(x (T, H), experts (T, k), weights (T, k))`` -> (T, H): for each token, sum_j weights[t, j] *
+    (swiglu(x @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]) with e = experts[t, j] and the
+    clamped SwiGLU of ``MoeConfig.swiglu_limit`` / ``swiglu_alpha``. ``implementation`` as ``LlamaExperts``'s.
+    """
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        e, inner, hidden = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        self.num_experts, self.intermediate_size, self.dtype = e, inner, dtype
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+        self.implementation = "grouped"
+        self.gate_up_proj = nnx.Param(_normal(rngs.params(), (e, hidden, 2 * inner), param_dtype))
+        self.gate_up_proj_bias = nnx.Param(jnp.zeros((e, 2 * inner), param_dtype))
+        self.down_proj = nnx.Param(_normal(rngs.params(), (e, inner, hidden), param_dtype))
+        self.down_proj_bias = nnx.Param(jnp.zeros((e, hidden), param_dtype))
+
+    def __call__(self, x, experts, weights):
+        gate = functools.partial(_clamped_swiglu, limit=self.limit, alpha=self.alpha)
+        return run_experts(self.implementation, x, experts, weights, self.gate_up_proj[...], self.down_proj[...],
+                           gate, self.gate_up_proj_bias[...], self.down_proj_bias[...], dtype=self.dtype)
+
+
+class GptOssMLP(RecordsInit, nnx.Module):
+    """GPT-OSS's sparse block: ``router`` then ``experts``. (b, t, H) -> ((b, t, H), router scores (b t, k));
+    ``router_logits``, a list, gets the (b t, E) logits, as transformers records them."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.router = GptOssTopKRouter(config, **kw)
+        self.experts = GptOssExperts(config, **kw)
+
+    def __call__(self, x, router_logits=None):
+        b, t, _ = x.shape
+        flat = x.astype(self.dtype).reshape(-1, self.hidden_size)  # (b t, H)
+        logits, scores, experts = self.router(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        return self.experts(flat, experts, scores).reshape(b, t, -1), scores
+
+
 def set_experts(model, implementation: str):
-    """Run every ``LlamaExperts`` of ``model`` one of ``IMPLEMENTATIONS``; returns how many there are."""
+    """Run every ``LlamaExperts`` and ``GptOssExperts`` of ``model`` one of ``IMPLEMENTATIONS``; returns how many there are."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, LlamaExperts)]
+    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, (LlamaExperts, GptOssExperts))]
     for node in found:
         node.implementation = implementation
     return len(found)

@@ -26,7 +26,7 @@ from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy, make_steps
 from flax_transformer.training.torch_state.to_jax import torch_optimizer
 
-MODELS = ("former", "encoder", "gpt", "classic", "llama")
+MODELS = ("former", "encoder", "gpt", "classic", "llama", "gemma")
 
 
 @dataclass
@@ -138,6 +138,16 @@ def setup(name: str, rng: np.random.Generator):
 
         model = LlamaForCausalLM(LlamaConfig.tiny(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                                   max_position_embeddings=t, tie_word_embeddings=True))
+        batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
+    elif name == "gemma":  # Gemma 2: a sliding layer then a full one, caps, sandwich norms, 1 + w norms, tied
+        from flax_transformer.models.llama_config import LlamaConfig
+        from torch_reference.llama import LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig.tiny(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=t, num_hidden_layers=2,
+            layer_types=("sliding_attention", "full_attention"), sliding_window=4, hidden_act="gelu_pytorch_tanh",
+            norm_plus_one=True, embed_scale=32 ** 0.5, sandwich_norms=True, query_pre_attn_scalar=6.0,
+            attn_logit_softcapping=1.0, final_logit_softcapping=2.0, tie_word_embeddings=True, model_type="gemma2"))
         batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")

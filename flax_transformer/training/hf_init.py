@@ -194,7 +194,7 @@ INIT_CONFIG = "init_config.json"
 # config.json fields of the init folder that our configs do not hold and the export carries over
 CARRIED = ("bos_token_id", "eos_token_id")
 CARRIED_FILES = ("generation_config.json",)
-DECODERS = "Llama, Mistral, Qwen2, Qwen3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or GPT-2"
+DECODERS = "Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS or GPT-2"
 
 
 def _lm_config(folder: Path):

@@ -40,7 +40,8 @@ from flax_transformer.training.rundir import is_main_process
 
 RECORD = "lora.json"
 # PEFT's default target_modules per model_type (DistilBERT's: PEFT has none; its attention's q and v)
-DEFAULT_TARGETS = {**{kind: ("q_proj", "v_proj") for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma")},
+DEFAULT_TARGETS = {**{kind: ("q_proj", "v_proj") for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                                                                 "gemma3_text")},
                    "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value"),
                    "distilbert": ("q_lin", "v_lin")}
 # our head layers that PEFT's SEQ_CLS modules_to_save (["classifier", "score"], matched as suffixes of module

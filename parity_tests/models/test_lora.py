@@ -26,6 +26,9 @@ peft_lib = pytest.importorskip("peft", reason="peft is not installed (the test e
 
 IDS = np.random.default_rng(0).integers(0, 64, size=(2, 7))
 
+GEMMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=3, query_pre_attn_scalar=12)
+GEMMA_TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # model_type -> (transformers model, our targets, PEFT's targets for the same modules)
 CASES = {
     "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -35,6 +38,13 @@ CASES = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32)), ("q_proj", "v_proj", "down_proj"),
         ["q_proj", "v_proj", "down_proj"]),
+    # Gemma 2 (caps that bite, a 3-key window on layer 0) and Gemma 3 (q/k norms, two RoPEs): attention and MLP
+    "gemma2": (lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)), GEMMA_TARGETS, list(GEMMA_TARGETS)),
+    "gemma3_text": (lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+            sliding_attention=dict(rope_type="default", rope_theta=100.0)))), GEMMA_TARGETS, list(GEMMA_TARGETS)),
     "bert": (lambda: transformers.BertModel(transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
         max_position_embeddings=16)), ("query", "value", "output_linear", "linear_1", "linear_2"),
@@ -226,6 +236,7 @@ def test_optimizer_state_holds_only_the_adapters(folder):
 # ------------------------------------------------------------------ PEFT folders
 
 
+@pytest.mark.slow_cases({"gemma2": "test_save_peft_loads_in_peft_with_the_same_logits[gemma3_text] (the same adapters on Gemma's sandwich blocks)"})
 def test_save_peft_loads_in_peft_with_the_same_logits(folder, tmp_path):
     kind, path = folder
     model = lora.apply(hf.from_pretrained(path), rank=4, alpha=8, targets=CASES[kind][1], rngs=nnx.Rngs(0))
@@ -265,6 +276,7 @@ def _peft_trained(kind, path, tmp_path):
     return tmp_path / "trained", _torch_out(model)
 
 
+@pytest.mark.slow_cases({"gemma2": "test_load_peft_of_a_peft_trained_adapter_gives_peft_logits[gemma3_text] (the same adapters on Gemma's sandwich blocks)"})
 def test_load_peft_of_a_peft_trained_adapter_gives_peft_logits(folder, tmp_path):
     kind, path = folder
     adapter, want = _peft_trained(kind, path, tmp_path)

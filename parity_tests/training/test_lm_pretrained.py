@@ -24,6 +24,13 @@ LINES = ["ROMEO: but soft, what light through yonder window breaks?",
          "MERCUTIO: a plague o' both your houses! they have made worms' meat of me."]
 TEXT = "\n".join(LINES * 60) + "\n"
 STEPS = 8
+GEMMAS = {  # model_type -> (transformers' config class, switches): Gemma 2's caps that bite; Gemma 3's q/k norms,
+    # linear scaling on its full layer and its sliding layer's own base
+    "gemma2": ("Gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3Text", dict(layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+        full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+        sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +66,13 @@ def _folder(path, kind="llama", tokenizer=True, **changes):
                                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                                           bos_token_id=1, eos_token_id=2, **changes)
         model = transformers.LlamaForCausalLM(config)
+    elif kind in GEMMAS:  # two layers: a 4-key window on the first, Gemma's sandwich norms, a scalar not head_dim
+        family, switches = GEMMAS[kind]
+        config = getattr(transformers, f"{family}Config")(
+            vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, sliding_window=4, query_pre_attn_scalar=12, **switches, **changes)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     elif kind == "gpt2":
         config = transformers.GPT2Config(**{"vocab_size": vocab, "n_positions": 64, "n_embd": 32, "n_layer": 1,
                                             "n_head": 2, "bos_token_id": 1, "eos_token_id": 2, **changes})
@@ -247,3 +261,33 @@ def test_gpt2_folder_exports_and_the_default_context(tmp_path):
     assert report["same_ids"] and not any(report["loading_info"].values()) and report["max_abs_diff"] < 1e-5
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["model_type"] == "gpt2" and written["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize("kind", list(GEMMAS))
+@pytest.mark.slow_cases({"gemma2": "test_gemma_folder_trains_resumes_and_exports[gemma3_text] (the same run on Gemma 3's "
+                                   "sandwich norms and windows); Gemma 2's caps: test_llama_hf's gemma2 folders"})
+def test_gemma_folder_trains_resumes_and_exports(kind, tmp_path):
+    """Two steps on a Gemma 2 / Gemma 3 folder (contexts of 16 against a 4-key window) with --export-hf: the loss
+    falls, transformers loads the export as the folder's class with nothing missing and the run's logits; the run
+    resumed from its step-1 checkpoint ends in the same state bit for bit."""
+    from train.lm import main
+
+    from .test_llama_training import _assert_same_state
+
+    (tmp_path / "text.txt").write_text(TEXT)
+    folder = _folder(tmp_path / "init", kind=kind)
+    config = _config(folder, tmp_path / "text.txt", steps=2, eval_every=2, checkpoint_every=1, context=16,
+                     eval_batches=1, sample_tokens=1, lr=1e-2)
+    metrics = lm.train_and_evaluate(config, tmp_path / "whole", progress=False, export_hf=tmp_path / "export")
+    assert metrics["step"] == 2 and metrics["val_loss"] < metrics["init_val_loss"]
+    check = metrics["export_check"]
+    assert check["same_ids"] and not any(check["loading_info"].values()) and check["max_abs_diff"] <= check["tolerance"]
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert written["model_type"] == kind and written["layer_types"] == ["sliding_attention", "full_attention"]
+
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "whole", split)
+    shutil.rmtree(split / "checkpoints" / "2")
+    (split / "sample.txt").unlink()
+    assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
+    _assert_same_state(tmp_path / "whole", split)

@@ -221,7 +221,7 @@ def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, se
     """Compare a torch module with its Flax twin both ways, in eval mode.
 
     torch->flax: the torch module's weights (perturbed, see ``NOISE``) ported to Flax.
-    flax->torch: fresh weights drawn in JAX (perturbed) ported to torch.
+    flax->torch: a Flax twin with weights of its own (``fresh_flax_twin``) ported to torch.
 
     Returns:
         [(direction, max abs err, all finite)] for the two directions; with ``reports=True``
@@ -234,9 +234,7 @@ def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, se
     perturb_torch(torch_module, seed)
     flax_module = porting.torch_to_flax(torch_module, seed=seed)
     results = [("torch->flax", compare(torch_module, flax_module, args, kwargs, use_jit=use_jit, tol=tol))]
-    flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
-    flax_module.eval()
-    perturb_flax(flax_module, seed + 1)
+    flax_module = fresh_flax_twin(torch_module, seed + 1)
     torch_twin = porting.flax_to_torch(flax_module)
     results.append(("flax->torch", compare(torch_twin, flax_module, args, kwargs, use_jit=use_jit, tol=tol)))
     return results if reports else [(direction, r.max_abs_err, r.finite) for direction, r in results]
@@ -246,6 +244,25 @@ def both_directions(torch_module, args: tuple, kwargs: dict | None = None, *, se
 # are small: a porting bug in those leaves would hide. Noise on every parameter makes
 # each one matter.
 NOISE = 0.1
+
+
+def fresh_flax_twin(torch_module, seed: int):
+    """The Flax twin of ``torch_module`` with weights of its own, in eval mode, for the flax->torch
+    direction: a fresh torch twin's initialisation (``torch.manual_seed(seed)``, the caller's torch RNG
+    left as it was) ported over, then moved by numpy noise (``perturb_flax``). Built so, the twin
+    records and compiles as the torch->flax one does (the two directions share one compiled program),
+    and nothing is drawn in JAX, where each parameter shape compiles a program of its own."""
+    import torch
+
+    from flax_transformer.interop import porting
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = type(torch_module)(**torch_module.init_kwargs()).eval()
+    flax_module = porting.torch_to_flax(fresh, seed=seed)
+    flax_module.eval()
+    perturb_flax(flax_module, seed)
+    return flax_module
 
 
 def perturb_torch(torch_module, seed: int) -> None:
@@ -278,7 +295,8 @@ MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "Transforme
           "TransformerForSequenceClassification(BERT, mean)", "GPT2LMHeadModel",
           "LlamaForCausalLM(untied, GQA, llama3 RoPE)", "LlamaForCausalLM(tied, Gemma)",
           "LlamaForCausalLM(Gemma 2: caps, sliding then full)",
-          "LlamaForCausalLM(Gemma 3: local RoPE base, linear scaling on the full layer)")
+          "LlamaForCausalLM(Gemma 3: local RoPE base, linear scaling on the full layer)",
+          "LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)")
 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:
@@ -294,9 +312,7 @@ def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> 
             flax_module = porting.torch_to_flax(torch_module, seed=seed + i)
             report = compare(torch_module, flax_module, args, kwargs, grads=True, seed=seed + i)
             yield grads_row(report, spec.family, spec.name, case, "torch->flax grads")
-            flax_module = porting.flax_class(torch_module)(**torch_module.init_kwargs(), rngs=nnx.Rngs(seed + 1))
-            flax_module.eval()
-            perturb_flax(flax_module, seed + i + 1)
+            flax_module = fresh_flax_twin(torch_module, seed + i + 1)
             torch_twin = porting.flax_to_torch(flax_module).eval()
             report = compare(torch_twin, flax_module, args, kwargs, grads=True, seed=seed + i)
             yield grads_row(report, spec.family, spec.name, case, "flax->torch grads")

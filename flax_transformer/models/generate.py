@@ -1,7 +1,9 @@
 """Autoregressive generation for ``gpt.GPTTransformer``, ``gpt.GPT2LMHeadModel``,
 ``llama.LlamaForCausalLM``, ``former.GTransformer`` and the ``classic.Transformer`` decoder, as
 one compiled program. A decoder plugs in with ``input_spec().generates``, ``init_cache(batch,
-length)`` and ``decode_step(tokens, index, cache) -> (logits, cache)``.
+length)`` and ``decode_step(tokens, index, cache) -> (logits, cache)``, and, if its cache forgets
+(a sliding layer's ring), ``cache_rewind()``: how far back a step may start from the furthest
+position written.
 
 How prompts of different lengths share a batch: prompts are right-padded and the
 loop walks positions 0, 1, 2, ... for all rows at once. At position p a row whose
@@ -232,6 +234,18 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask=None, temp
     return (tokens, logits) if return_logits else tokens
 
 
+def prefill_in_chunks(model, buffer, shared, chunk: int, cache):
+    """``decode_step`` over positions [0, ``shared``) of ``buffer`` (b, >= chunk) in chunks of ``chunk``
+    positions, the last one ending at ``shared`` (going back over part of the one before), or, when
+    ``shared`` < ``chunk``, one chunk from 0: no step starts more than ``chunk`` positions before the
+    furthest one written, and none after ``shared`` + ``chunk``. Returns the cache."""
+    def body(i, cache):
+        at = jnp.maximum(jnp.minimum(i * chunk, shared - chunk), 0)
+        return model.decode_step(jax.lax.dynamic_slice_in_dim(buffer, at, chunk, axis=1), at, cache)[1]
+
+    return jax.lax.fori_loop(0, (shared + chunk - 1) // chunk, body, cache)
+
+
 @partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "greedy", "eos_id",
                                    "use_cache", "return_logits"))
 def _generate(model, input_ids, lengths, n_rows, key, src_ids, src_attention_mask, *, max_new_tokens, temperature,
@@ -292,10 +306,13 @@ def _generate(model, input_ids, lengths, n_rows, key, src_ids, src_attention_mas
     start = jnp.min(lengths) - 1  # the first position whose successor is generated
     if use_cache:
         # prefill: the prompt positions every row shares, in one pass
+        rewind = model.cache_rewind() if hasattr(model, "cache_rewind") else None
         if seq2seq:
             _, cache = model.decode_step(buffer[:, :p], 0, cache, cross, src_attention_mask)
-        else:
+        elif rewind is None or p <= rewind:
             _, cache = model.decode_step(buffer[:, :p], 0, cache)
+        else:  # the loop goes back to start: prefill no further than start + rewind
+            cache = prefill_in_chunks(model, buffer, start + 1, rewind, cache)
         # Positions < start hold every row's prompt. Beyond, a shorter row's prefill saw
         # padding; harmless: the step at s rewrites position s before any query sees it.
     carry = (start, buffer, cache, key, done, all_logits)

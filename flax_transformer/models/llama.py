@@ -37,6 +37,7 @@ from flax_transformer.models.input_specs import InputSpec
 from flax_transformer.models.layers import ACTIVATIONS, Embed, Linear, lookup
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.moe import GptOssMLP, LlamaExperts, LlamaTopKRouter
+from flax_transformer.models.ring_cache import ring_keep, ring_rewind, ring_slots, update_ring
 from flax_transformer.models.rope import RopeScaling, attention_scaling, rope_for, rope_inverse_frequencies
 
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
@@ -234,7 +235,8 @@ class LlamaAttention(_LlamaConfigModule):
         With ``cache`` (keys, values (b, h_kv, max_len, d): only the key/value heads are kept,
         repeated for their query heads when attended), x holds positions [index, index + t) of
         every row, RoPE turns them by those positions, and keys not yet written (or outside the
-        window) are hidden. Returns (output, updated cache) then.
+        window) are hidden; a sliding layer's cache is a ring of R slots (``ring_cache.ring_slots``),
+        position q at slot q % R. Returns (output, updated cache) then.
         """
         check_features(x, self.hidden_size)
         b, t, _ = x.shape
@@ -246,7 +248,8 @@ class LlamaAttention(_LlamaConfigModule):
         else:
             check_no_mask_with_cache(attention_mask, position_ids)
             position_ids = index + jnp.arange(t)[None]  # (1, t)
-            keep = cache_keep(t, cache[0].shape[2], index, self.sliding_window)
+            ring = self.sliding_window is not None  # a window's cache is a ring (ring_cache)
+            keep = (ring_keep if ring else cache_keep)(t, cache[0].shape[2], index, self.sliding_window)
         x = x.astype(self.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "projection":  # OLMoE: over the whole projection, before the heads are split
@@ -261,7 +264,12 @@ class LlamaAttention(_LlamaConfigModule):
         q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # (b, h|h_kv, t, d)
         cos, sin = self.rotary_emb(x, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:  # keys already turned by RoPE: a cached key never moves again
+        if cache is not None and ring and t == 1:  # one token: written at its slot, then the ring attended
+            k, v = cache = update_cache(cache, k, v, index % cache[0].shape[2])  # (b, h_kv, R, d)
+        elif cache is not None and ring:  # the ring's keys (before index), then the fresh ones: (b, h_kv, R + t, d)
+            old, cache = cache, update_ring(cache, k, v, index)
+            k, v = (jnp.concatenate((c, y.astype(c.dtype)), axis=2) for c, y in zip(old, (k, v)))
+        elif cache is not None:  # keys already turned by RoPE: a cached key never moves again
             k, v = cache = update_cache(cache, k, v, index)  # (b, h_kv, max_len, d)
         k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)  # (b, h, s, d)
         out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
@@ -464,10 +472,19 @@ class LlamaForCausalLM(_LlamaConfigModule):
 
     def init_cache(self, batch: int, length: int):
         """An empty key/value cache for decoding up to ``length`` positions: per layer, keys and values
-        (batch, num_key_value_heads, length, head_dim), the grouped heads only (a 1/groups of the
-        query heads' size)."""
-        c = self.config
-        return empty_cache(c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
+        (batch, num_key_value_heads, slots, head_dim), the grouped heads only (a 1/groups of the
+        query heads' size); slots = ``length`` for a full layer, and for a sliding layer of window W
+        a ring of min(length, ``ring_cache.ring_slots(W)``) (W - 1 + min(W, 128)): O(W), not O(length)."""
+        c, windows = self.config, [layer.self_attn.sliding_window for layer in self.model.layers]
+        return [empty_cache(1, batch, c.num_key_value_heads, length if w is None else min(length, ring_slots(w)),
+                            c.head_dim, self.dtype)[0] for w in windows]
+
+    def cache_rewind(self) -> int | None:
+        """How far back a ``decode_step`` may start from the furthest position written (``generate``
+        prefills in chunks no longer than this): the smallest ``ring_cache.ring_rewind`` of the sliding
+        layers; None (any) without one."""
+        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        return min((ring_rewind(w) for w in windows if w is not None), default=None)
 
     def decode_step(self, tokens, index, cache):
         """Run positions [index, index + n) of every row given a cache of the earlier ones.

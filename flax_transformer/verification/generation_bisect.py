@@ -320,7 +320,12 @@ def _cache_rows(torch_model, reference, cache, prefix) -> tuple[list[CacheRow], 
         return [], f"torch has {len(want)} attention layers, the Flax cache {len(cache)}"
     t, rows = prefix.shape[1], []
     for layer, ((k64, v64), (k32, v32), (kj, vj)) in enumerate(zip(want, got32, cache)):
-        kj, vj = np.asarray(kj)[:, :, :t], np.asarray(vj)[:, :, :t]  # the positions written so far
+        # the positions written so far; a ring (models.ring_cache) holds the last R of them, q at slot q % R
+        slots = np.shape(kj)[2]
+        held = np.arange(max(t - slots, 0), t)
+        kj, vj = np.asarray(kj)[:, :, held % slots], np.asarray(vj)[:, :, held % slots]
+        if k64.shape[2] == t:
+            k64, v64, k32, v32 = (a[:, :, held] for a in (k64, v64, k32, v32))
         if kj.shape != k64.shape or vj.shape != v64.shape:
             return [], f"layer {layer}'s cache is {kj.shape}, torch's keys {k64.shape}"
         torch_err, jax_err = err([k32, v32], [k64, v64]), err([kj, vj], [k64, v64])

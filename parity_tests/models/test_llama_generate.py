@@ -20,6 +20,7 @@ import torch_reference.llama as tl
 from flax_transformer.interop import porting
 from flax_transformer.models.generate import count_compiles
 from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.ring_cache import ring_slots
 from torch_reference.generate import generate as torch_generate
 
 from .test_generate_hf import (  # NEW = 64 new tokens, pad id 0: the same conventions as GPT-2's test
@@ -107,7 +108,8 @@ def test_ragged_batch_with_eos_equals_transformers(family):
                                       err_msg=f"torch_reference, row {row}")
     assert len(set(ours[0])) > 10  # not one token repeated: each step is a test
     config, cache = model.config, model.init_cache(3, 80)
-    assert [tuple(a.shape) for a in cache[0]] == [(3, config.num_key_value_heads, 80, config.head_dim)] * 2
+    slots = 80 if config.layer_window(0) is None else ring_slots(config.layer_window(0))  # a window's: a ring
+    assert [tuple(a.shape) for a in cache[0]] == [(3, config.num_key_value_heads, slots, config.head_dim)] * 2
     with pytest.raises(ValueError, match="attention_mask and position_ids are not taken"):  # they would be ignored
         model.model(ids, mask, cache=cache)
 

@@ -124,9 +124,9 @@ def run_experts(implementation: str, x, experts, weights, gate_up_proj, down_pro
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"the experts' implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    x = x.astype(dtype)
-    gate_up, down = gate_up_proj.astype(dtype), down_proj.astype(dtype)
-    biases = tuple(None if b is None else b.astype(dtype) for b in (gate_up_bias, down_bias))
+    # jnp arrays, also where a caller holds numpy ones (bisect's eager run): a loop indexes them by tracers
+    x, gate_up, down = (jnp.asarray(a, dtype) for a in (x, gate_up_proj, down_proj))
+    biases = tuple(None if b is None else jnp.asarray(b, dtype) for b in (gate_up_bias, down_bias))
     if implementation == "grouped":
         implementation = "blocked" if jax.default_backend() == "cpu" else "ragged"
     run = {"ragged": _grouped, "blocked": _blocked, "dense": _dense}[implementation]

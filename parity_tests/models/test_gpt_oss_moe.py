@@ -98,7 +98,9 @@ def test_torch_reference_block_equals_transformers(blocks, implementation):
 
 
 @pytest.mark.parametrize("implementation", fmoe.IMPLEMENTATIONS)
-@pytest.mark.slow_cases({"blocked": "test_flax_block_equals_torch_reference[grouped] (blocked on the CPU)"})
+@pytest.mark.slow_cases({"blocked": "test_flax_block_equals_torch_reference[grouped] (blocked on the CPU)",
+                         "dense": "test_flax_block_equals_torch_reference[grouped] and [ragged] (the same gating "
+                                  "and biases through run_experts; dense is the slow reference)"})
 def test_flax_block_equals_torch_reference(blocks, implementation):
     """torch -> Flax (``porting.torch_to_flax`` into a ``moe.GptOssMLP``: the experts' arrays as they are)
     for each experts implementation, and for "grouped" also Flax -> torch (every Flax weight moved,

@@ -44,9 +44,10 @@ def main() -> int:
     reports = {}
     for name, bug in bugs.BUGS.items():
         report = reports[name] = bugs.run(name)
-        row = next(r for r in report.rows if r.path == report.first_divergent)
+        path = "" if report.first_divergent == "<model>" else report.first_divergent  # the model's own row
+        row = next(r for r in report.rows if r.path == path)
         out = report.positions.get("")
-        starts = f"{report.onset(report.first_divergent)}; {None if out is None else out.onset}"
+        starts = f"{report.onset(path)}; {None if out is None else out.onset}"
         print(f"| {bug.what} | `{report.first_divergent}` ({row.status}) | {row.jax_err / row.budget:.2g} | "
               f"{'`' + report.first_divergent_grad + '`' if report.first_divergent_grad else '(forward only)'} | "
               f"{starts} |")

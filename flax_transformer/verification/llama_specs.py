@@ -184,12 +184,17 @@ def gpt_oss_config(vocab: int, emb: int):
 
 def gpt_oss_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
     """GPT-OSS (family "gpt_oss"): its attention on the sliding layer and on the full one (sinks away from
-    zero, YaRN at positions past the original context)."""
+    zero, YaRN at positions past the original context), its decoder layer with the mixture of experts
+    (``GptOssMLP``: the router's bias, gate and up interleaved, the clamped SwiGLU) and the model of
+    two layers."""
     from torch_reference import llama as tl
 
     config = gpt_oss_config(vocab, emb)
     layers = {
         "LlamaAttention(GPT-OSS: sinks, YaRN, biases, window 3)": (tl.LlamaAttention, config, 0),
         "LlamaAttention(GPT-OSS: sinks, YaRN, biases, full layer)": (tl.LlamaAttention, config, 1),
+        # the block within its layer: porting maps torch_reference.moe's classes inside a llama model only
+        "LlamaDecoderLayer(GPT-OSS: GptOssMLP top-2 of 4, biases, clamped SwiGLU)": (tl.LlamaDecoderLayer, config, 0),
     }
-    return _rows("gpt_oss", b, t, emb, vocab, layers, {})
+    models = {"LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)": config}
+    return _rows("gpt_oss", b, t, emb, vocab, layers, models)

@@ -29,12 +29,10 @@ def _shapes(model) -> dict[str, tuple[tuple[int, ...], str]]:
         again = {name for group in porting.tied_keys(model) for name in group[1:]}
         return {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in model.state_dict().items()
                 if k not in again}
-    family = porting.family_of(model)
-    out = {}
-    for path, param in porting.flax_params(model).items():
-        key, rule = porting.flax_path_to_torch(family, path)
-        shape = tuple(param.shape)
-        out[key] = (layer_kinds.torch_shape(rule, shape), str(param.dtype))
+    plan, out = porting.plan_of(model), {}  # as porting places them: by table and by each module's type
+    for path, param in plan.params.items():
+        slot = plan.slots[path][0]
+        out[slot.torch_key] = (layer_kinds.torch_shape(slot.rule, tuple(param.shape)), str(param.dtype))
     return out
 
 

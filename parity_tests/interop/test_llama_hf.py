@@ -219,6 +219,11 @@ def test_config_files_read_as_transformers_reads_them(tmp_path):
     both = LlamaConfig.from_hf(dict(model_type="llama", rope_theta=7.0, rope_scaling=dict(type="linear", factor=2.0),
                                     rope_parameters=dict(rope_type="default", rope_theta=7.0)))
     assert both.rope_scaling.rope_type == "linear" and both.rope_scaling.factor == 2.0
+    # Gemma 2: a cap left out is its class's default (50, 30); a null one is no cap, as transformers reads it
+    left_out, null = (LlamaConfig.from_hf(dict(model_type="gemma2", **caps)) for caps in (
+        {}, dict(attn_logit_softcapping=None, final_logit_softcapping=None)))
+    assert (left_out.attn_logit_softcapping, left_out.final_logit_softcapping) == (50.0, 30.0)
+    assert (null.attn_logit_softcapping, null.final_logit_softcapping) == (None, None)
     (tmp_path / "g4").mkdir()
     (tmp_path / "g4" / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
     with pytest.raises(ValueError, match="unsupported model_type 'gemma4_text'"):

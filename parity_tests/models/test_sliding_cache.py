@@ -41,7 +41,7 @@ def tiny(request):
     """(kind, a random Flax model, its full forward's logits (2, STEPS, V) for random ids (2, STEPS))."""
     model = LlamaForCausalLM(LlamaConfig(**TINY, **KINDS[request.param]), rngs=nnx.Rngs(0))
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, STEPS)).astype(np.int32)
-    return request.param, model, ids, np.asarray(model(jnp.asarray(ids)))
+    return request.param, model, ids, np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 @nnx.jit

@@ -207,6 +207,9 @@ def _lm_config(folder: Path):
     except (OSError, ValueError) as error:
         raise RunError(f"--init {folder}: {error}") from None
     kind = raw.get("model_type")
+    if kind == "gemma3":  # a run's folder is its model's, both ways: a text-only copy of the language model first
+        raise RunError(f"--init {folder} holds a multimodal Gemma 3: train its language model from a gemma3_text "
+                       f"folder, which `flax-transformer port {folder} OUT` writes (the vision tower left out)")
     if kind != "gpt2" and kind not in MODEL_TYPES:
         raise RunError(f"--init {folder} holds a {kind!r} model, not a causal LM ({DECODERS}: config.json's "
                        f"model_type must be 'gpt2' or one of {', '.join(map(repr, MODEL_TYPES))})")

@@ -206,6 +206,9 @@ def test_each_refusal_is_one_line_before_anything_is_written(tmp_path, capsys):
     good = _folder(tmp_path / "good")
     no_tok = _folder(tmp_path / "no_tok", tokenizer=False)
     bert = _folder(tmp_path / "bert", kind="bert")
+    multimodal = tmp_path / "gemma3"  # its config is read and refused before any weights: none are needed
+    multimodal.mkdir()
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     run = tmp_path / "run"
@@ -214,6 +217,7 @@ def test_each_refusal_is_one_line_before_anything_is_written(tmp_path, capsys):
     cases = [
         (["--model", "hf", "--init", str(no_tok)], "no tokenizer.json"),
         (["--model", "hf", "--init", str(bert)], "'bert' model, not a causal LM"),
+        (["--model", "hf", "--init", str(multimodal)], "multimodal Gemma 3: train its language model from a gemma3_text"),
         (["--init", str(good)], "--init names a pretrained folder for --model hf"),
         (["--model", "hf"], "--model hf needs --init FOLDER"),
         (["--model", "hf", "--init", str(tmp_path / "nowhere")], "no such folder"),

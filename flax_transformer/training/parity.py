@@ -26,7 +26,7 @@ from flax_transformer.training.optim import OptimConfig, make_optimizer
 from flax_transformer.training.step import cross_entropy, make_steps
 from flax_transformer.training.torch_state.to_jax import torch_optimizer
 
-MODELS = ("former", "encoder", "gpt", "classic", "llama", "gemma")
+MODELS = ("former", "encoder", "gpt", "classic", "llama", "gemma", "gpt_oss")
 
 
 @dataclass
@@ -148,6 +148,17 @@ def setup(name: str, rng: np.random.Generator):
             layer_types=("sliding_attention", "full_attention"), sliding_window=4, hidden_act="gelu_pytorch_tanh",
             norm_plus_one=True, embed_scale=32 ** 0.5, sandwich_norms=True, query_pre_attn_scalar=6.0,
             attn_logit_softcapping=1.0, final_logit_softcapping=2.0, tie_word_embeddings=True, model_type="gemma2"))
+        batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
+    elif name == "gpt_oss":  # sinks, YaRN past its original context, sliding then full, top-2 of 4 experts
+        from flax_transformer.models.llama_config import LlamaConfig
+        from flax_transformer.models.moe_config import MoeConfig
+        from torch_reference.llama import LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig.tiny(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=t, num_hidden_layers=2,
+            layer_types=("sliding_attention", "full_attention"), sliding_window=4, attention_bias=True,
+            attention_sinks=True, rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4),
+            moe=MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), model_type="gpt_oss"))
         batch, torch_loss, flax_loss = _next_token_task(rng, b, t, vocab)
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")

@@ -95,7 +95,7 @@ def test_train_step_learns_compiles_once_and_follows_the_mode(standard_promotion
     assert float(eval_step(model, same)["loss"]) == float(eval_step(model, same)["loss"])  # no dropout in eval
 
 
-@pytest.mark.parametrize("family", ["former", "encoder", "gpt", "classic", "gemma"])
+@pytest.mark.parametrize("family", ["former", "encoder", "gpt", "classic", "gemma", "gpt_oss"])
 @pytest.mark.keep_cases("former", "gpt", reason="the kept cases cover the others: the hardest masks (padding, causal+padding, fully masked rows), one model of each family")
 def test_training_trajectories_match_torch_for_every_family(family):
     """``verify --train-steps``: the notebooks' torch setup and the optax chain, 4 AdamW steps with

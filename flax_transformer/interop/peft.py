@@ -35,8 +35,7 @@ from flax_transformer.interop import converter, files, hf, porting, safetensors_
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
-from flax_transformer.models.lora_experts import EXPERT_PARAMETERS, ParamLoRA
-from flax_transformer.models.moe import LlamaExperts
+from flax_transformer.models.lora_experts import EXPERT_PARAMETERS, EXPERT_TYPES, ParamLoRA
 from flax_transformer.models.state_dict_errors import StateDictError
 
 __all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "adapter_module_paths", "check_base", "from_peft_layout",
@@ -115,11 +114,11 @@ def hf_module_paths(model) -> dict[str, str]:
 
 def hf_parameter_names(model) -> dict[str, str]:
     """Our dotted path -> transformers' parameter name, for every expert weight that takes a LoRA as a
-    parameter (``lora_experts.EXPERT_PARAMETERS`` of each ``LlamaExperts``). transformers 5 holds the experts
+    parameter (``lora_experts.EXPERT_PARAMETERS`` of each ``EXPERT_TYPES``). transformers 5 holds the experts
     fused, under our (canonical) names, whatever per-expert names its files use."""
     out = {}
     for path, node in lora.module_nodes(model).items():
-        if isinstance(node, LlamaExperts):
+        if isinstance(node, EXPERT_TYPES):
             for name in EXPERT_PARAMETERS:
                 dotted = lora.dotted_path((*path, name))
                 out[dotted] = _hf_key(model, dotted) or dotted

@@ -39,8 +39,7 @@ from flax import nnx
 
 from flax_transformer.models import gpt
 from flax_transformer.models.fast_backward import linear_dot_general
-from flax_transformer.models.lora_experts import LoRAExperts, ParamLoRA, find_parameters
-from flax_transformer.models.moe import LlamaExperts
+from flax_transformer.models.lora_experts import ParamLoRA, find_parameters, lora_class_of, plain_class_of
 
 __all__ = ["ADAPTABLE", "LORA_FILTER", "PLAIN_NAME", "FusedLoRA", "LoRAConfig", "LoRAConv1D", "LoRALinear", "LoRAParam",
            "Sizes", "apply", "config_of", "find", "layers", "merge", "remove", "state_sizes", "trainable", "unmerge"]
@@ -365,11 +364,11 @@ def apply(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
     found = [(path, nodes.get(path)) for path in _find(model, targets, nodes, bool(parameters))]
     in_params = find_parameters(model, parameters, nodes) if parameters else []
     deterministic = _in_eval_mode(model)
-    wrapped = {}  # id of a LlamaExperts -> the LoRAExperts that replaces it
+    wrapped = {}  # id of experts -> the LoRAExperts (GptOssLoRAExperts) that replaces them
     for path in in_params:
         experts = nodes[path[:-1]]
         if id(experts) not in wrapped:
-            wrapped[id(experts)] = _rebuilt(experts, LoRAExperts)
+            wrapped[id(experts)] = _rebuilt(experts, lora_class_of(experts))
             _set_child(nodes[path[:-2]], path[-2], wrapped[id(experts)])
         weight = getattr(experts, name := path[-1][:-len("_lora")])
         (e, d_in, d_out), dtype = weight.shape, jnp.dtype(param_dtype or weight.dtype)
@@ -457,7 +456,7 @@ def remove(model, *, merge_weights: bool = True):
         elif isinstance(layer, ParamLoRA):
             delattr(parent, path[-1])
             if not parent.adapters():  # the experts' last adapter: plain experts again
-                _set_child(nodes[path[:-2]], path[-2], _rebuilt(parent, LlamaExperts))
+                _set_child(nodes[path[:-2]], path[-2], _rebuilt(parent, plain_class_of(parent)))
         else:
             _set_child(parent, path[-1], _plain(layer))
     return model

@@ -1,20 +1,22 @@
 """LoRA on the fused expert weights of the llama family's mixtures of experts, as PEFT's ``ParamWrapper``
 adapts a 3-D parameter (``target_parameters``).
 
-``mlp.experts.gate_up_proj`` (E, H, 2I) and ``mlp.experts.down_proj`` (E, I, H) (``moe.LlamaExperts``)
-each take one rank-r LoRA per expert:
+``mlp.experts.gate_up_proj`` (E, H, 2I) and ``mlp.experts.down_proj`` (E, I, H) (``moe.LlamaExperts``,
+and GPT-OSS's ``moe.GptOssExperts``, whose biases stay as they are) each take one rank-r LoRA per expert:
 
     W[e] + scale * A[e] @ B[e]        A (E, in, r), B (E, r, out), scale = alpha / r
 
 the sum formed before the experts run, so every expert computes on its own adapted weight. The
 adapter of a weight is a ``ParamLoRA`` at ``<experts>.<weight>_lora``; experts that have one become
-``LoRAExperts``, which run ``LlamaExperts.run_on`` on the adapted weights. The base weights stay at
+``LoRAExperts`` (``GptOssLoRAExperts``), which run their ``run_on`` on the adapted weights. The base weights stay at
 their paths, so porting and checkpoints see the base model.
 
 ``lora.apply(model, parameters=[...])`` adds them (it draws A and B, as for every LoRA, and
 ``find_parameters`` says which weights the names select); ``lora.merge``, ``unmerge`` and ``remove``
 take them as they take the linear layers' LoRA. PEFT's files hold A as (E r, in) (expert-major rows)
-and B as (out, r E) (expert-minor columns); ``interop.peft`` converts. PEFT refuses dropout on a
+and B as (out, r E) (expert-minor columns), in and out the weight's true ones whichever way transformers
+stores it (Mixtral's (E, out, in), which PEFT swaps, or GPT-OSS's (E, in, out), ``is_transposed``);
+``interop.peft`` converts. PEFT refuses dropout on a
 ``ParamWrapper``, and so does ``lora.apply``. No torch here.
 """
 
@@ -24,11 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_transformer.models.moe import LlamaExperts
+from flax_transformer.models.moe import GptOssExperts, LlamaExperts
 
-__all__ = ["EXPERT_PARAMETERS", "LoRAExperts", "ParamLoRA", "find_parameters"]
+__all__ = ["EXPERT_PARAMETERS", "EXPERT_TYPES", "GptOssLoRAExperts", "LoRAExperts", "ParamLoRA", "find_parameters",
+           "lora_class_of", "plain_class_of"]
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the LlamaExperts weights a LoRA can take, in definition order
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the experts' weights a LoRA can take, in definition order
+EXPERT_TYPES = (LlamaExperts, GptOssExperts)  # the experts whose EXPERT_PARAMETERS take LoRA
 
 
 @jax.jit
@@ -79,19 +83,41 @@ class ParamLoRA(nnx.Module):
         weight.set_value(_added(weight[...], sign * self.update_matrix()))
 
 
-class LoRAExperts(LlamaExperts):
-    """A ``moe.LlamaExperts`` whose weights take ``ParamLoRA``s (children ``gate_up_proj_lora``,
-    ``down_proj_lora``): the experts run on ``W + scale * A @ B`` (each weight alone once merged)."""
+class AdaptedExperts:
+    """What experts whose weights take ``ParamLoRA``s (children ``gate_up_proj_lora``, ``down_proj_lora``)
+    add to their base class: they run (their ``run_on``) on ``W + scale * A @ B`` (each weight alone once
+    merged)."""
 
     def adapters(self) -> list[ParamLoRA]:
         """Its adapters, in ``EXPERT_PARAMETERS`` order."""
         return [a for n in EXPERT_PARAMETERS if isinstance(a := getattr(self, f"{n}_lora", None), ParamLoRA)]
 
     def __call__(self, x, experts, weights):
-        """(T, H), (T, k), (T, k) -> (T, H): ``LlamaExperts.__call__`` on the adapted weights."""
+        """(T, H), (T, k), (T, k) -> (T, H): the base experts' ``__call__`` on the adapted weights."""
         used = {name: getattr(self, name)[...] for name in EXPERT_PARAMETERS}
         used.update({a.parameter: a.shifted(used[a.parameter]) for a in self.adapters() if not a.merged})
         return self.run_on(x, experts, weights, **used)
+
+
+class LoRAExperts(AdaptedExperts, LlamaExperts):
+    """A ``moe.LlamaExperts`` whose weights take ``ParamLoRA``s (``AdaptedExperts``)."""
+
+
+class GptOssLoRAExperts(AdaptedExperts, GptOssExperts):
+    """A ``moe.GptOssExperts`` whose weights take ``ParamLoRA``s (``AdaptedExperts``); its biases take none."""
+
+
+_LORA_CLASS = {LlamaExperts: LoRAExperts, GptOssExperts: GptOssLoRAExperts}  # base experts -> adapted
+
+
+def lora_class_of(experts) -> type:
+    """The adapted class of ``experts`` (a plain ``EXPERT_TYPES`` object)."""
+    return next(adapted for base, adapted in _LORA_CLASS.items() if isinstance(experts, base))
+
+
+def plain_class_of(experts) -> type:
+    """The plain class of adapted ``experts`` (``lora_class_of`` undone)."""
+    return next(base for base, adapted in _LORA_CLASS.items() if isinstance(experts, adapted))
 
 
 def find_parameters(model, parameters: tuple[str, ...], nodes: dict) -> list[tuple]:
@@ -112,13 +138,14 @@ def find_parameters(model, parameters: tuple[str, ...], nodes: dict) -> list[tup
             hits[t] += 1
         if not matched:
             continue
-        if not (isinstance(nodes[path[:-1]], LlamaExperts) and path[-1] in EXPERT_PARAMETERS):
+        if not (isinstance(nodes[path[:-1]], EXPERT_TYPES) and path[-1] in EXPERT_PARAMETERS):
             raise ValueError(f"LoRA parameter {matched[0]!r} matches {dotted}, which is not an expert weight "
-                             f"({', '.join(EXPERT_PARAMETERS)} of a LlamaExperts): only those take LoRA as parameters")
+                             f"({', '.join(EXPERT_PARAMETERS)} of a LlamaExperts or GptOssExperts): only those "
+                             "take LoRA as parameters")
         found.append((*path[:-1], f"{path[-1]}_lora"))
     unmatched = [t for t, n in hits.items() if n == 0]
     if unmatched:
-        names = sorted({".".join(map(str, p)) for p, n in nodes.items() if isinstance(n, LlamaExperts)})[:1]
+        names = sorted({".".join(map(str, p)) for p, n in nodes.items() if isinstance(n, EXPERT_TYPES)})[:1]
         raise ValueError(f"LoRA parameters {unmatched} match no parameter of the {type(model).__name__}"
                          + (f"; its experts are like {names[0]}.gate_up_proj" if names else "; it has no experts"))
     return found

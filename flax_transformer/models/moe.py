@@ -292,8 +292,13 @@ class GptOssExperts(RecordsInit, nnx.Module):
         self.down_proj_bias = nnx.Param(jnp.zeros((e, hidden), param_dtype))
 
     def __call__(self, x, experts, weights):
+        return self.run_on(x, experts, weights, self.gate_up_proj[...], self.down_proj[...])
+
+    def run_on(self, x, experts, weights, gate_up_proj, down_proj):
+        """As ``LlamaExperts.run_on``: the experts (with their own biases) on the weights given, the hook
+        through which ``lora_experts.GptOssLoRAExperts`` runs them on adapted weights."""
         gate = functools.partial(_clamped_swiglu, limit=self.limit, alpha=self.alpha)
-        return run_experts(self.implementation, x, experts, weights, self.gate_up_proj[...], self.down_proj[...],
+        return run_experts(self.implementation, x, experts, weights, gate_up_proj, down_proj,
                            gate, self.gate_up_proj_bias[...], self.down_proj_bias[...], dtype=self.dtype)
 
 

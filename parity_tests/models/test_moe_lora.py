@@ -1,8 +1,11 @@
 """LoRA on the llama family's mixtures of experts against peft: attention (``target_modules``) and the
 fused experts (``target_parameters``, peft's ``ParamWrapper``: one LoRA per expert on transformers 5's
-``experts.gate_up_proj`` / ``experts.down_proj``), both ways through PEFT folders.
+``experts.gate_up_proj`` / ``experts.down_proj``), both ways through PEFT folders. transformers holds
+Mixtral's and Qwen3-MoE's expert weights (E, out, in) (peft swaps in and out) and GPT-OSS's (E, in, out)
+as ours (``is_transposed``: peft does not swap); the adapter files hold A (E r, in) and B (out, r E) either way.
 
-Reference: ``peft.PeftModel`` on tiny random transformers Qwen3-MoE and Mixtral models (no download).
+Reference: ``peft.PeftModel`` on tiny random transformers Qwen3-MoE, Mixtral and GPT-OSS models (no download;
+GPT-OSS's attention projections have biases, its experts biases that take no LoRA).
 Tolerance: TOL (1e-5, fp32, matmul precision "highest"). Every compared adapter has a non-zero B
 (a fresh one is zero and would hide a lost adapter), and each test checks that the adapters change
 the output by far more than TOL. Gradients: of sum(output * W) for a fixed random W, for every
@@ -19,7 +22,7 @@ from flax import nnx
 
 from flax_transformer.interop import hf, peft
 from flax_transformer.models import lora, lora_experts
-from flax_transformer.models.moe import LlamaExperts
+from flax_transformer.models.moe import GptOssExperts, LlamaExperts
 from parity_tests.conftest import TOL
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -34,12 +37,17 @@ MODELS = {  # model_type -> transformers model of a tiny config
         intermediate_size=24, moe_intermediate_size=8, num_experts=4, **TINY)),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         intermediate_size=8, num_local_experts=4, **TINY)),
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=12, num_local_experts=4, sliding_window=4, tie_word_embeddings=False, **TINY)),
 }
+INPUT_FIRST = {"gpt_oss"}  # transformers' expert weights (E, in, out) as ours; the others' (E, out, in)
+EXPERTS = {"qwen3_moe": LlamaExperts, "mixtral": LlamaExperts, "gpt_oss": GptOssExperts}  # our experts' class
 # model_type -> (target_modules, target_parameters), sorted as peft writes them, so that the JAX model
 # load_peft builds is the one apply built (one compiled program for both). Mixtral adapts one expert
 # weight, so that peft wraps it alone (experts.lora_A), Qwen3-MoE both (gate_up_proj one base_layer deeper)
 TARGETS = {"qwen3_moe": (["o_proj", "q_proj"], ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]),
-           "mixtral": (["v_proj"], ["experts.down_proj"])}
+           "mixtral": (["v_proj"], ["experts.down_proj"]),
+           "gpt_oss": (["o_proj", "q_proj"], ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -99,7 +107,13 @@ def _ours_of(module, leaf: str, tensor) -> np.ndarray:
         t.reshape(t.shape[0], -1, e).transpose(2, 1, 0)
 
 
-def _compare(ours, theirs, base_logits):
+def _as_ours(kind: str, weight) -> np.ndarray:
+    """A transformers expert weight (or peft's delta of one) in our (E, in, out) layout."""
+    weight = weight.detach().numpy()
+    return weight if kind in INPUT_FIRST else weight.transpose(0, 2, 1)
+
+
+def _compare(ours, theirs, base_logits, kind="qwen3_moe"):
     """Ours and peft's: the same adapters (values), logits and gradients of every adapter tensor."""
     want, adapters = _theirs(theirs)
     logits, grads = _forward_and_grads(ours, jnp.asarray(IDS))
@@ -115,8 +129,7 @@ def _compare(ours, theirs, base_logits):
             assert np.abs(grad).max() > 1e-4, (path, leaf)  # B is not zero: A learns too
         if isinstance(layer, lora_experts.ParamLoRA):  # the delta peft adds to the weight, in our (E, in, out) layout
             wrapper = _wrapper(theirs, path)
-            assert _err(layer.update_matrix(), wrapper.get_delta_weight("default").detach().numpy()
-                        .transpose(0, 2, 1)) < TOL
+            assert _err(layer.update_matrix(), _as_ours(kind, wrapper.get_delta_weight("default"))) < TOL
     return np.asarray(logits)
 
 
@@ -147,7 +160,10 @@ def _experts_weights(model) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow_cases({"mixtral": "test_moe_adapter_goes_both_ways_through_peft[qwen3_moe] (the same code on "
                                     "Mixtral's names; one expert weight alone: "
-                                    "test_one_expert_weight_alone_goes_both_ways_and_bad_configs_are_refused)"})
+                                    "test_one_expert_weight_alone_goes_both_ways_and_bad_configs_are_refused)",
+                         "gpt_oss": "test_moe_adapter_goes_both_ways_through_peft[qwen3_moe] (the same code) and "
+                                    "test_gpt_oss_expert_adapters_hold_peft_s_tensors_and_delta (GPT-OSS's layout "
+                                    "and wrappers; about 25 s: its own compile of forward and gradients)"})
 def test_moe_adapter_goes_both_ways_through_peft(folder, tmp_path):
     """Ours saved and loaded by peft, then peft's own loaded by ours: adapters, output and gradients
     equal; our merge equals peft's merge_and_unload; remove gives the base experts back."""
@@ -170,13 +186,13 @@ def test_moe_adapter_goes_both_ways_through_peft(folder, tmp_path):
     result = theirs.load_adapter(tmp_path / "ours", adapter_name="again")
     assert not [k for k in result.missing_keys if "lora_" in k] and not result.unexpected_keys
     theirs.set_adapter("default")
-    _compare(ours, theirs, base_logits)
+    _compare(ours, theirs, base_logits, kind)
     lora.merge(ours)  # the experts' weights take the update, as peft's merge does
     merged = theirs.merge_and_unload().model.layers[0].mlp.experts
     for name, weight in _experts_weights(ours).items():
-        assert _err(weight, getattr(merged, name).detach().numpy().transpose(0, 2, 1)) < TOL
+        assert _err(weight, _as_ours(kind, getattr(merged, name))) < TOL
     lora.remove(ours, merge_weights=False)
-    assert not lora.layers(ours) and type(ours.model.layers[0].mlp.experts) is LlamaExperts
+    assert not lora.layers(ours) and type(ours.model.layers[0].mlp.experts) is EXPERTS[kind]
     assert all(_err(w, base_weights[n]) < 1e-6 for n, w in _experts_weights(ours).items())
 
     torch.manual_seed(0)  # and back: an adapter peft made itself, loaded by ours
@@ -190,7 +206,7 @@ def test_moe_adapter_goes_both_ways_through_peft(folder, tmp_path):
     ours = peft.load_peft(hf.from_pretrained(path), tmp_path / "theirs")
     ours.eval()
     assert lora.config_of(ours).parameters == tuple(parameters)
-    _compare(ours, theirs.eval(), base_logits)
+    _compare(ours, theirs.eval(), base_logits, kind)
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +300,35 @@ def test_certified_export_of_expert_lora_passes_and_rechecks(moe, moe_folder, tm
     save_file(tensors, tmp_path / "adapter" / peft.WEIGHTS_FILE, metadata={"format": "pt"})
     report = certificate_peft.recheck(tmp_path / "adapter")
     assert not report.ok and any(key in f for f in report.failures), report.failures
+
+
+def test_gpt_oss_expert_adapters_hold_peft_s_tensors_and_delta(tmp_path):
+    """GPT-OSS's experts (transformers' (E, in, out), as ours: peft does not swap in and out) with both
+    weights adapted, saved by ours and loaded by peft: each ``ParamWrapper`` holds our A and B, its delta
+    is our update (E, in, out) as it stands, and ours reads the folder back. No forward (the slow case of
+    test_moe_adapter_goes_both_ways_through_peft compares outputs and gradients)."""
+    torch.manual_seed(0)
+    MODELS["gpt_oss"]().save_pretrained(tmp_path / "hf")
+    base = hf.from_pretrained(tmp_path / "hf")
+    ours = lora.apply(nnx.clone(base), rank=2, alpha=6, targets=(), parameters=TARGETS["gpt_oss"][1],
+                      rngs=nnx.Rngs(0))
+    assert type(ours.model.layers[0].mlp.experts) is lora_experts.GptOssLoRAExperts
+    _random_b(ours)
+    peft.save_peft(ours, tmp_path / "adapter")
+    theirs = peft_lib.PeftModel.from_pretrained(_base(tmp_path / "hf"), tmp_path / "adapter")
+    layers = lora.layers(ours)
+    assert sorted(layers) == [f"model.layers.0.mlp.experts.{n}_lora" for n in ("down_proj", "gate_up_proj")]
+    for path, layer in layers.items():
+        wrapper = _wrapper(theirs, path)
+        assert wrapper.num_experts == 4 and wrapper.get_param().shape == layer.update_matrix().shape
+        for leaf in ("lora_A", "lora_B"):
+            assert _err(getattr(layer, leaf)[...], _ours_of(wrapper, leaf, getattr(wrapper, leaf)["default"].weight
+                                                               .detach())) == 0.0, (path, leaf)
+        delta = _as_ours("gpt_oss", wrapper.get_delta_weight("default"))
+        assert _err(layer.update_matrix(), delta) < TOL and np.abs(delta).max() > 100 * TOL, path
+    back = lora.layers(peft.load_peft(nnx.clone(base), tmp_path / "adapter"))
+    assert sorted(back) == sorted(layers)
+    assert all(_err(getattr(back[k], leaf)[...], getattr(layers[k], leaf)[...]) == 0.0
+               for k in back for leaf in ("lora_A", "lora_B"))
+    lora.remove(ours, merge_weights=False)
+    assert type(ours.model.layers[0].mlp.experts) is GptOssExperts

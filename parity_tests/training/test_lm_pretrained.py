@@ -268,8 +268,8 @@ def test_gpt2_folder_exports_and_the_default_context(tmp_path):
 
 
 @pytest.mark.parametrize("kind", list(GEMMAS))
-@pytest.mark.slow_cases({"gemma2": "test_gemma_folder_trains_resumes_and_exports[gemma3_text] (the same run on Gemma 3's "
-                                   "sandwich norms and windows); Gemma 2's caps: test_llama_hf's gemma2 folders"})
+@pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state (the same loop on an "
+                  "HF folder), test_folder_imports (Gemma folders), test_llama's Gemma gradients (about 70 s per case)")
 def test_gemma_folder_trains_resumes_and_exports(kind, tmp_path):
     """Two steps on a Gemma 2 / Gemma 3 folder (contexts of 16 against a 4-key window) with --export-hf: the loss
     falls, transformers loads the export as the folder's class with nothing missing and the run's logits; the run

@@ -28,6 +28,10 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
   ``model(input_ids, attention_mask=None, position_ids=None)`` -> logits. Names are
   transformers' own; a tied model's file holds no ``lm_head.weight``, as transformers
   writes it.
+* A multimodal ``gemma3`` folder (``text_config`` + ``vision_config``) -> its language model, the
+  same ``gemma3_text`` model (``language_model.model.*`` as transformers saves it, or
+  ``model.language_model.*``); the vision tower and projector are left out with one warning that
+  counts them. ``save_pretrained`` writes it back as a ``gemma3_text`` folder.
 * A folder in Meta's original layout (``consolidated.NN.pth`` + ``params.json``, no ``config.json``)
   -> the same ``llama.LlamaForCausalLM``; ``meta_llama`` renames, joins the model-parallel shards
   and moves ``wq``/``wk``'s rows from Meta's interleaved RoPE to transformers' half split.

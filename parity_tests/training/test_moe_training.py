@@ -39,6 +39,10 @@ KINDS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=5,
                                          num_experts_per_tok=2, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=3, clip_qkv=3.0)),
+    "gpt_oss": ("GptOssConfig", dict(  # sliding then full, biases, sinks (transformers' defaults), YaRN x4 of 16
+        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=16, truncate=False))),
 }
 SLOW = ("the kept case covers the others: Qwen2-MoE (a shared expert, a dense layer); the forwards of all four "
         "are test_moe_generate's")
@@ -154,7 +158,7 @@ def test_train_step_equals_transformers_and_continues_through_torch_state(folder
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"])
 @pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state")
 def test_train_step_loss_equals_transformers(folders, kind):
     folder = folders(kind)
@@ -221,6 +225,53 @@ def test_fine_tune_logs_the_aux_loss_and_exports_a_folder_transformers_loads(who
     with torch.no_grad():
         out = reference(input_ids=ids, labels=ids, output_router_logits=True)
     assert out.aux_loss is not None and len(out.router_logits) == 1  # one sparse layer, one dense
+
+
+@pytest.mark.slow(reason="test_train_step_equals_transformers_and_continues_through_torch_state (the same loop on an "
+                  "MoE folder) and test_gpt_oss_moe (GPT-OSS's forward and aux loss); about 90 s: two compiles")
+def test_gpt_oss_folder_trains_resumes_and_exports(folders, tmp_path):
+    """Two steps on a GPT-OSS folder with --export-hf: the loss falls, ``aux_loss`` and ``lm_loss`` are logged
+    (their sum the loss), the experts and the router train, transformers loads the export (its names, with
+    nothing missing; its aux loss) with the run's logits; the run resumed from its step-1 checkpoint through
+    ``train.lm`` ends in the same state bit for bit."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from train.lm import main
+
+    from .test_llama_training import _assert_same_state
+
+    folder = folders("gpt_oss")
+    (tmp_path / "text.txt").write_text(TEXT)
+    config = lm.LMConfig.tiny(model="hf", init=str(folder), text=str(tmp_path / "text.txt"), context=16, steps=2,
+                              lr=1e-2, eval_every=2, checkpoint_every=1, eval_batches=1, sample_tokens=1)
+    metrics = lm.train_and_evaluate(config, tmp_path / "whole", progress=False, export_hf=tmp_path / "export")
+    assert metrics["step"] == 2 and metrics["val_loss"] < metrics["init_val_loss"]
+    train = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    train = [line for line in train if line["split"] == "train"]
+    assert train and all(abs(line["lm_loss"] + COEF * line["aux_loss"] - line["loss"]) <= 1e-5 for line in train)
+    assert all(1.0 <= line["aux_loss"] <= 4.0 for line in train)  # k = 2 for an even load, E = 4 at worst
+    check = metrics["export_check"]
+    assert check["same_ids"] and not any(check["loading_info"].values()) and check["max_abs_diff"] <= check["tolerance"]
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "gpt_oss"
+    exported, before = load_file(tmp_path / "export" / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert exported.keys() == before.keys()  # transformers' names: fused experts, biases, sinks
+    for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj_bias",
+                "model.layers.0.mlp.router.weight", "model.layers.1.self_attn.sinks"):
+        assert np.abs(exported[key] - before[key]).max() > 1e-4, f"{key} did not train"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ids = torch.tensor([[1, 5, 9, 12, 7]])
+    with torch.no_grad():
+        out = reference(input_ids=ids, labels=ids, output_router_logits=True)
+    assert type(reference).__name__ == "GptOssForCausalLM" and out.aux_loss is not None
+
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "whole", split)
+    shutil.rmtree(split / "checkpoints" / "2")
+    (split / "sample.txt").unlink()
+    assert main(["--out", str(split), "--resume", "--no-progress"]) == 0
+    _assert_same_state(tmp_path / "whole", split)
 
 
 # ----------------------------------------------------------------------------- the --experts preset

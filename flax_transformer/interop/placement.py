@@ -23,8 +23,10 @@ import jax
 
 from flax_transformer.models.lora_experts import EXPERT_PARAMETERS
 
-# the weights of a ``moe.LlamaExperts`` (E first); a ``lora_experts.ParamLoRA`` on one lives at ``<name>_lora``
+# the weights of a ``moe.LlamaExperts`` or ``GptOssExperts`` (E first); a ``lora_experts.ParamLoRA`` on one
+# lives at ``<name>_lora``. GPT-OSS's experts' biases are E first too, and take no LoRA.
 EXPERT_WEIGHTS = EXPERT_PARAMETERS
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 class PlacementError(ValueError):
@@ -48,14 +50,14 @@ def path_names(path) -> tuple[str, ...]:
 
 
 def is_expert_tensor(path) -> bool:
-    """Whether the parameter at ``path`` has one slice per expert along its first axis: a
-    ``LlamaExperts`` weight, the ``lora_A``/``lora_B`` of its ``ParamLoRA``, or an optimizer moment of one."""
+    """Whether the parameter at ``path`` has one slice per expert along its first axis: an experts'
+    weight or (GPT-OSS) bias, the ``lora_A``/``lora_B`` of a weight's ``ParamLoRA``, or an optimizer moment of one."""
     names = path_names(path)
     for i, name in enumerate(names[:-1]):
         if name != "experts":
             continue
         rest = names[i + 1:]
-        if rest in {(w,) for w in EXPERT_WEIGHTS}:
+        if rest in {(w,) for w in EXPERT_WEIGHTS + EXPERT_BIASES}:
             return True
         if len(rest) == 2 and rest[0] in {f"{w}_lora" for w in EXPERT_WEIGHTS} and rest[1] in ("lora_A", "lora_B"):
             return True

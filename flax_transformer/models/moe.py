@@ -250,7 +250,8 @@ def _clamped_swiglu(h, limit: float, alpha: float):
 
 class GptOssTopKRouter(RecordsInit, nnx.Module):
     """GPT-OSS's router: ``weight`` (E, H) and ``bias`` (E,). (T, H) -> (logits (T, E), scores (T, k),
-    experts (T, k)): the k largest logits, then the softmax of those k alone, in the logits' dtype."""
+    experts (T, k)): the k largest logits, then the softmax of those k alone (its statistics in float32,
+    where transformers' run in the logits' dtype), the scores in the logits' dtype."""
 
     _init_converters = {"config": LlamaConfig.from_any}
 
@@ -264,7 +265,7 @@ class GptOssTopKRouter(RecordsInit, nnx.Module):
     def __call__(self, x):
         logits = x.astype(self.dtype) @ self.weight[...].astype(self.dtype).T + self.bias[...].astype(self.dtype)
         top, experts = jax.lax.top_k(logits, self.top_k)
-        return logits, jax.nn.softmax(top, axis=-1), experts
+        return logits, jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(logits.dtype), experts
 
 
 class GptOssExperts(RecordsInit, nnx.Module):

@@ -7,9 +7,9 @@ token then goes through other experts and its output differs by far more than an
 neither side is wrong. A check that fails such a port is useless; one loosened until it passes hides
 a real routing bug. The float64 torch reference tells them apart:
 
-* every router call (a ``moe.LlamaTopKRouter`` in the Flax model, the module of the same path in
-  torch: ``torch_reference``'s or transformers' ``*TopKRouter``, which return ``(logits, weights,
-  experts)``) is recorded in torch fp32, torch float64 and JAX;
+* every router call (a ``moe.LlamaTopKRouter`` or GPT-OSS's ``GptOssTopKRouter`` in the Flax model,
+  the module of the same path in torch: ``torch_reference``'s or transformers' ``*TopKRouter``, which
+  return ``(logits, weights, experts)``) is recorded in torch fp32, torch float64 and JAX;
 * a token whose chosen set of experts differs between torch and JAX is a **near tie** when the
   float64 router logits of the swapped experts differ by at most ``margin``, twice the router
   logits' float64 budget (``precision.budget`` of torch's own error: each side may be that far
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from flax import nnx
 
-from flax_transformer.models.moe import LlamaTopKRouter
+from flax_transformer.models.moe import GptOssTopKRouter, LlamaTopKRouter
 from flax_transformer.verification import capture, measure
 from flax_transformer.verification import precision as _precision
 
@@ -40,8 +40,9 @@ EXAMPLES = 3  # divergent tokens named per router
 
 
 def router_paths(flax_model) -> list[str]:
-    """The dotted paths of the Flax model's routers (``moe.LlamaTopKRouter``), in model order."""
-    return [".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model) if isinstance(node, LlamaTopKRouter)]
+    """The dotted paths of the Flax model's routers (``moe.LlamaTopKRouter``, GPT-OSS's), in model order."""
+    return [".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model)
+            if isinstance(node, (LlamaTopKRouter, GptOssTopKRouter))]
 
 
 @dataclass(frozen=True)

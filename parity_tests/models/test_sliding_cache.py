@@ -90,7 +90,8 @@ def test_going_back_over_written_positions_works_up_to_the_rewind_bound(tiny):
     assert np.abs(_decode(model, ids, 12, back - 1) - full[:, back - 1:]).max() > 1e-3, kind
 
 
-@pytest.mark.keep_cases("alternating", reason="the kept cases cover the others: the alternating kinds hold a ring and a full layer side by side")
+@pytest.mark.slow(reason="test_greedy_past_the_window_equals_transformers (generate with the ring on a padded batch, "
+                        "against transformers) and test_ring_decode_equals_the_full_forward_at_every_step")
 def test_generate_with_the_ring_equals_generate_without_a_cache_on_a_padded_batch(tiny):
     """Prompts 9, 2 and 5 long, right-padded, 20 new tokens: the bucket's 16-wide prefill is longer than
     the rewind bound, so generate prefills in chunks and the loop goes back to the shortest prompt."""

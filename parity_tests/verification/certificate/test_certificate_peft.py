@@ -42,6 +42,8 @@ def _save(model, base, folder, **kwargs):
     return export.save_peft(model, folder, base=base, task_type="SEQ_CLS", modules_to_save=["classifier"], **kwargs)
 
 
+@pytest.mark.slow(reason="test_a_changed_base_fails_the_recheck (the same certified export, measured through peft "
+                        "and re-checked)")
 def test_certified_export_measures_through_peft_and_rechecks(adapted, tmp_path, capsys):
     base, model = adapted
     _save(model, base, tmp_path / "adapter")

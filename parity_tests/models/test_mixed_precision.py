@@ -16,7 +16,11 @@ from flax import nnx
 from flax_transformer.interop import porting
 from flax_transformer.verification import frameworks, verify
 
-MODEL_SPECS = [s for s in verify.specs() if s.name in verify.MODELS]
+# A mixture of experts is left out: in bf16 a token's top-k may flip at a near tie, and its output moves far
+# beyond this bound though both runs are right (GPT-OSS's model: one of 21 tokens chose other experts, 0.30
+# there, every other token within 0.035 of a scale of 2.2). Its bf16 check tells flips from bugs:
+# compare's routing check under bf16's budget (bench/bf16_budget.py --family gpt_oss, test_bf16_budget).
+MODEL_SPECS = [s for s in verify.specs() if s.name in verify.MODELS and s.family != "gpt_oss"]
 BOUND = 3e-2
 
 
@@ -35,7 +39,6 @@ BOUND = 3e-2
     "encoder-TransformerForSequenceClassification(BERT, mean)": "test_bf16_compute_stays_within_the_bound: the same bound on TransformerForSequenceClassification",
     "gemma-LlamaForCausalLM(Gemma 2: caps, sliding then full)": "test_bf16_compute_stays_within_the_bound: the same bound on gpt; test_softmax_norm_and_pooling_statistics_are_float32_under_bf16 traces it in bf16",
     "gemma-LlamaForCausalLM(Gemma 3: local RoPE base, linear scaling on the full layer)": "test_bf16_compute_stays_within_the_bound: the same bound on gpt; test_softmax_norm_and_pooling_statistics_are_float32_under_bf16 traces it in bf16",
-    "gpt_oss-LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)": "test_bf16_compute_stays_within_the_bound: the same bound on gpt; test_softmax_norm_and_pooling_statistics_are_float32_under_bf16 traces it in bf16",
 })
 def test_bf16_compute_stays_within_the_bound(spec):
     case = "padding" if "padding" in spec.cases else spec.cases[0]

@@ -1,7 +1,9 @@
 """The mixture of experts of the llama family in PyTorch: the router, the experts held fused, the
 load-balancing loss. ``llama.LlamaSparseMoeBlock`` puts them together (with Qwen2-MoE's shared expert);
 GPT-OSS's block is ``GptOssMLP`` here (transformers' ``GptOssTopKRouter``, ``GptOssExperts``: names,
-layouts and math, the experts' sum in grouped_mm's order).
+layouts and math, the experts' sum in grouped_mm's order), DeepSeek-V3's ``DeepseekV3MoE`` (its
+``DeepseekV3TopkRouter``: sigmoid scores, group-limited choice with a correction bias; ``LlamaExperts``;
+always-on ``shared_experts``).
 
 Parameter names and layouts are transformers 5's in-memory ones: ``mlp.gate.weight`` (E, H),
 ``mlp.experts.gate_up_proj`` (E, 2I, H) with gate in the first I rows and up in the last, and
@@ -25,9 +27,10 @@ from torch import nn
 from flax_transformer.models.llama_config import LlamaConfig
 
 from ._common import ACTIVATIONS, Module
+from .llama_layers import LlamaMLP
 
-__all__ = ["GptOssExperts", "GptOssMLP", "GptOssTopKRouter", "LlamaExperts", "LlamaTopKRouter", "load_balancing_loss",
-           "route"]
+__all__ = ["DeepseekV3MoE", "DeepseekV3TopkRouter", "GptOssExperts", "GptOssMLP", "GptOssTopKRouter", "LlamaExperts",
+           "LlamaTopKRouter", "group_limited_route", "load_balancing_loss", "route"]
 
 
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -178,6 +181,81 @@ class GptOssMLP(Module):
         if router_logits is not None:
             router_logits.append(logits)
         return self.experts(flat, experts, scores).reshape(b, t, -1), scores
+
+
+def group_limited_route(logits, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                        scaling: float):
+    """DeepSeek-V3's choice, as transformers' ``DeepseekV3TopkRouter``: logits (T, E) -> (weights (T, k),
+    experts (T, k)). Scores are ``sigmoid(logits)``; the experts are chosen by ``scores + bias`` (the
+    correction bias) among the ``topk_group`` groups whose two best corrected scores sum highest, and
+    weighted by the scores alone, divided by their sum (+ 1e-20) if ``norm_topk_prob``, times ``scaling``."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    tokens, experts = scores.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    groups = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(topk_group, dim=-1)[1]  # (T, topk_group)
+    kept = torch.zeros(tokens, n_group, dtype=torch.bool, device=logits.device).scatter_(1, groups, True)
+    choice = choice.masked_fill(~kept[:, :, None].expand_as(grouped).reshape(tokens, experts), float("-inf"))
+    chosen = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, chosen
+
+
+class DeepseekV3TopkRouter(Module):
+    """DeepSeek-V3's gate: ``weight`` (E, H) and the buffer ``e_score_correction_bias`` (E,), both float32
+    as transformers keeps them. (T, H) -> (logits (T, E), weights (T, k), experts (T, k)), the logits and
+    weights in float32 (float64 in a float64 model) whatever the input's dtype."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.num_experts, self.n_group, self.topk_group = (moe.num_experts_per_tok, moe.num_experts,
+                                                                       moe.n_group, moe.topk_group)
+        self.norm_topk_prob, self.routed_scaling_factor = moe.norm_topk_prob, moe.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size).normal_(0.0, 0.02))
+        self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
+
+    def forward(self, x):
+        dtype = _statistics_dtype(x.dtype)
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        weights, experts = group_limited_route(logits, self.e_score_correction_bias.to(dtype), self.top_k,
+                                               self.n_group, self.topk_group, self.norm_topk_prob,
+                                               self.routed_scaling_factor)
+        return logits, weights, experts
+
+
+class DeepseekV3MoE(Module):
+    """DeepSeek-V3's sparse block: ``gate``, ``experts`` and the always-on ``shared_experts`` (one gated MLP of
+    ``n_shared_experts * moe_intermediate_size``, no gate). (b, t, H) -> (b, t, H); ``router_logits``, a
+    list, gets the (b t, E) logits."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config):
+        super().__init__()
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.hidden_size = config.hidden_size
+        self.gate = DeepseekV3TopkRouter(config)
+        self.experts = LlamaExperts(config)
+        if moe.n_shared_experts:
+            self.shared_experts = LlamaMLP(config, moe.moe_intermediate_size * moe.n_shared_experts)
+
+    def forward(self, x, router_logits=None):
+        b, t, _ = x.shape
+        flat = x.reshape(-1, self.hidden_size)
+        logits, weights, experts = self.gate(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        out = self.experts(flat, experts, weights)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        return out.reshape(b, t, -1)
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:

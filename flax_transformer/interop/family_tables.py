@@ -45,7 +45,7 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"position_wise_feed_forward\.0|position_wise_feed_forward\.2": "linear",
         r"layer_norm1|layer_norm2|layer_norm3": "layer_norm",
     },
-    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2/3, Gemma 1-3, the MoEs, GPT-OSS)
+    "llama": {  # transformers' own module names (Llama, Mistral, Qwen2/3, Gemma 1-3, the MoEs, GPT-OSS, DeepSeek-V3)
         r"": "rms_norm",  # a bare LlamaRMSNorm
         r"embed_tokens": "embedding",
         r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|shared_expert_gate": "linear",
@@ -54,6 +54,10 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         # gets the last kind's rule for the shared leaves: Mixtral's)
         r"experts": ("gpt_oss_experts", "experts"),
         r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|norm"
-        r"|q_norm|k_norm": "rms_norm",
+        r"|q_norm|k_norm|q_a_layernorm|kv_a_layernorm": "rms_norm",
     },
 }
+
+# modules whose classes belong to a family named otherwise: the llama family's shared layers and its
+# latent attention port with the llama table (``llama`` imports every one of their classes)
+MODULE_FAMILIES = {"llama_layers": "llama", "mla": "llama"}

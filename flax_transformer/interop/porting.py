@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop.family_tables import KEY_MAPS
+from flax_transformer.interop.family_tables import KEY_MAPS, MODULE_FAMILIES
 from flax_transformer.interop.layer_kinds import (
     LEAF_RULES,
     Plan,
@@ -80,6 +80,7 @@ class LoadResult(NamedTuple):
 def family_or_none(module) -> str | None:
     """The family of a flax_transformer or torch_reference module's class, or None for any other."""
     package, _, family = type(module).__module__.rpartition(".")
+    family = MODULE_FAMILIES.get(family, family)
     return family if package in ("flax_transformer.models", "torch_reference") and family in KEY_MAPS else None
 
 

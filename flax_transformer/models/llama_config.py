@@ -1,5 +1,5 @@
 """The llama family's configuration in one frozen dataclass: Llama, Mistral, Qwen2/3, Gemma 1-3, the
-mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS).
+mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS), DeepSeek-V3.
 
 Pure Python, like ``configs.py``: torch_reference reads it without JAX. Each switch is a
 variant that real checkpoints use; ``LlamaConfig.from_hf`` reads a transformers config (or its
@@ -16,6 +16,7 @@ from flax_transformer.models import llama_hf_config
 from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
 from flax_transformer.models.llama_hf_config import MODEL_TYPES
+from flax_transformer.models.mla_config import MlaConfig
 from flax_transformer.models.moe_config import MOE_TYPES, MoeConfig
 from flax_transformer.models.rope import RopeScaling, llama3_scaling
 
@@ -42,7 +43,11 @@ class LlamaConfig:
             (Qwen3), or over the whole projection before the heads are split (``qk_norm_scope=
             "projection"``: OLMoE).
         clip_qkv: q, k and v clamped to [-clip, clip] after the norms (OLMoE); None = no clamp.
-        moe: the sparse feed-forward blocks (``MoeConfig``: Mixtral, Qwen2/3-MoE, OLMoE); None = dense.
+        moe: the sparse feed-forward blocks (``MoeConfig``: Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS,
+            DeepSeek-V3); None = dense.
+        mla: multi-head latent attention (``MlaConfig``: DeepSeek-V3) in place of grouped-query
+            attention; ``head_dim`` is then its RoPE part's width (``qk_rope_head_dim``), and
+            ``num_key_value_heads`` equals ``num_attention_heads``.
         sliding_window: each query sees at most this many keys, itself included (Mistral).
         layer_types: per layer, "full_attention" or "sliding_attention" (Qwen2/3); None = every
             layer slides when ``sliding_window`` is set, none otherwise.
@@ -89,6 +94,7 @@ class LlamaConfig:
     qk_norm_scope: str = "head"
     clip_qkv: float | None = None
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     norm_plus_one: bool = False
@@ -116,6 +122,21 @@ class LlamaConfig:
             if getattr(self, name) is not None:
                 _set(self, name, check_positive_float(f"LlamaConfig.{name}", getattr(self, name)))
         heads = self.num_attention_heads
+        if isinstance(self.mla, dict):
+            _set(self, "mla", MlaConfig(**self.mla))
+        if self.mla is not None:
+            if not isinstance(self.mla, MlaConfig):
+                raise ValueError(f"LlamaConfig.mla must be an MlaConfig, a dict of its fields or None, got "
+                                 f"{shown(self.mla)}")
+            if self.model_type != "deepseek_v3":
+                raise ValueError(f"a {self.model_type} model has no latent attention (LlamaConfig.mla)")
+            for name, want in (("head_dim", self.mla.qk_rope_head_dim), ("num_key_value_heads", heads)):
+                if getattr(self, name) not in (None, want):
+                    raise ValueError(f"LlamaConfig.{name} is {getattr(self, name)!r}; with latent attention it is "
+                                     f"{want} ({'mla.qk_rope_head_dim' if name == 'head_dim' else 'one per query head'})")
+            _set(self, "head_dim", self.mla.qk_rope_head_dim)
+        elif self.model_type == "deepseek_v3":
+            raise ValueError("a deepseek_v3 model needs latent attention (LlamaConfig.mla)")
         kv = check_size("LlamaConfig.num_key_value_heads", heads if self.num_key_value_heads is None
                         else self.num_key_value_heads)
         if kv > heads:

@@ -10,7 +10,8 @@ conventions, and its class's defaults for the fields a ``config.json`` may leave
   ``query_pre_attn_scalar``, soft-capping (Gemma 2: 50 and 30 unless told), alternating windows
   (every other layer, every sixth full in Gemma 3), Gemma 3's q/k norms and its sliding layers' own
   RoPE base (``rope_local_base_freq``, transformers 5's ``rope_parameters["sliding_attention"]``);
-* GPT-OSS's attention sinks, biases, 128-key windows on every other layer, YaRN, and its experts.
+* GPT-OSS's attention sinks, biases, 128-key windows on every other layer, YaRN, and its experts;
+* DeepSeek-V3's latent attention (``MlaConfig``), its routing and dense first layers (``MoeConfig``).
 
 The RoPE settings are read from ``rope_parameters`` (transformers 5, per layer kind where nested) or
 ``rope_scaling`` and ``rope_theta`` (older files), and written both ways. A multimodal Gemma 3's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from flax_transformer.models.mla_config import MlaConfig
 from flax_transformer.models.moe_config import MOE_TYPES, MoeConfig
 from flax_transformer.models.rope import RopeScaling
 
@@ -31,7 +33,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # the fields a config.json may leave out, where the type's class has its own default (transformers 5)
 DEFAULTS = {
     "gemma2": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -76,6 +78,11 @@ def read(config, defaults: dict) -> dict:
     for name, plain in (("use_bidirectional_attention", False), ("partial_rotary_factor", None)):
         if get(name, plain) not in (plain, None, False, 1.0):
             raise ValueError(f"{kind} option {name}={get(name, plain)!r} is not supported")
+    if kind == "deepseek_v3":  # the original configs' names for what transformers' class always computes
+        for name, plain in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+            if get(name, plain) not in (plain, None):
+                raise ValueError(f"{kind} option {name}={get(name, plain)!r} is not supported (transformers' "
+                                 f"DeepseekV3 computes {name}={plain!r})")
     if kind not in ("gemma2", "gemma3_text"):
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if get(name, None) is not None:
@@ -100,6 +107,7 @@ def read(config, defaults: dict) -> dict:
         qk_norm_scope=get("qk_norm_scope", "projection" if kind == "olmoe" else "head"),
         clip_qkv=get("clip_qkv", None) if kind == "olmoe" else None,
         moe=MoeConfig.from_hf(get, kind) if kind in MOE_TYPES else None,
+        mla=MlaConfig.from_hf(get) if kind == "deepseek_v3" else None,
         norm_plus_one=get("norm_plus_one", gemma),
         embed_scale=get("embed_scale", math.sqrt(hidden) if gemma else 1.0),
         sandwich_norms=get("sandwich_norms", kind in ("gemma2", "gemma3_text")),
@@ -108,6 +116,8 @@ def read(config, defaults: dict) -> dict:
         attention_sinks=get("attention_sinks", kind == "gpt_oss"),
         attention_dropout=get("attention_dropout", 0.0) or 0.0, pad_token_id=get("pad_token_id", None),
         bos_token_id=get("bos_token_id", None), eos_token_id=get("eos_token_id", None), model_type=kind)
+    if kind == "deepseek_v3":  # RoPE turns the shared RoPE part (LlamaConfig checks num_key_value_heads = heads)
+        values["head_dim"] = values["mla"].qk_rope_head_dim
     if kind == "qwen2":  # q/k/v always biased, o never (transformers' Qwen2Attention)
         values.update(attention_bias=True, o_proj_bias=False)
     if kind == "qwen2_moe":  # q/k/v biased as qkv_bias says, o never
@@ -183,6 +193,8 @@ def write(config) -> dict:
         out["mlp_bias"] = config.mlp_bias
     if config.moe is not None:
         out.update(config.moe.to_hf(kind, config.intermediate_size))
+    if config.mla is not None:
+        out.update(config.mla.to_hf(), num_mtp_layers=0)
     if kind == "qwen2_moe":
         out["qkv_bias"] = config.attention_bias
     if kind == "olmoe":
@@ -251,7 +263,7 @@ def mismatches(config) -> list[tuple[str, object, object]]:
         want.update(attention_bias=True, o_proj_bias=False)
     if kind == "qwen2_moe":  # q/k/v as qkv_bias says, o never
         want["o_proj_bias"] = False
-    if kind in ("llama", "gemma", "olmoe"):
+    if kind in ("llama", "gemma", "olmoe", "deepseek_v3"):
         want["sliding_window"] = None
     if kind in ("mistral", "mixtral", "qwen3_moe") and config.sliding_window is not None:  # one window for all
         want["layer_types"] = config.layer_types if set(config.layer_types or ()) <= {"sliding_attention"} else None

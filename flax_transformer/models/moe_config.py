@@ -15,11 +15,19 @@ qwen3_moe      ``num_experts``        ``moe_intermediate_..`` ``norm_topk_prob``
 olmoe          ``num_experts``        ``intermediate_size``   ``norm_topk_prob``   (q/k norms over the whole width)
 gpt_oss        ``num_local_experts``  ``intermediate_size``   always (softmax of   a router and experts with biases,
                                                               the top k logits)    the clamped SwiGLU (``swiglu_*``)
+deepseek_v3    ``n_routed_experts``   ``moe_intermediate_..`` ``norm_topk_prob``   sigmoid scores, group-limited
+                                                              (+ 1e-20)            choice with a correction bias,
+                                                                                   ``routed_scaling_factor``,
+                                                                                   ``n_shared_experts``, dense
+                                                                                   first layers
 =============  =====================  ======================  ===================  =============================
 
 Every router but GPT-OSS's is transformers': a bias-free linear gate, softmax over all experts in
 float32, then the top ``num_experts_per_tok`` (softmax before top-k), renormalised where the row
-says. GPT-OSS's (``GptOssMLP``) has a bias and takes the softmax of the top k logits.
+says. GPT-OSS's (``GptOssMLP``) has a bias and takes the softmax of the top k logits. DeepSeek-V3's
+(``DeepseekV3TopkRouter``) scores every expert with a sigmoid in float32 and chooses by the scores plus
+``e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` groups, weighting by the scores
+alone.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from dataclasses import dataclass
 from flax_transformer.models.arg_checks import check_positive_float, check_size, shown
 from flax_transformer.models.configs import _check_fields, _set
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
-_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "qwen3_moe": 0.001, "olmoe": 0.01, "gpt_oss": 0.001}  # transformers' defaults
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+# transformers' defaults (its DeepSeek-V3 adds no load-balancing loss: the correction bias balances instead)
+_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "qwen3_moe": 0.001, "olmoe": 0.01, "gpt_oss": 0.001,
+             "deepseek_v3": 0.0}
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,13 @@ class MoeConfig:
             in train mode only.
         swiglu_limit, swiglu_alpha: GPT-OSS's experts: ``(clamp(up, -limit, limit) + 1) *
             g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+        n_group, topk_group: DeepSeek-V3's group-limited choice: the experts in ``n_group`` equal groups,
+            a group scored by the sum of its two best (bias-corrected) scores, the top k chosen among the
+            ``topk_group`` best groups only.
+        routed_scaling_factor: DeepSeek-V3's routing weights are multiplied by it (after renormalising).
+        n_shared_experts: DeepSeek-V3's always-on ``shared_experts``, one gated MLP of
+            ``n_shared_experts * moe_intermediate_size`` (0: none).
+        first_k_dense_replace: DeepSeek-V3's first layers are dense (``LlamaConfig.intermediate_size``).
     """
 
     num_experts: int = 8
@@ -68,6 +85,11 @@ class MoeConfig:
     router_jitter_noise: float = 0.0
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
 
     def __post_init__(self):
         _check_fields(self, sizes=("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -89,12 +111,24 @@ class MoeConfig:
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0 or coef == float("inf"):
             raise ValueError(f"MoeConfig.router_aux_loss_coef must be a finite number >= 0, got {shown(coef)}")
         _set(self, "router_aux_loss_coef", float(coef))
-        for name in ("swiglu_limit", "swiglu_alpha"):
+        for name in ("swiglu_limit", "swiglu_alpha", "routed_scaling_factor"):
             _set(self, name, check_positive_float(f"MoeConfig.{name}", getattr(self, name)))
+        _check_fields(self, sizes=("n_group", "topk_group"), counts=("n_shared_experts", "first_k_dense_replace"))
+        e, groups = self.num_experts, self.n_group
+        if e % groups or self.topk_group > groups:
+            raise ValueError(f"MoeConfig: n_group ({groups}) must divide num_experts ({e}) and topk_group "
+                             f"({self.topk_group}) be at most n_group")
+        if groups > 1 and e // groups < 2:  # a group is scored by its two best experts
+            raise ValueError(f"MoeConfig: each of the n_group={groups} groups needs 2 or more experts, "
+                             f"num_experts={e} gives {e // groups}")
+        if self.num_experts_per_tok > self.topk_group * (e // groups):
+            raise ValueError(f"MoeConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be at most the "
+                             f"experts of topk_group={self.topk_group} groups ({self.topk_group * (e // groups)})")
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has the sparse block (else a dense MLP), as transformers decides."""
-        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+        return (layer_idx >= self.first_k_dense_replace and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     # -------------------------------------------------------------- transformers
 
@@ -104,20 +138,27 @@ class MoeConfig:
         if kind not in MOE_TYPES:
             raise ValueError(f"model_type {kind!r} has no mixture of experts ({', '.join(MOE_TYPES)})")
         # transformers maps one name to the other by kind (Qwen3-MoE saves num_local_experts, Qwen2-MoE num_experts)
-        experts = get("num_local_experts", None) or get("num_experts", None)
+        experts = get("num_local_experts", None) or get("num_experts", None) or get("n_routed_experts", None)
         if experts is None:
             raise ValueError(f"a {kind} config needs num_experts (or num_local_experts)")
-        qwen = kind in ("qwen2_moe", "qwen3_moe")
-        values = dict(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", 4 if kind == "gpt_oss" else 2),
+        qwen = kind in ("qwen2_moe", "qwen3_moe", "deepseek_v3")  # a moe_intermediate_size of their own
+        per_token = {"gpt_oss": 4, "deepseek_v3": 8}.get(kind, 2)
+        values = dict(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", None) or per_token,
                       moe_intermediate_size=get("moe_intermediate_size" if qwen else "intermediate_size", None),
-                      norm_topk_prob=True if kind in ("mixtral", "gpt_oss") else bool(get("norm_topk_prob", False)),
-                      fp32_routing_weights=kind == "mixtral",
+                      norm_topk_prob=True if kind in ("mixtral", "gpt_oss") else bool(
+                          get("norm_topk_prob", kind == "deepseek_v3")),
+                      fp32_routing_weights=kind in ("mixtral", "deepseek_v3"),
                       router_aux_loss_coef=get("router_aux_loss_coef", _AUX_COEF[kind]))
         if values["moe_intermediate_size"] is None:
             raise ValueError(f"a {kind} config needs {'moe_intermediate_size' if qwen else 'intermediate_size'}")
         if kind == "qwen2_moe":
             values["shared_expert_intermediate_size"] = get("shared_expert_intermediate_size", None) or None
-        if qwen:
+        if kind == "deepseek_v3":  # DeepseekV3Config's defaults
+            values.update(n_group=get("n_group", None) or 8, topk_group=get("topk_group", None) or 4,
+                          routed_scaling_factor=get("routed_scaling_factor", 2.5),
+                          n_shared_experts=get("n_shared_experts", 1) or 0,
+                          first_k_dense_replace=get("first_k_dense_replace", None) or 0)
+        elif qwen:
             values.update(decoder_sparse_step=get("decoder_sparse_step", 1),
                           mlp_only_layers=tuple(get("mlp_only_layers", None) or ()))
         if kind == "mixtral":
@@ -131,8 +172,13 @@ class MoeConfig:
         wrong = []
         if kind in ("mixtral", "gpt_oss") and not self.norm_topk_prob:
             wrong.append(("norm_topk_prob", False, True))
-        if self.fp32_routing_weights != (kind == "mixtral"):
-            wrong.append(("fp32_routing_weights", self.fp32_routing_weights, kind == "mixtral"))
+        fp32 = kind in ("mixtral", "deepseek_v3")
+        if self.fp32_routing_weights != fp32:
+            wrong.append(("fp32_routing_weights", self.fp32_routing_weights, fp32))
+        if kind != "deepseek_v3":
+            plain = dict(n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=0, first_k_dense_replace=0)
+            wrong.extend((name, getattr(self, name), value) for name, value in plain.items()
+                         if getattr(self, name) != value)
         if kind != "gpt_oss" and (self.swiglu_limit, self.swiglu_alpha) != (7.0, 1.702):
             wrong.append(("swiglu_limit, swiglu_alpha", (self.swiglu_limit, self.swiglu_alpha), "GPT-OSS's only"))
         if (kind == "qwen2_moe") != (self.shared_expert_intermediate_size is not None):
@@ -141,6 +187,8 @@ class MoeConfig:
         if kind not in ("qwen2_moe", "qwen3_moe") and (self.decoder_sparse_step != 1 or self.mlp_only_layers):
             wrong.append(("dense layers (decoder_sparse_step, mlp_only_layers)",
                           (self.decoder_sparse_step, self.mlp_only_layers), (1, ())))
+        if kind == "deepseek_v3" and self.router_aux_loss_coef:
+            wrong.append(("router_aux_loss_coef", self.router_aux_loss_coef, 0.0))
         if kind in ("mixtral", "olmoe", "gpt_oss") and self.moe_intermediate_size != dense_intermediate_size:
             wrong.append(("moe_intermediate_size", self.moe_intermediate_size, dense_intermediate_size))
         if kind != "mixtral" and self.router_jitter_noise:
@@ -148,9 +196,15 @@ class MoeConfig:
         if wrong:
             raise ValueError(f"transformers' {kind} model cannot hold this mixture of experts: " + "; ".join(
                 f"{name}={value!r} (a {kind} has {want!r})" for name, value, want in wrong))
-        out = dict(num_experts_per_tok=self.num_experts_per_tok, router_aux_loss_coef=self.router_aux_loss_coef,
-                   output_router_logits=False)
-        if kind == "mixtral":
+        out = dict(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=False)
+        if kind != "deepseek_v3":
+            out["router_aux_loss_coef"] = self.router_aux_loss_coef
+        if kind == "deepseek_v3":
+            out.update(n_routed_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                       n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                       routed_scaling_factor=self.routed_scaling_factor, n_shared_experts=self.n_shared_experts,
+                       first_k_dense_replace=self.first_k_dense_replace)
+        elif kind == "mixtral":
             out.update(num_local_experts=self.num_experts, router_jitter_noise=self.router_jitter_noise)
         elif kind == "gpt_oss":
             out.update(num_local_experts=self.num_experts, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)

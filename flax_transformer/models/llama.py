@@ -1,4 +1,4 @@
-"""Llama-style decoders in Flax NNX: Llama, Mistral, Qwen2, Qwen3 and Gemma, one family.
+"""Llama-style decoders in Flax NNX: Llama, Mistral, Qwen2, Qwen3, Gemma, the MoEs and DeepSeek-V3, one family.
 
 The twin of ``torch_reference.llama``: same class names, constructor arguments (plus
 keyword-only ``rngs``, ``dtype``, ``param_dtype``), call signatures and parameter paths
@@ -47,11 +47,12 @@ from flax_transformer.models.llama_layers import (
     check_position_ids,
     repeat_kv,
 )
-from flax_transformer.models.moe import GptOssMLP, LlamaExperts, LlamaTopKRouter
+from flax_transformer.models.mla import DeepseekV3Attention, latent_cache
+from flax_transformer.models.moe import DeepseekV3MoE, GptOssMLP, LlamaExperts, LlamaTopKRouter
 from flax_transformer.models.ring_cache import ring_keep, ring_rewind, ring_slots, update_ring
 from flax_transformer.models.rope import RopeScaling
 
-__all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
+__all__ = ["DeepseekV3Attention", "DeepseekV3MoE", "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaSparseMoeBlock", "RopeScaling"]
 
 
@@ -191,11 +192,11 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         norm = dict(eps=config.rms_norm_eps, plus_one=config.norm_plus_one, **kw)
         self.dtype = dtype
-        self.self_attn = LlamaAttention(config, layer_idx, **kw)
+        self.self_attn = (LlamaAttention if config.mla is None else DeepseekV3Attention)(config, layer_idx, **kw)
         sparse = config.moe is not None and config.moe.is_sparse(layer_idx)
-        self.mlp = LlamaSparseMoeBlock(config, **kw) if sparse else LlamaMLP(config, **kw)
-        if config.model_type == "gpt_oss":  # every layer sparse: router and experts with biases
-            self.mlp = GptOssMLP(config, **kw)
+        # GPT-OSS: router and experts with biases; DeepSeek-V3: sigmoid routing, shared experts
+        block = {"gpt_oss": GptOssMLP, "deepseek_v3": DeepseekV3MoE}.get(config.model_type, LlamaSparseMoeBlock)
+        self.mlp = block(config, **kw) if sparse else LlamaMLP(config, **kw)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, **norm)
         sandwich = config.sandwich_norms
@@ -221,7 +222,8 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         if isinstance(self.mlp, GptOssMLP):
             out, _ = self.mlp(normed, router_logits)  # and the router scores, as transformers'
         else:
-            out = self.mlp(normed, router_logits) if isinstance(self.mlp, LlamaSparseMoeBlock) else self.mlp(normed)
+            sparse = isinstance(self.mlp, (LlamaSparseMoeBlock, DeepseekV3MoE))
+            out = self.mlp(normed, router_logits) if sparse else self.mlp(normed)
         x = x + (out if self.post_feedforward_layernorm is None else self.post_feedforward_layernorm(out))
         return (x, extra) if cache is not None or return_weights else x
 
@@ -333,8 +335,12 @@ class LlamaForCausalLM(_LlamaConfigModule):
         """An empty key/value cache for decoding up to ``length`` positions: per layer, keys and values
         (batch, num_key_value_heads, slots, head_dim), the grouped heads only (a 1/groups of the
         query heads' size); slots = ``length`` for a full layer, and for a sliding layer of window W
-        a ring of min(length, ``ring_cache.ring_slots(W)``) (W - 1 + min(W, 128)): O(W), not O(length)."""
-        c, windows = self.config, [layer.self_attn.sliding_window for layer in self.model.layers]
+        a ring of min(length, ``ring_cache.ring_slots(W)``) (W - 1 + min(W, 128)): O(W), not O(length).
+        With latent attention (DeepSeek-V3), per layer the latents and RoPE keys (``mla.latent_cache``)."""
+        c = self.config
+        if c.mla is not None:  # DeepSeek-V3: the latent and the shared RoPE key (mla.latent_cache)
+            return [latent_cache(c, batch, length, self.dtype) for _ in self.model.layers]
+        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
         return [empty_cache(1, batch, c.num_key_value_heads, length if w is None else min(length, ring_slots(w)),
                             c.head_dim, self.dtype)[0] for w in windows]
 
@@ -342,7 +348,7 @@ class LlamaForCausalLM(_LlamaConfigModule):
         """How far back a ``decode_step`` may start from the furthest position written (``generate``
         prefills in chunks no longer than this): the smallest ``ring_cache.ring_rewind`` of the sliding
         layers; None (any) without one."""
-        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in self.model.layers]
         return min((ring_rewind(w) for w in windows if w is not None), default=None)
 
     def decode_step(self, tokens, index, cache):

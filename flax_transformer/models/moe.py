@@ -31,6 +31,12 @@ kernel layout: the arrays port as they are (``layer_kinds``: ``"gpt_oss_experts"
 stay interleaved, the gating reading the even and odd columns. They run on the same four
 implementations as ``LlamaExperts`` (``run_experts``: the gating is a function, each row's expert adds
 its bias), and ``set_experts`` reaches them too.
+
+DeepSeek-V3 (``DeepseekV3TopkRouter``, ``DeepseekV3MoE``: transformers' names): sigmoid scores in float32,
+the experts chosen by the scores plus ``e_score_correction_bias`` within the best groups and weighted by
+the scores alone (``group_limited_route``), ``LlamaExperts``, and the always-on ``shared_experts``. The
+router's ``weight`` and bias are stored in float32 whatever ``param_dtype`` is, as transformers keeps
+them (``_keep_in_fp32_modules_strict``); the bias only chooses, so its gradient is zero.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ from flax import nnx
 from flax_transformer.models.constructor_records import RecordsInit
 from flax_transformer.models.layers import ACTIVATIONS
 from flax_transformer.models.llama_config import LlamaConfig
+from flax_transformer.models.llama_layers import LlamaMLP
 
-__all__ = ["IMPLEMENTATIONS", "GptOssExperts", "GptOssMLP", "GptOssTopKRouter", "LlamaExperts", "LlamaTopKRouter",
-           "load_balancing_loss", "route", "run_experts", "set_experts"]
+__all__ = ["IMPLEMENTATIONS", "DeepseekV3MoE", "DeepseekV3TopkRouter", "GptOssExperts", "GptOssMLP", "GptOssTopKRouter",
+           "LlamaExperts", "LlamaTopKRouter", "group_limited_route", "load_balancing_loss", "route", "run_experts",
+           "set_experts"]
 
 IMPLEMENTATIONS = ("grouped", "ragged", "blocked", "dense")
 BLOCK_ROWS = 128  # "blocked": the most rows of one block (fewer when the experts get fewer rows on average)
@@ -360,3 +368,75 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
         counts = counts + jnp.sum(hits * keep[:, None], axis=0)
         probs_sum, rows = probs_sum + jnp.sum(probs * keep[:, None], axis=0), rows + jnp.sum(keep)
     return num_experts * jnp.sum((counts / rows) * (probs_sum / rows))
+
+
+def group_limited_route(logits, bias, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                        scaling: float):
+    """DeepSeek-V3's choice, as transformers' ``DeepseekV3TopkRouter``: logits (T, E) -> (weights (T, k),
+    experts (T, k)). Scores are ``sigmoid(logits)``; the experts are chosen by ``scores + bias`` (the
+    correction bias) among the ``topk_group`` groups whose two best corrected scores sum highest, and
+    weighted by the scores alone, divided by their sum (+ 1e-20) if ``norm_topk_prob``, times ``scaling``."""
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + jax.lax.stop_gradient(bias)
+    tokens, experts = scores.shape
+    group_scores = jax.lax.top_k(choice.reshape(tokens, n_group, experts // n_group), 2)[0].sum(axis=-1)
+    groups = jax.lax.top_k(group_scores, topk_group)[1]  # (T, topk_group)
+    kept = jnp.any(groups[..., None] == jnp.arange(n_group), axis=-2)  # (T, n_group)
+    choice = jnp.where(jnp.repeat(kept, experts // n_group, axis=-1), choice, -jnp.inf)
+    chosen = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, chosen
+
+
+class DeepseekV3TopkRouter(RecordsInit, nnx.Module):
+    """DeepSeek-V3's gate: ``weight`` (E, H) and ``e_score_correction_bias`` (E,), stored in float32. (T, H) ->
+    (logits (T, E), weights (T, k), experts (T, k)), the logits and weights in float32."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        moe = config.moe
+        self.top_k, self.n_group, self.topk_group = moe.num_experts_per_tok, moe.n_group, moe.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = moe.norm_topk_prob, moe.routed_scaling_factor
+        self.dtype = jnp.promote_types(dtype, jnp.float32)  # the statistics' type
+        self.weight = nnx.Param(_normal(rngs.params(), (moe.num_experts, config.hidden_size), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32))
+
+    def __call__(self, x):
+        logits = x.astype(self.dtype) @ self.weight[...].astype(self.dtype).T
+        weights, experts = group_limited_route(logits, self.e_score_correction_bias[...].astype(self.dtype),
+                                               self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+                                               self.routed_scaling_factor)
+        return logits, weights, experts
+
+
+class DeepseekV3MoE(RecordsInit, nnx.Module):
+    """DeepSeek-V3's sparse block: ``gate``, ``experts`` and the always-on ``shared_experts`` (one gated MLP of
+    ``n_shared_experts * moe_intermediate_size``, no gate). (b, t, H) -> (b, t, H); ``router_logits``, a
+    list, gets the (b t, E) logits."""
+
+    _init_converters = {"config": LlamaConfig.from_any}
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        config = LlamaConfig.from_any(config)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        moe = config.moe
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.gate = DeepseekV3TopkRouter(config, **kw)
+        self.experts = LlamaExperts(config, **kw)
+        self.shared_experts = LlamaMLP(config, moe.moe_intermediate_size * moe.n_shared_experts, **kw) \
+            if moe.n_shared_experts else None
+
+    def __call__(self, x, router_logits=None):
+        b, t, _ = x.shape
+        flat = x.astype(self.dtype).reshape(-1, self.hidden_size)
+        logits, weights, experts = self.gate(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        out = self.experts(flat, experts, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.reshape(b, t, -1)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop.layer_kinds import check_rename
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.verification import measure, routing
 from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.frameworks import apply as _apply
@@ -195,7 +195,14 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
                             measure.check(t, j, None if ref_grads is None else sum_grads(ref_grads, key.torch),
                                    measured=measured, precision=rule,
                                    low=None if low_grads is None else sum_grads(low_grads, key.torch)))
+    buffers = {apply_rename(k, check_rename(rename)) for k, _ in torch_model.named_buffers()}
     for key in flax_only:
+        if key in buffers:  # a torch buffer (DeepSeek's correction bias): no gradient there, so Flax's must be 0
+            zero = np.zeros(np.shape(flax_grads[key]), np.float32)
+            checks[key] = measure.check(zero, flax_grads[key], zero.astype(np.float64) if measured else None,
+                                        measured=measured, precision=rule, low=zero if low_grads else None)
+            notes[key] = "a torch buffer: its gradient is zero"
+            continue
         checks[key] = measure.blank(np.shape(flax_grads[key]), "a Flax parameter that no torch key reaches" + hint)
     # one budget for all gradients: torch's largest error and the largest gradient (precision.grad_budget)
     measured = {k: (c["torch_err"], c["scale"]) for k, c in checks.items() if c["budget"] is not None}

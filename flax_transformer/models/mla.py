@@ -149,8 +149,12 @@ class DeepseekV3Attention(_LlamaConfigModule):
         k = jnp.concatenate((k_pass, jnp.broadcast_to(k_rot.astype(k_pass.dtype), (*k_pass.shape[:-1],
                                                                                    self.qk_rope_head_dim))), axis=-1)
         q = jnp.concatenate((q_pass, q_rot), axis=-1)
+        if self.attention_impl != "reference":  # a fused kernel takes one head width: zeros pad the narrower
+            width = max(q.shape[-1], v.shape[-1])  # (zero features change no score, the scale is given)
+            q, k, v = (jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])]) for a in (q, k, v))
         out, weights = attend(q, k, v, keep, scale=self.scaling, dropout=self.attn_dropout,
                               implementation=self.attention_impl, need_weights=return_weights)
+        out = out[..., :self.v_head_dim]
         out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))  # (b, t, h * v) -> (b, t, hidden)
         if cache is not None:
             return out, cache

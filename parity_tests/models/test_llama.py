@@ -22,7 +22,9 @@ import transformers
 from flax import nnx
 
 import flax_transformer.models.llama as fl
+import flax_transformer.models.llama_layers as fll
 import torch_reference.llama as tl
+import torch_reference.llama_layers as tll
 from flax_transformer.interop import porting
 from flax_transformer.models.attention import set_attention
 from flax_transformer.models.input_specs import InputSpec
@@ -208,8 +210,8 @@ def test_rope_against_transformers_at_long_positions(rope):
         ours = [a.numpy() for a in tl.LlamaRotaryEmbedding(cfg)(x, t_positions)]
     theirs = hf.model.rotary_emb.inv_freq.numpy()
     ulps = 4 if rope["rope_type"] == "dynamic" else 1  # dynamic: two float32 pows per call, torch's and XLA's
-    for framework, freq in (("torch", tl.inverse_frequencies(cfg, torch.float32, "cpu", t_positions).numpy()),
-                            ("Flax", np.asarray(fl.inverse_frequencies(cfg, jnp.asarray(positions))))):
+    for framework, freq in (("torch", tll.inverse_frequencies(cfg, torch.float32, "cpu", t_positions).numpy()),
+                            ("Flax", np.asarray(fll.inverse_frequencies(cfg, jnp.asarray(positions))))):
         assert np.all(np.abs(freq - theirs) <= ulps * np.spacing(theirs)), f"{framework} inverse frequencies"
     got = [np.asarray(a) for a in frameworks.apply(fl.LlamaRotaryEmbedding(cfg), (jnp.zeros(1), jnp.asarray(positions)), {})]
     largest = np.float32(positions.max())  # the largest angle: position * inv_freq[0], which is 1
@@ -255,7 +257,7 @@ def test_attention_and_block_equal_transformers(family, cls, layer, rng):
 def test_conventions_by_hand():
     """Numbers computed on paper: half-split rotation, head-by-head repetition, RoPE's angle, w and 1 + w."""
     x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
-    for framework, to in ((tl, torch.from_numpy), (fl, jnp.asarray)):
+    for framework, to in ((tll, torch.from_numpy), (fll, jnp.asarray)):
         np.testing.assert_array_equal(np.asarray(framework.rotate_half(to(x))), [[-3.0, -4.0, 1.0, 2.0]])
         heads = to(np.arange(2, dtype=np.float32).reshape(1, 2, 1, 1))  # two key/value heads
         assert np.asarray(framework.repeat_kv(heads, 2)).ravel().tolist() == [0, 0, 1, 1]  # not tile's 0, 1, 0, 1

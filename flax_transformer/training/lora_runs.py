@@ -4,7 +4,9 @@ A LoRA run fine-tunes low-rank adapters (``models.lora``) on a pretrained base a
 
 * Targets default to PEFT's per model type (``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``:
   the llama family ``q_proj, v_proj``, GPT-2 ``c_attn``, BERT and RoBERTa ``query, value``; PEFT has
-  none for DistilBERT, whose ``q_lin, v_lin`` are taken here); alpha defaults to 2 * rank.
+  none for DistilBERT, whose ``q_lin, v_lin`` are taken here, nor for DeepSeek-V3, whose attention's
+  projections are: ``q_a_proj, q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa, kv_b_proj, o_proj``);
+  alpha defaults to 2 * rank.
 * The classifier trains the adapters and its head fully, as PEFT's ``modules_to_save=["classifier"]``
   does for ``SEQ_CLS``. PEFT wraps every module whose name *ends with* ``classifier``: BERT's
   ``classifier`` (our ``classifier``), DistilBERT's ``pre_classifier`` and ``classifier`` (ours have
@@ -43,7 +45,12 @@ RECORD = "lora.json"
 DEFAULT_TARGETS = {**{kind: ("q_proj", "v_proj") for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                                                                  "gemma3_text")},
                    "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value"),
-                   "distilbert": ("q_lin", "v_lin")}
+                   "distilbert": ("q_lin", "v_lin"),
+                   # PEFT has none: every projection of multi-head latent attention (there is no v_proj; values and
+                   # the keys' no-RoPE part come out of kv_b_proj, from the latent kv_a_proj_with_mqa makes), as
+                   # DeepSeek fine-tunes with peft target them; q_proj in place of q_a_proj/q_b_proj when
+                   # q_lora_rank is null (default_targets)
+                   "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
 # our head layers that PEFT's SEQ_CLS modules_to_save (["classifier", "score"], matched as suffixes of module
 # names) trains, and the transformers modules they are
 HEADS = {"bert": ("classifier",), "distilbert": ("pre_classifier", "classifier"), "roberta": ("pre_classifier", "classifier")}
@@ -84,12 +91,22 @@ def check_flags(config, *, export_peft=None, overwrite: bool = False, init_from_
     check_output(export_peft, kind="dir", overwrite=overwrite, flag="--export-peft")
 
 
-def settings(config, kind: str) -> dict:
-    """``lora.apply``'s rank, alpha, dropout and targets for a run of ``config`` on a ``kind`` model."""
+def default_targets(hf_config: dict) -> tuple[str, ...] | None:
+    """The default LoRA targets for a model of ``hf_config`` (its config.json), None where there are none."""
+    kind = hf_config.get("model_type")
+    targets = DEFAULT_TARGETS.get(kind)
+    if kind == "deepseek_v3" and hf_config.get("q_lora_rank") is None:  # queries through one q_proj
+        targets = ("q_proj", *(t for t in targets if t not in ("q_a_proj", "q_b_proj")))
+    return targets
+
+
+def settings(config, hf_config: dict) -> dict:
+    """``lora.apply``'s rank, alpha, dropout and targets for a run of ``config`` on the model of ``hf_config``."""
     given = config.lora
-    targets = given.lora_targets or DEFAULT_TARGETS.get(kind)
+    targets = given.lora_targets or default_targets(hf_config)
     if targets is None:
-        raise RunError(f"PEFT has no default LoRA targets for a {kind!r} model: give --lora-targets")
+        raise RunError(f"PEFT has no default LoRA targets for a {hf_config.get('model_type')!r} model: give "
+                       "--lora-targets")
     alpha = given.lora_alpha if given.lora_alpha is not None else 2 * given.lora_rank
     return {"rank": given.lora_rank, "alpha": alpha, "dropout": given.lora_dropout, "targets": list(targets),
             "use_rslora": False}
@@ -151,7 +168,8 @@ def adapt(model, config, *, task: str, folder: Path, run_dir=None, fresh: bool =
     be the one recorded there (``RunError`` naming the init folder otherwise)."""
     from flax_transformer.interop import hf
 
-    kind = hf.read_config(folder).get("model_type")
+    hf_config = hf.read_config(folder)
+    kind = hf_config.get("model_type")
     record = _read_record(run_dir) if run_dir is not None else None
     wrt = trained(task, kind)
     if not fresh and config.lora.init_adapter is not None and not _has_checkpoint(run_dir):
@@ -170,7 +188,7 @@ def adapt(model, config, *, task: str, folder: Path, run_dir=None, fresh: bool =
                 raise RunError(f"--init-adapter {source}: {error}") from None
         else:
             try:
-                lora.apply(model, **settings(config, kind), rngs=_rngs(config))
+                lora.apply(model, **settings(config, hf_config), rngs=_rngs(config))
             except ValueError as error:
                 raise RunError(f"--lora-targets: {error}") from None
     else:

@@ -35,6 +35,7 @@ from flax_transformer.training.torch_state.to_jax import (
     _holder,
     _rng_variables,
     _torch_twin_on_meta,
+    buffer_shapes,
     check_torch_state,
     torch_optimizer,
 )
@@ -73,6 +74,7 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
                               "float32 parameters (bf16 runs keep float32 parameters: --dtype bf16)")
     twin = _torch_twin_on_meta(model)
     names = [n for n, _ in twin.named_parameters()]
+    buffers = list(buffer_shapes(twin))
     try:
         moments = {field: porting.state_dict(_holder(model, lambda path, p, f=field: flat[f][_dotted(path)]))
                    for field in flat}
@@ -87,6 +89,14 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
             if problem:
                 raise TorchStateError(f"{what} {problem} at step {step}: a torch training checkpoint is not written "
                                       "with it (the run diverged, or its state was damaged)")
+    for n in buffers:  # DeepSeek-V3's e_score_correction_bias: a torch buffer, which no optimizer updates
+        problem = value_problem(weights[n])
+        if problem:
+            raise TorchStateError(f"the buffer {n} {problem} at step {step}: a torch training checkpoint is not "
+                                  "written with it")
+        if np.any(moments["mu"][n]) or np.any(moments["nu"][n]):
+            raise TorchStateError(f"{n} is a buffer in torch, outside its optimizer, but its Adam moments here are not "
+                                  f"zero at step {step}: it was trained, and torch's Adam cannot continue it")
     torch_opt, sched = torch_optimizer(twin, optim, decayed=decayed)
     lr = optim.lr * lr_factor(optim, step)
     opt_sd = torch_opt.state_dict()
@@ -102,7 +112,7 @@ def torch_training_state(model, optimizer: nnx.Optimizer, optim: OptimConfig, *,
     rng = {path: torch.from_numpy(np.asarray(jax.random.key_data(v.get_value()) if isinstance(v, nnx.RngKey)
                                              else v.get_value()).astype(np.int64))
            for path, v in _rng_variables(model).items()}
-    return {"model": {n: torch.from_numpy(np.array(weights[n])) for n in names}, "optimizer": opt_sd, "scheduler": sched_sd,
+    return {"model": {n: torch.from_numpy(np.array(weights[n])) for n in (*names, *buffers)}, "optimizer": opt_sd, "scheduler": sched_sd,
             "step": step, "config": _config_json(model), "class": f"{family}.{type(model).__name__}",
             "jax": {"rng": rng}}
 

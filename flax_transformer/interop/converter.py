@@ -35,7 +35,11 @@ PLACEHOLDERS = {"i": r"\d+", "e": r"\d+", "h": r"\d+", "s": r"\d+", "p": "weight
                 "ln": "ln_1|ln_2", "conv": r"attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj",
                 "attn": "q_proj|k_proj|v_proj|o_proj", "qk_norm": "q_norm|k_norm",
                 "mlp": "gate_proj|up_proj|down_proj", "norm": "input_layernorm|post_attention_layernorm",
-                "proj": "gate_up_proj|down_proj"}
+                "proj": "gate_up_proj|down_proj", "mla": "q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj",
+                "mla_norm": "q_a_layernorm|kv_a_layernorm",
+                # the linear layers of a DeepSeek-V3 folder that hold FP8 weights (all but the router and lm_head)
+                "fp8": r"model\.layers\.\d+\.(?:self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
+                       r"|o_proj)|mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate_proj|up_proj|down_proj))"}
 INDEX = r"\d+"  # a field whose values are indices: ordered as numbers, complete from 0
 SOURCE = "t"  # the field that numbers a row's source templates
 

@@ -426,28 +426,42 @@ class MXFP4(Op):
 
 class FP8Blocks(Op):
     """Forward: DeepSeek-V3's float8 (e4m3) ``weight`` and its ``weight_scale_inv`` (one float32 per
-    ``block`` x ``block`` tile, edges included) -> the weight times its tile's scale, in float32; back:
-    each tile scaled so that its largest value is float8's largest (448), rounded to float8."""
+    ``block`` tile, (rows, cols) or one int for both; edges included: a weight whose shape the block does not
+    divide has partial last tiles, as DeepSeek's reference ``weight_dequant`` reads them) -> the weight times its
+    tile's scale, a float32 product (transformers' ``Fp8Dequantize``); back: each tile scaled so that its largest
+    value is float8's largest (448), rounded to float8. A weight that is not float8_e4m3fn, a scale that is not
+    float32, of the wrong tile count, or not finite and positive is refused (``OpShapeError``, naming the weight)."""
 
     closes = SOURCE
 
-    def __init__(self, block: int = 128):
-        self.block = block
+    def __init__(self, block: int | tuple[int, int] = 128):
+        self.block = (block, block) if isinstance(block, int) else tuple(block)
 
     def _tiles(self, shape):
-        return tuple(math.ceil(n / self.block) for n in shape)
+        return tuple(math.ceil(n / b) for n, b in zip(shape, self.block, strict=True))
 
     def _expand(self, scale, shape):
-        return np.repeat(np.repeat(scale, self.block, 0), self.block, 1)[:shape[0], :shape[1]]
+        return np.repeat(np.repeat(scale, self.block[0], 0), self.block[1], 1)[:shape[0], :shape[1]]
+
+    def _check(self, weight, scale):
+        w, s = _shape(weight), _shape(scale)
+        if len(w) != 2 or s != self._tiles(w):
+            expected = f"(out, in) and {list(self._tiles(w))}" if len(w) == 2 else "(out, in)"
+            raise OpShapeError(f"weight {list(w)}, scale {list(s)} (tiles of {list(self.block)})", expected)
+        kinds = [np.dtype(_dtype([v])) for v in (weight, scale)]
+        if kinds != [np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32)]:
+            raise OpShapeError(f"weight {kinds[0]}, scale {kinds[1]}", "a float8_e4m3fn weight, a float32 scale")
+        values = read(scale)  # one float per tile: small, read now so that a bad one fails before any work
+        if not (np.isfinite(values).all() and (values > 0).all()):
+            raise OpShapeError(f"scale {values.ravel()[~(np.isfinite(values.ravel()) & (values.ravel() > 0))][:3]}",
+                               "finite positive scales")
 
     def forward(self, parts, ctx):
         out = {}
         for rest, by in _by(parts, SOURCE).items():
             weight, scale = by[0], by[1]
-            w, s = _shape(weight), _shape(scale)
-            if len(w) != 2 or s != self._tiles(w):
-                raise OpShapeError(f"weight {list(w)}, scale {list(s)}", f"(out, in) and {list(self._tiles(w))}")
-            out[rest] = _lazy([weight, scale], w, np.float32,
+            self._check(weight, scale)
+            out[rest] = _lazy([weight, scale], _shape(weight), np.float32,
                               lambda a, b: a.astype(np.float32) * self._expand(b.astype(np.float32), a.shape))
         return out
 
@@ -455,11 +469,12 @@ class FP8Blocks(Op):
         array = np.asarray(array, np.float32)
         tiles = self._tiles(array.shape)
         scale = np.ones(tiles, np.float32)
+        rows, cols = self.block
         for r in range(tiles[0]):
             for c in range(tiles[1]):
-                tile = array[r * self.block:(r + 1) * self.block, c * self.block:(c + 1) * self.block]
+                tile = array[r * rows:(r + 1) * rows, c * cols:(c + 1) * cols]
                 largest = float(np.abs(tile).max()) if tile.size else 0.0
-                scale[r, c] = largest / 448.0 if largest > 0 else 1.0
+                scale[r, c] = np.float32(largest) / np.float32(448.0) if largest > 0 else 1.0
         weight = (array / self._expand(scale, array.shape)).astype(ml_dtypes.float8_e4m3fn)
         return weight, scale
 
@@ -473,3 +488,6 @@ class FP8Blocks(Op):
                                        [ml_dtypes.float8_e4m3fn, np.float32])
             out[_with(key, SOURCE, 0)], out[_with(key, SOURCE, 1)] = weight, scale
         return out
+
+    def __repr__(self):
+        return f"FP8Blocks({list(self.block)})"

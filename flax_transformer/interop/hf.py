@@ -59,12 +59,14 @@ from flax_transformer.interop.converter import convert, pattern
 from flax_transformer.interop.hf_tables import (
     ENCODERS,
     LLAMA_TYPES,
-    MXFP4_CONFIG,
+    QUANTISATION_CONFIGS,
     check_write_quantisation,
     config_of,
+    dequantised,
     hf_to_ours,
     language_model,
     ours_to_hf,
+    without_mtp,
 )
 from flax_transformer.interop.safetensors_io import open_weights, read
 from flax_transformer.models.arg_checks import check_positive_float
@@ -121,6 +123,13 @@ def read_folder(path, *, classifier: bool = False) -> tuple[dict, str, object, d
             warnings.warn(f"{path}: a multimodal Gemma 3 folder: read its language model (a gemma3_text "
                           f"LlamaForCausalLM) and left out its {len(left_out)} vision tower and projector tensors, "
                           "which a text-only model has no place for", stacklevel=3)
+    weights, left_out, layers = without_mtp(raw, weights)
+    if left_out:
+        warnings.warn(f"{path}: skipped the multi-token-prediction (MTP) module: {len(left_out)} tensors of layer"
+                      f"{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} (num_nextn_predict_layers "
+                      f"after the {raw['num_hidden_layers']} layers), which DeepseekV3ForCausalLM does not run "
+                      "either", stacklevel=3)
+    weights = dequantised(raw, weights)  # FP8 (DeepSeek-V3): float32 weights, lazily
     if kind == "roberta":
         pooler = not classifier and bool({"pooler.dense.weight", "roberta.pooler.dense.weight"} & set(weights))
         config = dataclasses.replace(config, pooler=pooler)
@@ -398,9 +407,12 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
         dtype: the stored dtype (``jnp.bfloat16``, ``jnp.float16``, ``jnp.float32``);
             default each parameter's own. Written as the config's ``dtype``, so transformers
             loads a bf16 folder as bf16.
-        quantisation: None (the default: plain tensors, also for a GPT-OSS read from an MXFP4 folder)
-            or ``"mxfp4"`` (GPT-OSS: the experts' weights as ``*_blocks`` + ``*_scales`` with the
-            released folders' ``quantization_config``; lossy for weights MXFP4 cannot hold).
+        quantisation: None (the default: plain tensors, also for a model read from a quantised folder),
+            ``"mxfp4"`` (GPT-OSS: the experts' weights as ``*_blocks`` + ``*_scales`` with the
+            released folders' ``quantization_config``; lossy for weights MXFP4 cannot hold) or ``"fp8"``
+            (DeepSeek-V3: every linear layer but the router and ``lm_head`` as a float8_e4m3fn ``weight`` and a
+            float32 ``weight_scale_inv`` per 128 x 128 tile, as the released folders; lossy but for weights
+            read from such a folder).
         before_swap: see ``files.write_dir``; ``verification.export.save_pretrained`` writes the
             folder with its verification certificate this way.
 
@@ -430,11 +442,12 @@ def save_pretrained(model, path, *, overwrite: bool = False, tokenizer=None, tok
     else:
         weights = ours_to_hf(kind, state, config, quantisation=quantisation)
     if quantisation is not None:
-        hf_config["quantization_config"] = dict(MXFP4_CONFIG)
-    if dtype is not None:
+        hf_config["quantization_config"] = dict(QUANTISATION_CONFIGS[quantisation])
+    if dtype is not None:  # an FP8 folder's scales stay float32, its float8 weights float8
         hf_config["dtype"] = dtype.name
-        weights = {k: v.astype(dtype) if np.issubdtype(np.dtype(v.dtype), np.floating)
-                   or v.dtype.name == "bfloat16" else v for k, v in weights.items()}
+        weights = {k: v.astype(dtype) if (np.issubdtype(np.dtype(v.dtype), np.floating)
+                   or v.dtype.name == "bfloat16") and not k.endswith("weight_scale_inv") else v
+                   for k, v in weights.items()}
 
     def write(tmp: Path):
         safetensors_io.write_checkpoint(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flax_transformer.interop.converter import Row, convert
-from flax_transformer.interop.converter_ops import MXFP4, Join, Split, Stack
+from flax_transformer.interop.converter_ops import MXFP4, FP8Blocks, Join, Split, Stack
 from flax_transformer.interop.safetensors_io import read
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.llama_config import LlamaConfig
@@ -106,6 +106,16 @@ MIXTRAL_ROWS = [  # Mixtral's files say block_sparse_moe and w1 (gate), w3 (up),
     Row("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),
     *LLAMA_ROWS,
 ]
+DEEPSEEK_V3_ROWS = [  # per-expert files as transformers 5 saves them (and fused ones), the MLA projections
+    *_experts("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+              "model.layers.{i}.mlp.experts.{e}.down_proj.weight", "num_experts"),
+    Row("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate.weight"),
+    Row("model.layers.{i}.mlp.gate.e_score_correction_bias", "model.layers.{i}.mlp.gate.e_score_correction_bias"),
+    Row("model.layers.{i}.mlp.shared_experts.{mlp}.weight", "model.layers.{i}.mlp.shared_experts.{mlp}.weight"),
+    Row("model.layers.{i}.self_attn.{mla}.{p}", "model.layers.{i}.self_attn.{mla}.{p}"),
+    Row("model.layers.{i}.self_attn.{mla_norm}.weight", "model.layers.{i}.self_attn.{mla_norm}.weight"),
+    *LLAMA_ROWS,  # q_proj (no q_lora_rank), o_proj, the norms, the dense first layers' mlp
+]
 GPT_OSS_MXFP4_ROWS = [  # GPT-OSS's released files: the experts' weights in MXFP4, dequantised to bfloat16
     Row(("model.layers.{i}.mlp.experts.{proj}_blocks", "model.layers.{i}.mlp.experts.{proj}_scales"),
         "model.layers.{i}.mlp.experts.{proj}", (MXFP4(),)),
@@ -162,11 +172,69 @@ ENCODERS = {
 }
 
 
-# quantised folders read (dequantised on load), by quantization_config's quant_method -> model_types
-DEQUANTISED = {"mxfp4": ("gpt_oss",)}
+# quantised folders read (dequantised on load) and written, by quantization_config's quant_method -> model_types
+DEQUANTISED = {"mxfp4": ("gpt_oss",), "fp8": ("deepseek_v3",)}
 # what transformers leaves unquantised in GPT-OSS's released folders (written with an MXFP4 export)
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+# DeepSeek-V3's released folders: float8 weights with one float32 ``weight_scale_inv`` per 128 x 128 tile
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+QUANTISATION_CONFIGS = {"mxfp4": MXFP4_CONFIG, "fp8": FP8_CONFIG}
+
+
+def fp8_rows(block) -> list:
+    """The FP8 stage of a DeepSeek-V3 folder: each quantised linear's ``weight`` + ``weight_scale_inv`` -> its
+    float32 weight (``FP8Blocks``), run before the key table (a weight without its scale, or a scale without
+    its weight, is named missing); backwards, the table's output quantised again."""
+    return [Row(("{fp8}.weight", "{fp8}.weight_scale_inv"), "{fp8}.weight", (FP8Blocks(tuple(block)),))]
+
+
+def fp8_block(raw: dict) -> tuple[int, int]:
+    """The (rows, cols) tile of an FP8 folder's ``quantization_config`` (default 128 x 128), checked."""
+    quantised = raw["quantization_config"]
+    block = quantised.get("weight_block_size", [128, 128])
+    if quantised.get("fmt", "e4m3") != "e4m3" or quantised.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"an fp8 quantization_config with fmt {quantised.get('fmt')!r} and activation_scheme "
+                         f"{quantised.get('activation_scheme')!r} is not read here (only 'e4m3', 'dynamic')")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return tuple(block)
+
+
+def dequantised(raw: dict, weights: dict) -> dict:
+    """A folder's tensors with an FP8 folder's quantised weights dequantised (lazily: each is computed when read,
+    in float32 as transformers' ``Fp8Dequantize``); any other folder's as they are (MXFP4 is the table's)."""
+    if check_quantisation(raw) != "fp8":
+        return weights
+    return convert(fp8_rows(fp8_block(raw)), weights, forward=True)
+
+
+MTP_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def without_mtp(raw: dict, weights: dict) -> tuple[dict, list[str], list[int]]:
+    """(a DeepSeek-V3 folder's tensors without its multi-token-prediction layers, the names left out, their layer
+    indices). The released folders hold ``num_nextn_predict_layers`` layers after the model's
+    ``num_hidden_layers`` (enorm, hnorm, eh_proj, shared_head, a decoder layer) that transformers' model does not
+    run either; a tensor of any other layer beyond the model is kept, for the strict load to name."""
+    if raw.get("model_type") != "deepseek_v3":
+        return weights, [], []
+    first = raw.get("num_hidden_layers")
+    extra = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+    if not isinstance(first, int) or not isinstance(extra, int) or extra <= 0:
+        return weights, [], []
+    kept, left_out, layers = {}, [], set()
+    for key, value in weights.items():
+        found = MTP_LAYER.match(key)
+        if found and first <= int(found.group(1)) < first + extra:
+            left_out.append(key)
+            layers.add(int(found.group(1)))
+        else:
+            kept[key] = value
+    return kept, left_out, sorted(layers)
 
 
 def check_quantisation(raw: dict) -> str | None:
@@ -228,6 +296,8 @@ def table_of(kind: str) -> list:
         return MIXTRAL_ROWS
     if kind == "gpt_oss":
         return GPT_OSS_ROWS
+    if kind == "deepseek_v3":
+        return DEEPSEEK_V3_ROWS
     if kind in MOE_TYPES:
         return MOE_ROWS
     return LLAMA_ROWS if kind in LLAMA_TYPES else GPT2_ROWS
@@ -286,14 +356,18 @@ def hf_to_ours(kind: str, weights: dict, config) -> dict:
 def ours_to_hf(kind: str, state: dict, config=None, *, quantisation: str | None = None) -> dict:
     """torch_reference names -> HF names and layouts (the inverse of ``hf_to_ours``); with ``config``,
     every head of a split tensor must be there. ``quantisation="mxfp4"`` (GPT-OSS): the experts' weights
-    as ``*_blocks`` + ``*_scales`` (exact only for weights MXFP4 holds: others are rounded)."""
+    as ``*_blocks`` + ``*_scales`` (exact only for weights MXFP4 holds: others are rounded); ``"fp8"``
+    (DeepSeek-V3): the linear layers' weights as float8 ``weight`` + ``weight_scale_inv`` in 128 x 128 tiles."""
     check_write_quantisation(kind, quantisation)
-    table = table_of(kind) if quantisation is None else GPT_OSS_MXFP4_WRITE_ROWS
-    return convert(table, state, forward=False, config=config, format_name="HuggingFace")
+    table = GPT_OSS_MXFP4_WRITE_ROWS if quantisation == "mxfp4" else table_of(kind)
+    out = convert(table, state, forward=False, config=config, format_name="HuggingFace")
+    if quantisation == "fp8":
+        out = convert(fp8_rows(FP8_CONFIG["weight_block_size"]), out, forward=False, keep_unknown=True)
+    return out
 
 
 def check_write_quantisation(kind: str, quantisation: str | None) -> None:
     """A quantised export is written for GPT-OSS in MXFP4 only; anything else is refused before any work."""
-    if quantisation is not None and (quantisation != "mxfp4" or kind not in DEQUANTISED["mxfp4"]):
-        raise ValueError(f"quantisation {quantisation!r} is not written for a {kind!r} model "
-                         f"(only 'mxfp4', for {', '.join(DEQUANTISED['mxfp4'])})")
+    if quantisation is not None and kind not in DEQUANTISED.get(quantisation, ()):
+        known = "; ".join(f"{m!r} for {', '.join(kinds)}" for m, kinds in DEQUANTISED.items())
+        raise ValueError(f"quantisation {quantisation!r} is not written for a {kind!r} model (written: {known})")

@@ -93,6 +93,18 @@ def read(value) -> np.ndarray:
 # ------------------------------------------------------------------ reading
 
 
+def _raw_reader(file: str, name: str, dtype: np.dtype, shape: tuple):
+    """(read whole, read rows) of a float8 tensor, which safetensors' numpy reader cannot give: its bytes,
+    found by the header's offsets, viewed as the ml_dtypes type."""
+    def read_rows(start, stop):
+        with open(file, "rb") as f:
+            begin = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))[name]["data_offsets"][0] + f.tell()
+            row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            f.seek(begin + start * row)
+            return np.frombuffer(f.read((stop - start) * row), dtype).reshape(stop - start, *shape[1:])
+    return (lambda: read_rows(0, shape[0]) if shape else read_rows(0, 1).reshape(())), read_rows
+
+
 def open_safetensors(file) -> dict[str, Lazy]:
     """Every tensor of a safetensors file as a ``Lazy`` (the header is read and checked now)."""
     from safetensors import SafetensorError, safe_open
@@ -123,7 +135,9 @@ def open_safetensors(file) -> dict[str, Lazy]:
                 code = piece.get_dtype()
                 if code not in _DTYPES:
                     raise ValueError(f"{file}: tensor {name} has dtype {code}, which numpy cannot hold")
-                out[name] = Lazy(piece.get_shape(), _numpy_dtype(_DTYPES[code]), *reader(name))
+                dtype, shape = _numpy_dtype(_DTYPES[code]), tuple(piece.get_shape())
+                readers = _raw_reader(file, name, dtype, shape) if code.startswith("F8") else reader(name)
+                out[name] = Lazy(shape, dtype, *readers)
     except SafetensorError as error:
         raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupted?): {error}") from None
     return out

@@ -32,6 +32,10 @@ a sharded ``*.index.json`` with its shards. ``model_type`` picks the family:
   same ``gemma3_text`` model (``language_model.model.*`` as transformers saves it, or
   ``model.language_model.*``); the vision tower and projector are left out with one warning that
   counts them. ``save_pretrained`` writes it back as a ``gemma3_text`` folder.
+* ``deepseek_v3`` (the same ``LlamaForCausalLM``, with MLA attention and group-limited experts): an FP8
+  folder (``quantization_config.quant_method: "fp8"``) is dequantised on load, lazily, as transformers does;
+  its multi-token-prediction layers (after ``num_hidden_layers``) are left out with one warning.
+  ``save_pretrained(..., quantisation="fp8")`` writes such a folder.
 * A folder in Meta's original layout (``consolidated.NN.pth`` + ``params.json``, no ``config.json``)
   -> the same ``llama.LlamaForCausalLM``; ``meta_llama`` renames, joins the model-parallel shards
   and moves ``wq``/``wk``'s rows from Meta's interleaved RoPE to transformers' half split.

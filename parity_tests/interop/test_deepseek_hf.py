@@ -165,7 +165,8 @@ def test_fp8_folder_reads_as_transformers_dequantises_it(plain, fp8):
 
 def test_fp8_export_rewrites_the_folder_bit_for_bit(fp8, tmp_path):
     """The model read from an FP8 folder exports plain float32 by default, and with ``quantisation="fp8"``
-    the same float8 weights and scales bit for bit."""
+    the same float8 weights and scales bit for bit; with ``dtype=bf16`` too, in shards, the scales float32,
+    which transformers loads with nothing missing."""
     model = hf.torch_from_pretrained(fp8)
     source = open_weights(fp8)
     written = open_weights(hf.save_pretrained(model, tmp_path / "fp8", quantisation="fp8"))
@@ -175,6 +176,13 @@ def test_fp8_export_rewrites_the_folder_bit_for_bit(fp8, tmp_path):
     plain = hf.save_pretrained(model, tmp_path / "plain")
     assert "quantization_config" not in json.loads((plain / "config.json").read_text())
     assert not any(k.endswith("_scale_inv") for k in open_weights(plain))
+    bf16 = hf.save_pretrained(model, tmp_path / "bf16", quantisation="fp8", dtype=ml_dtypes.bfloat16,
+                              max_shard_size=20_000)
+    written = open_weights(bf16)
+    assert {k for k, v in written.items() if v.dtype == np.float32} == {k for k in source if k.endswith("_scale_inv")}
+    for key in (k for k, v in source.items() if v.dtype == ml_dtypes.float8_e4m3fn):
+        np.testing.assert_array_equal(read(written[key]).view(np.uint8), read(source[key]).view(np.uint8), err_msg=key)
+    assert transformers_load(bf16)[1] == {}
     with pytest.raises(ValueError, match="'fp8' for deepseek_v3"):
         hf.save_pretrained(hf.torch_from_pretrained(fp8), tmp_path / "x", quantisation="mxfp4")
 

@@ -183,6 +183,9 @@ def test_fp8_export_rewrites_the_folder_bit_for_bit(fp8, tmp_path):
     for key in (k for k, v in source.items() if v.dtype == ml_dtypes.float8_e4m3fn):
         np.testing.assert_array_equal(read(written[key]).view(np.uint8), read(source[key]).view(np.uint8), err_msg=key)
     assert transformers_load(bf16)[1] == {}
+    sharded, whole = hf.read_folder(bf16)[3], hf.read_folder(fp8)[3]  # the shards' float8 read as the file's
+    for key in _quantised_names(fp8):
+        np.testing.assert_array_equal(read(sharded[key]), read(whole[key]), err_msg=key)
     with pytest.raises(ValueError, match="'fp8' for deepseek_v3"):
         hf.save_pretrained(hf.torch_from_pretrained(fp8), tmp_path / "x", quantisation="mxfp4")
 

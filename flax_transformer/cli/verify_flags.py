@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-FAMILIES = ("former", "encoder", "gpt", "classic", "llama", "moe", "gemma", "gpt_oss")
+FAMILIES = ("former", "encoder", "gpt", "classic", "llama", "moe", "gemma", "gpt_oss", "deepseek")
 
 # what ``mode`` returns: the check that runs
 CERTIFIED_PAIR = "certified pair"  # --checkpoint PATH --pair MODULE:FACTORY: your own model's certified export

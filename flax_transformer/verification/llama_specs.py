@@ -1,10 +1,11 @@
-"""The llama family's rows of ``flax-transformer verify``: the specs of its four ``--family`` names.
+"""The llama family's rows of ``flax-transformer verify``: the specs of its five ``--family`` names.
 
 - ``llama``: Llama, Mistral, Qwen2/3 and Gemma 1's switches (``llama_specs``);
 - ``moe``: the mixtures of experts of Mixtral, Qwen2/3-MoE and OLMoE (``moe_specs``);
 - ``gemma``: Gemma 2 and Gemma 3 (``gemma_specs``);
 - ``gpt_oss``: GPT-OSS (``gpt_oss_specs``), a family of its own: its rows are mostly attention (sinks,
-  YaRN, a window on every other layer), which the ``moe`` rows, about routers, do not test.
+  YaRN, a window on every other layer), which the ``moe`` rows, about routers, do not test;
+- ``deepseek``: DeepSeek-V3 (``deepseek_specs``): multi-head latent attention and group-limited routing.
 
 Every module is causal and reads ``attention_mask`` (b, t), 1 = token; the rows run the mask cases
 ``CASES`` (causal, causal with left padding, a row with no token) at positions from ``OFFSETS``: RoPE
@@ -44,21 +45,26 @@ def _rows(family: str, b: int, t: int, emb: int, vocab: int, layers: dict, model
     positions = long_positions(b, t)
     x_in = lambda rng, m: ((floats(rng, b, t, emb), m, positions), {})  # noqa: E731
     ids_in = lambda rng, m: ((ids(rng, vocab, b, t), m, positions), {})  # noqa: E731
-    return ([Spec(family, name, lambda c, cls=cls, cfg=cfg, i=i: _sinks_away_from_zero(cls(cfg, i)), x_in, CASES)
+    return ([Spec(family, name, lambda c, cls=cls, cfg=cfg, i=i: _away_from_zero(cls(cfg, i)), x_in, CASES)
              for name, (cls, cfg, i) in layers.items()]
-            + [Spec(family, name, lambda c, cfg=cfg: _sinks_away_from_zero(tl.LlamaForCausalLM(cfg)), ids_in, CASES)
+            + [Spec(family, name, lambda c, cfg=cfg: _away_from_zero(tl.LlamaForCausalLM(cfg)), ids_in, CASES)
                for name, cfg in models.items()])
 
 
-def _sinks_away_from_zero(module):
+def _away_from_zero(module):
     """Every attention sink drawn from N(0, 2^2) (torch's seeded generator), not transformers' N(0, 0.02^2):
-    a sink that takes half a row's probability or almost none shows a sink read wrong."""
+    a sink that takes half a row's probability or almost none shows a sink read wrong. Every DeepSeek-V3
+    correction bias (a buffer: the rows' noise moves parameters only) from N(0, 0.4^2), beside sigmoid
+    scores in (0, 1): it changes which experts and groups win, so a bias dropped or misread shows."""
     import torch
 
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.rpartition(".")[2] == "sinks":
                 p.copy_(2.0 * torch.randn(p.shape))
+        for name, buffer in module.named_buffers():
+            if name.rpartition(".")[2] == "e_score_correction_bias":
+                buffer.copy_(0.4 * torch.randn(buffer.shape))
     return module
 
 
@@ -169,7 +175,7 @@ def gemma_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
 
 def gpt_oss_config(vocab: int, emb: int):
     """A GPT-OSS config of two layers, a sliding one (window 3) then a full one: attention biases, sinks
-    (``_sinks_away_from_zero`` in the torch builds), YaRN by 32 over an original context of 4096 (head_dim
+    (``_away_from_zero`` in the torch builds), YaRN by 32 over an original context of 4096 (head_dim
     8 puts its four frequencies in every band: kept, two blended, interpolated), and its mixture of
     experts (4 experts, top 2, the clamped SwiGLU at limit 1: the tiny model's gates reach it)."""
     from flax_transformer.models.moe_config import MoeConfig
@@ -198,3 +204,51 @@ def gpt_oss_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
     }
     models = {"LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)": config}
     return _rows("gpt_oss", b, t, emb, vocab, layers, models)
+
+
+def deepseek_configs(vocab: int, emb: int):
+    """Two DeepSeek-V3 configs of two layers, a dense one (``first_k_dense_replace`` 1) then a sparse one,
+    YaRN by 40 over an original context of 4096 with ``mscale`` 1 and ``mscale_all_dim`` 0.707 (the
+    softmax scale and RoPE's attention factor both change; the rows reach 16,386), 8 experts in 4 groups,
+    the best 2 groups kept, top 3 within them, scaled by 2.5. The first: queries through ``q_lora_rank``
+    12, RoPE interleaved, attention biases, one shared expert, renormalised weights; the second: a plain
+    ``q_proj``, half-split RoPE, no biases, two shared experts, weights not renormalised."""
+    from flax_transformer.models.mla_config import MlaConfig
+    from flax_transformer.models.moe_config import MoeConfig
+
+    yarn = dict(rope_type="yarn", factor=40.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707,
+                original_max_position_embeddings=4096)
+    routing = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=12, fp32_routing_weights=True, n_group=4,
+                   topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+
+    def config(q_lora_rank, interleave, bias, shared, norm):
+        mla = MlaConfig(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+                        rope_interleave=interleave)
+        return _base(vocab, emb, num_hidden_layers=2, num_key_value_heads=4, head_dim=8, attention_bias=bias,
+                     o_proj_bias=bias, rope_theta=10000.0, max_position_embeddings=163840, rope_scaling=yarn, mla=mla,
+                     moe=MoeConfig(**routing, n_shared_experts=shared, norm_topk_prob=norm), model_type="deepseek_v3")
+
+    return config(12, True, True, 1, True), config(None, False, False, 2, False)
+
+
+def deepseek_specs(b: int, t: int, emb: int, vocab: int) -> list[Spec]:
+    """DeepSeek-V3 (family "deepseek", ``deepseek_configs``): the latent attention with both query forms
+    and both RoPE layouts, the dense first layer, the sparse layer of each config (``DeepseekV3MoE``: the
+    group-limited router with its correction bias, the experts, the shared experts; porting maps the
+    block within its layer), and both models. Routing near ties are ``compare``'s (``routing.py``)."""
+    from torch_reference import llama as tl
+
+    lora, plain = deepseek_configs(vocab, emb)
+    layers = {
+        "DeepseekV3Attention(q_lora_rank 12, interleaved RoPE, YaRN mscale, biases)": (tl.DeepseekV3Attention, lora, 0),
+        "DeepseekV3Attention(q_proj, half-split RoPE, YaRN mscale)": (tl.DeepseekV3Attention, plain, 0),
+        "LlamaDecoderLayer(DeepSeek-V3: dense first layer)": (tl.LlamaDecoderLayer, lora, 0),
+        "LlamaDecoderLayer(DeepSeek-V3: DeepseekV3MoE top-3 of 8 in 2 of 4 groups, bias, 1 shared)":
+            (tl.LlamaDecoderLayer, lora, 1),
+        "LlamaDecoderLayer(DeepSeek-V3: q_proj, DeepseekV3MoE not renormalised, 2 shared)": (tl.LlamaDecoderLayer, plain, 1),
+    }
+    models = {
+        "LlamaForCausalLM(DeepSeek-V3: q_lora_rank, interleaved RoPE, dense then sparse)": lora,
+        "LlamaForCausalLM(DeepSeek-V3: q_proj, half-split RoPE, dense then sparse)": plain,
+    }
+    return _rows("deepseek", b, t, emb, vocab, layers, models)

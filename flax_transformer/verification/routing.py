@@ -7,18 +7,27 @@ token then goes through other experts and its output differs by far more than an
 neither side is wrong. A check that fails such a port is useless; one loosened until it passes hides
 a real routing bug. The float64 torch reference tells them apart:
 
-* every router call (a ``moe.LlamaTopKRouter`` or GPT-OSS's ``GptOssTopKRouter`` in the Flax model,
-  the module of the same path in torch: ``torch_reference``'s or transformers' ``*TopKRouter``, which
-  return ``(logits, weights, experts)``) is recorded in torch fp32, torch float64 and JAX;
+* every router call (a ``moe.LlamaTopKRouter``, GPT-OSS's ``GptOssTopKRouter`` or DeepSeek-V3's
+  ``DeepseekV3TopkRouter`` in the Flax model, the module of the same path in torch: ``torch_reference``'s
+  or transformers' ``*TopKRouter``/``*TopkRouter``, which return ``(logits, weights, experts)``) is
+  recorded in torch fp32, torch float64 and JAX;
 * a token whose chosen set of experts differs between torch and JAX is a **near tie** when the
   float64 router logits of the swapped experts differ by at most ``margin``, twice the router
   logits' float64 budget (``precision.budget`` of torch's own error: each side may be that far
   from float64, so two experts closer than twice that may be ordered either way); otherwise the
   router **diverges** there, and the report names it;
+* DeepSeek-V3's router (``GroupLimited``) chooses in two steps, each of which can tie: the
+  ``topk_group`` groups whose two best corrected scores (``sigmoid(logits) + e_score_correction_bias``)
+  sum highest, then the top k corrected scores within them. JAX's choice is a near tie when float64
+  could have made it: the groups it drew from, filled up with float64's best other groups, fall short
+  of float64's ``topk_group``-th group score by at most ``group_margin``, and within those groups its
+  experts fall short of the best expert it left out by at most ``margin`` (each twice the float64
+  budget of torch's own error on that quantity, the group sums and the corrected scores);
 * at near ties, ``compare`` runs torch (fp32, float64 and at the model's precision) again with every
   router's choice forced to JAX's (``forced``: the weights recomputed from torch's own scores as the
-  router computes them), so each token's output is compared against the float64 run with the same
-  choice, under the ordinary budget.
+  router computes them: a softmax's, or DeepSeek-V3's sigmoid scores without the bias, renormalised
+  where the router does, times ``routed_scaling_factor``), so each token's output is compared against
+  the float64 run with the same choice, under the ordinary budget.
 
 ``RoutingReport`` also gives each router's expert load of the batch (how many of the tokens' k
 choices went to each expert, torch fp32's choice) and the logits' errors against float64.
@@ -32,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from flax import nnx
 
-from flax_transformer.models.moe import GptOssTopKRouter, LlamaTopKRouter
+from flax_transformer.models.moe import DeepseekV3TopkRouter, GptOssTopKRouter, LlamaTopKRouter
 from flax_transformer.verification import capture, measure
 from flax_transformer.verification import precision as _precision
 
@@ -40,9 +49,52 @@ EXAMPLES = 3  # divergent tokens named per router
 
 
 def router_paths(flax_model) -> list[str]:
-    """The dotted paths of the Flax model's routers (``moe.LlamaTopKRouter``, GPT-OSS's), in model order."""
+    """The dotted paths of the Flax model's routers (``moe.LlamaTopKRouter``, GPT-OSS's, DeepSeek-V3's), in
+    model order."""
     return [".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model)
-            if isinstance(node, (LlamaTopKRouter, GptOssTopKRouter))]
+            if isinstance(node, (LlamaTopKRouter, GptOssTopKRouter, DeepseekV3TopkRouter))]
+
+
+@dataclass(frozen=True)
+class GroupLimited:
+    """How a DeepSeek-V3 router chooses, read from its module: its correction bias (E,) and its sizes."""
+
+    bias: np.ndarray
+    n_group: int
+    topk_group: int
+
+    @classmethod
+    def of(cls, module) -> GroupLimited | None:
+        """The router's rule (torch_reference's, transformers' ``num_group`` or Flax's), or None: not DeepSeek's."""
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is None:
+            return None
+        bias = _numpy(bias[...] if isinstance(bias, nnx.Variable) else bias).astype(np.float64)
+        n_group = getattr(module, "n_group", None) or module.num_group
+        return cls(bias, int(n_group), int(module.topk_group))
+
+    def scores(self, logits: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """(corrected scores (T, E), group scores (T, n_group)) computed in ``dtype``, as the router does."""
+        logits = logits.astype(dtype)
+        corrected = (1 / (1 + np.exp(-logits))).astype(dtype) + self.bias.astype(dtype)
+        grouped = np.sort(corrected.reshape(len(corrected), self.n_group, -1), axis=-1)
+        return corrected, grouped[..., -2:].sum(-1)
+
+    def shortfall(self, corrected: np.ndarray, groups: np.ndarray, chosen) -> tuple[float, float]:
+        """How far one token's ``chosen`` experts fall short of float64's own choice: (group shortfall,
+        expert shortfall), 0 where float64 makes the same choice. Its groups, filled up with the best
+        others, against the ``topk_group``-th best group score; its weakest expert against the best one
+        left out of those groups."""
+        size = len(corrected) // self.n_group
+        drawn = sorted({int(e) // size for e in chosen})
+        if len(drawn) > self.topk_group:
+            return float("inf"), float("inf")
+        others = [int(g) for g in np.argsort(-groups, kind="stable") if int(g) not in drawn]
+        kept = drawn + others[: self.topk_group - len(drawn)]
+        group_short = float(np.sort(groups)[-self.topk_group] - groups[kept].min())
+        left = [e for g in kept for e in range(g * size, (g + 1) * size) if e not in set(map(int, chosen))]
+        expert_short = float(corrected[left].max() - corrected[list(map(int, chosen))].min()) if left else 0.0
+        return max(group_short, 0.0), max(expert_short, 0.0)
 
 
 @dataclass(frozen=True)
@@ -54,11 +106,12 @@ class RouterCheck:
     differ: int  # tokens whose chosen set of experts differs
     near_ties: int  # of those, the float64 logits of the swapped experts within ``margin``
     worst_gap: float  # the largest float64 gap between swapped experts of a token that differs (0: none)
-    margin: float  # 2 x the float64 budget of the router's logits
+    margin: float  # 2 x the float64 budget of the router's logits (DeepSeek-V3: of its corrected scores)
     torch_err: float  # torch fp32's router logits against float64
     jax_err: float  # JAX's router logits against float64
     load: tuple[int, ...]  # per expert, the tokens' choices that went to it (torch fp32)
     examples: tuple[str, ...] = ()  # the first divergent tokens, in words
+    group_margin: float = 0.0  # DeepSeek-V3: 2 x the float64 budget of its group scores (0: no groups)
 
     @property
     def diverged(self) -> bool:
@@ -68,8 +121,9 @@ class RouterCheck:
         head = f"{self.path}: {self.tokens} tokens, load {list(self.load)}"
         if not self.differ:
             return head + ", every choice equal"
+        groups = f", groups <= {self.group_margin:.2e}" if self.group_margin else ""
         text = (f"{head}, {self.differ} chose other experts: {self.near_ties} near ties (float64 gap <= "
-                f"{self.margin:.2e})")
+                f"{self.margin:.2e}{groups})")
         if self.diverged:
             text += (f", {self.differ - self.near_ties} DIVERGE (float64 gap up to {self.worst_gap:.2e}; "
                      + "; ".join(self.examples) + ")")
@@ -79,7 +133,7 @@ class RouterCheck:
         return {"path": self.path, "tokens": self.tokens, "differ": self.differ, "near_ties": self.near_ties,
                 "worst_gap": self.worst_gap, "margin": self.margin, "torch_err": self.torch_err,
                 "jax_err": self.jax_err, "load": list(self.load), "examples": list(self.examples),
-                "diverged": self.diverged}
+                "diverged": self.diverged, "group_margin": self.group_margin}
 
 
 @dataclass(frozen=True)
@@ -126,24 +180,26 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def torch_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{path: (router logits (T, E), chosen experts (T, k))} of one torch forward (no gradient)."""
+def torch_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple]:
+    """{path: (router logits (T, E), chosen experts (T, k), ``GroupLimited`` or None)} of one torch forward
+    (no gradient); the logits as computed (float32 stays float32)."""
     wanted = set(paths)
     _, calls = capture.torch_calls(model, args, kwargs)
     out = {}
     for label, call in capture.labelled([c for c in calls if c.path in wanted]).items():
-        out[label] = (_numpy(call.output[0]).astype(np.float64), _numpy(call.output[2]))
+        out[label] = (_numpy(call.output[0]), _numpy(call.output[2]), GroupLimited.of(call.module))
     return out
 
 
-def flax_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{path: (router logits (T, E), chosen experts (T, k))} of one compiled JAX forward."""
+def flax_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple]:
+    """{path: (router logits (T, E), chosen experts (T, k), ``GroupLimited`` or None)} of one compiled JAX
+    forward."""
     wanted = set(paths)
     _, calls = capture.nnx_calls(model, args, kwargs)
     out = {}
     for label, call in capture.labelled([c for c in calls if c.path in wanted]).items():
         logits, _, chosen = call.output.values() if isinstance(call.output, dict) else call.output  # frozen or not
-        out[label] = (np.asarray(logits, np.float64), np.asarray(chosen))
+        out[label] = (np.asarray(logits), np.asarray(chosen), GroupLimited.of(call.module))
     return out
 
 
@@ -154,16 +210,23 @@ def judge(t32: dict, t64: dict | None, jax: dict, rule=_precision.FP32, why_not:
     """The routers' report from the three runs' routes (``torch_routes``, ``flax_routes``); ``t64``
     None (with ``why_not``): choices compared, differences not judged."""
     checks = []
-    for label, (logits32, chosen32) in t32.items():
+    for label, (logits32, chosen32, *rest) in t32.items():
         if label not in jax:
             continue
-        logits_j, chosen_j = jax[label]
+        logits_j, chosen_j = jax[label][:2]
+        groups = rest[0] if rest else None
         experts = logits32.shape[-1]
         load = tuple(int(n) for n in np.bincount(chosen32.reshape(-1), minlength=experts))
         ref = None if t64 is None else t64.get(label, (None,))[0]
-        torch_err = 0.0 if ref is None else measure.err([logits32], [ref])
-        jax_err = 0.0 if ref is None else measure.err([logits_j], [ref])
+        ref = None if ref is None else np.asarray(ref, np.float64)
+        torch_err = 0.0 if ref is None else measure.err([logits32.astype(np.float64)], [ref])
+        jax_err = 0.0 if ref is None else measure.err([logits_j.astype(np.float64)], [ref])
         margin = 0.0 if ref is None else 2 * rule.budget(torch_err, float(np.max(np.abs(ref), initial=0.0)))
+        group_margin = 0.0
+        if groups is not None and ref is not None:  # DeepSeek-V3: the margins of what it chooses by
+            (c32, g32), (c64, g64) = groups.scores(logits32, np.float32), groups.scores(ref, np.float64)
+            margin = 2 * rule.budget(measure.err([c32.astype(np.float64)], [c64]), float(np.abs(c64).max()))
+            group_margin = 2 * rule.budget(measure.err([g32.astype(np.float64)], [g64]), float(np.abs(g64).max()))
         differ, near, worst, examples = 0, 0, 0.0, []
         for token in range(chosen32.shape[0]):
             a, b = set(chosen32[token].tolist()), set(chosen_j[token].tolist())
@@ -172,14 +235,19 @@ def judge(t32: dict, t64: dict | None, jax: dict, rule=_precision.FP32, why_not:
             differ += 1
             if ref is None:
                 continue
-            gap = max(abs(ref[token, i] - ref[token, j]) for i in a - b for j in b - a)
+            if groups is None:
+                gap = max(abs(ref[token, i] - ref[token, j]) for i in a - b for j in b - a)
+                tie = gap <= margin
+            else:
+                group_short, expert_short = groups.shortfall(c64[token], g64[token], sorted(b))
+                gap, tie = max(group_short, expert_short), group_short <= group_margin and expert_short <= margin
             worst = max(worst, gap)
-            if gap <= margin:
+            if tie:
                 near += 1
             elif len(examples) < EXAMPLES:
                 examples.append(f"token {token}: torch {sorted(a)}, JAX {sorted(b)}, float64 gap {gap:.2e}")
         checks.append(RouterCheck(label, int(chosen32.shape[0]), differ, near, float(worst), float(margin),
-                                  float(torch_err), float(jax_err), load, tuple(examples)))
+                                  float(torch_err), float(jax_err), load, tuple(examples), float(group_margin)))
     skipped = why_not if t64 is None and any(c.differ for c in checks) else ""
     return RoutingReport(tuple(checks), skipped=skipped)
 
@@ -190,7 +258,9 @@ def forced(torch_model, choices: dict[str, np.ndarray]):
 
     Its weights are recomputed from its own logits as the router computes them: softmax in float32
     (float64 in a float64 copy), the chosen probabilities, divided by their sum where the router's own
-    weights sum to 1 (a renormalising router), in the dtype of its weights. The hooks travel with a
+    weights sum to 1 (a renormalising router), in the dtype of its weights; for DeepSeek-V3's router
+    (``e_score_correction_bias``) the sigmoid scores, without the bias, divided by their sum (+ 1e-20)
+    where its ``norm_topk_prob`` says, times its ``routed_scaling_factor``. The hooks travel with a
     ``copy.deepcopy`` of the model (the float64 and bf16 copies ``measure`` makes)."""
     import torch
 
@@ -202,8 +272,13 @@ def forced(torch_model, choices: dict[str, np.ndarray]):
         def hook(module, args, output, chosen=choices[name]):
             logits, weights, experts = output[0], output[1], output[2]
             pick = torch.as_tensor(np.array(chosen), device=experts.device, dtype=experts.dtype)
-            probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            new = probs.gather(-1, pick)
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            if hasattr(module, "e_score_correction_bias"):  # DeepSeek-V3: the scores alone weigh
+                new = wide.sigmoid().gather(-1, pick)
+                if module.norm_topk_prob:
+                    new = new / (new.sum(-1, keepdim=True) + 1e-20)
+                return (logits, (new * module.routed_scaling_factor).to(weights.dtype), pick, *output[3:])
+            new = torch.softmax(wide, dim=-1).gather(-1, pick)
             if torch.allclose(weights.float().sum(-1), torch.ones((), device=weights.device), atol=1e-2):
                 new = new / new.sum(-1, keepdim=True)
             return (logits, new.to(weights.dtype), pick, *output[3:])

@@ -2,7 +2,7 @@
 inputs it reads), and the random inputs the families' specs draw (``floats``, ``ids``).
 
 ``verify.specs()`` lists the specs of every family; ``llama_specs`` holds the llama family's
-(llama, moe, gemma, gpt_oss).
+(llama, moe, gemma, gpt_oss, deepseek).
 """
 
 from __future__ import annotations

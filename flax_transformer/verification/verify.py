@@ -157,6 +157,7 @@ def specs(b: int = 3, t: int = 7) -> list[Spec]:
         *llama_specs.moe_specs(b, t, emb, vocab),
         *llama_specs.gemma_specs(b, t, emb, vocab),
         *llama_specs.gpt_oss_specs(b, t, emb, vocab),
+        *llama_specs.deepseek_specs(b, t, emb, vocab),
     ]
 
 
@@ -296,7 +297,9 @@ MODELS = ("CTransformer(max)", "CTransformer(mean)", "GTransformer", "Transforme
           "LlamaForCausalLM(untied, GQA, llama3 RoPE)", "LlamaForCausalLM(tied, Gemma)",
           "LlamaForCausalLM(Gemma 2: caps, sliding then full)",
           "LlamaForCausalLM(Gemma 3: local RoPE base, linear scaling on the full layer)",
-          "LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)")
+          "LlamaForCausalLM(GPT-OSS: sinks, YaRN, sliding then full, top-2 of 4)",
+          "LlamaForCausalLM(DeepSeek-V3: q_lora_rank, interleaved RoPE, dense then sparse)",
+          "LlamaForCausalLM(DeepSeek-V3: q_proj, half-split RoPE, dense then sparse)")
 
 
 def gradient_rows(*, seed: int = 0, families: tuple[str, ...] | None = None) -> Iterator[Row]:

@@ -88,3 +88,38 @@ def test_the_gpt_oss_layer_rows_pass():
         module, args, kwargs = verify.case_inputs(spec, case, 0)
         for direction, report in verify.both_directions(module, args, kwargs, reports=True):
             assert report.passed, (case, direction, str(report))
+
+
+def test_the_deepseek_rows_hold_every_switch_and_their_biases_choose():
+    """The deepseek rows (``llama_specs.deepseek_specs``): both query forms, both RoPE layouts, attention
+    biases and none, YaRN with ``mscale`` unlike ``mscale_all_dim`` at positions past the original context,
+    group-limited routing, shared experts, a dense first layer and sparse layers on their own; and the
+    correction biases the torch builds draw change which experts its router gives the sparse row's inputs."""
+    from torch_reference import moe as tmoe
+
+    specs = [s for s in verify.specs() if s.family == "deepseek"]
+    built = [_built(spec) for spec in specs]
+    configs = [c for c, _ in built]
+    seen = {
+        "q_lora_rank and q_proj": {c.mla.q_lora_rank is None for c in configs} == {True, False},
+        "interleaved and half-split RoPE": {c.mla.rope_interleave for c in configs} == {True, False},
+        "attention biases and none": {c.attention_bias for c in configs} == {True, False},
+        "mscale != mscale_all_dim": all(c.rope_scaling.mscale != c.rope_scaling.mscale_all_dim for c in configs),
+        "groups": all(1 < c.moe.topk_group < c.moe.n_group for c in configs),
+        "shared experts": all(c.moe.n_shared_experts for c in configs),
+        "a dense first layer": all(c.moe.first_k_dense_replace == 1 for c in configs),
+    }
+    layers = {s.name: i for s, (_, i) in zip(specs, built, strict=True) if s.name.startswith("LlamaDecoderLayer")}
+    assert sorted(layers.values()) == [0, 1, 1] and all(seen.values()), (layers, seen)  # dense, sparse, sparse
+    assert {s.name for s in specs if s.name in verify.MODELS} == {s.name for s in specs if "ForCausalLM" in s.name}
+    assert all(s.cases == llama_specs.CASES for s in specs)
+    sparse = next(s for s in specs if "top-3 of 8" in s.name)
+    layer, args, _ = verify.case_inputs(sparse, "causal", 0)
+    gate = layer.mlp.gate
+    assert gate.e_score_correction_bias.abs().min() > 0
+    assert args[2].max() > 4 * configs[0].rope_scaling.original_max_position_embeddings
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(torch.from_numpy(args[0]).reshape(-1, args[0].shape[-1]), gate.weight)
+        chosen = [tmoe.group_limited_route(logits, bias, 3, 4, 2, True, 1.0)[1].sort(-1).values
+                  for bias in (gate.e_score_correction_bias, torch.zeros(8))]
+    assert (chosen[0] != chosen[1]).any(-1).sum() >= 2, "the drawn biases must change some token's experts"

@@ -7,6 +7,9 @@ with transformers' config classes; no weights), the bytes of ``LlamaForCausalLM.
 in bfloat16, read from its shapes (``nnx.eval_shape`` of the model, ``jax.eval_shape`` of the cache),
 against the same config with its windows off (every layer caching ``length`` positions). A sliding
 layer keeps ``ring_cache.ring_slots`` slots (W - 1 + min(W, 128)); a full layer ``length``.
+DeepSeek-V3 671B (``DeepseekV3Config()``) has no window (ring = full): its row shows the latent cache's
+size (kv_lora_rank + qk_rope_head_dim numbers a layer and token); ``bench/mla_decode.py bytes`` compares
+it with transformers' and with an expanded cache.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def models() -> dict[str, LlamaConfig]:
             vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
             num_key_value_heads=4, head_dim=256, sliding_window=1024),
         "GPT-OSS 20B": transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32),
+        # no window: every layer full, but latent (kv_lora_rank + qk_rope_head_dim a token; bench/mla_decode.py)
+        "DeepSeek-V3 671B": transformers.DeepseekV3Config(),
     }.items()}
 
 

@@ -2,6 +2,7 @@
 
     python bench/llama_bugs.py [--png docs/images/bisect_positions.png]
     python bench/llama_bugs.py --tests gemma_gpt_oss    # issue 34's: Gemma 2, Gemma 3 and GPT-OSS
+    python bench/llama_bugs.py --tests deepseek         # issue 35's: DeepSeek-V3
 
 The bugs, models and inputs are ``parity_tests/verification/test_llama_bisect.py``'s (``BUGS``, ``run``: the
 test asserts these verdicts). Prints a Markdown table: each bug, the module ``bisect`` names
@@ -11,7 +12,9 @@ in the model's output. ``--png`` draws the error per position of the two bugs th
 position, a sliding window one too wide and llama3 RoPE scaling ignored: JAX and torch fp32
 against float64, for the module named and for the model's output, with their budgets.
 About 40 s on one core. ``--tests gemma_gpt_oss`` takes the bugs of
-``parity_tests/verification/test_gemma_gpt_oss_bisect.py`` instead (about 3 minutes).
+``parity_tests/verification/test_gemma_gpt_oss_bisect.py`` instead (about 3 minutes), ``--tests deepseek``
+those of ``parity_tests/verification/test_deepseek_bisect.py`` (all with gradients; about 2 minutes). A module
+with no positions of its own (a router or experts, which see the tokens flattened) has no onset: "-".
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--png", metavar="OUT", help="also draw the error per position of window+1 and rope-scaling")
-    parser.add_argument("--tests", choices=("llama", "gemma_gpt_oss"), default="llama",
-                        help="whose planted bugs: test_llama_bisect's or test_gemma_gpt_oss_bisect's")
+    parser.add_argument("--tests", choices=("llama", "gemma_gpt_oss", "deepseek"), default="llama",
+                        help="whose planted bugs: test_llama_bisect's, test_gemma_gpt_oss_bisect's or "
+                             "test_deepseek_bisect's")
     args = parser.parse_args()
     if args.png and args.tests != "llama":
         parser.error("--png draws test_llama_bisect's bugs")
@@ -47,7 +51,8 @@ def main() -> int:
         path = "" if report.first_divergent == "<model>" else report.first_divergent  # the model's own row
         row = next(r for r in report.rows if r.path == path)
         out = report.positions.get("")
-        starts = f"{report.onset(path)}; {None if out is None else out.onset}"
+        onset = report.onset(path)
+        starts = f"{'-' if onset is None else onset}; {None if out is None else out.onset}"
         print(f"| {bug.what} | `{report.first_divergent}` ({row.status}) | {row.jax_err / row.budget:.2g} | "
               f"{'`' + report.first_divergent_grad + '`' if report.first_divergent_grad else '(forward only)'} | "
               f"{starts} |")

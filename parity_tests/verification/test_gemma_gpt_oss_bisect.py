@@ -26,6 +26,7 @@ from flax_transformer.interop import porting
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.moe_config import MoeConfig
 from flax_transformer.verification import bisect, verify
+from parity_tests.verification.planting import check_named, patched_call
 
 B, T, WINDOW = 2, 12, 4
 IDS = np.random.default_rng(0).integers(0, 64, (B, T))
@@ -60,24 +61,6 @@ def pair(switches):
             if name.endswith(".sinks"):  # transformers' N(0, 0.02^2) sinks are all near zero
                 p.copy_(2.0 * torch.randn(p.shape))
     return config, torch_model, porting.torch_to_flax(torch_model)
-
-
-def patched_call(module, **replacements):
-    """Give one module instance its own ``__call__``: the library's, with functions of
-    ``flax_transformer.models.llama`` replaced while it runs."""
-    cls = type(module)
-
-    def call(self, *args, **kwargs):
-        saved = {name: getattr(fl, name) for name in replacements}
-        try:
-            for name, value in replacements.items():
-                setattr(fl, name, value)
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            for name, value in saved.items():
-                setattr(fl, name, value)
-
-    module.__class__ = type(cls)(f"Broken{cls.__name__}", (cls,), {"__call__": call})
 
 
 # ------------------------------------------------------------------ the bugs, planted
@@ -116,7 +99,7 @@ def plant_sinks_ignored(config, model):
 
     attend = fl.attend
     for layer in model.model.layers:
-        patched_call(layer.self_attn, attend=attend_without_sinks)
+        patched_call(layer.self_attn, fl, attend=attend_without_sinks)
     return model
 
 
@@ -206,24 +189,6 @@ def run(name: str):
                          grads=bug.grads, use_jit=False)
 
 
-def check_named(report, bug: Bug):
-    """The bug's module introduced the error, nothing before it (its own submodules aside) diverged,
-    and with gradients the first wrong one is a parameter of that module (the model's: any)."""
-    assert report.first_divergent == bug.named, str(report)
-    assert not report.incomplete, str(report)
-    if bug.named == "<model>":
-        assert all(r.status == "ok" or r.status.startswith("covered") for r in report.rows if r.path), str(report)
-    else:
-        paths = [r.path for r in report.rows]
-        assert report.rows[paths.index(bug.named)].status == "introduced", str(report)
-        upstream = [r for r in report.rows[:paths.index(bug.named)] if not r.path.startswith(bug.named + ".")]
-        assert all(r.status == "ok" or r.status.startswith("covered") for r in upstream), str(report)
-    if bug.grads:
-        row = next(g for g in report.grad_rows if g.name == report.first_divergent_grad)
-        assert bug.named == "<model>" or any(k.startswith(bug.named + ".") for k in row.keys or (row.name,)), \
-            str(report)
-
-
 # ------------------------------------------------------------------ the test
 
 
@@ -234,6 +199,6 @@ def check_named(report, bug: Bug):
 def test_bisect_names_the_bug(name):
     bug = BUGS[name]
     report = run(name)
-    check_named(report, bug)
+    check_named(report, bug.named, bug.grads)
     module = "" if bug.named == "<model>" else bug.named
     assert (report.onset(module), report.onset("")) == bug.onset, str(report)

@@ -31,6 +31,7 @@ from flax_transformer.models.attention import attend
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.rope import rope_inverse_frequencies
 from flax_transformer.verification import bisect, verify
+from parity_tests.verification.planting import check_named, patched_call
 
 B, T, WINDOW = 2, 12, 4
 IDS = np.random.default_rng(0).integers(0, 64, (B, T))
@@ -57,24 +58,6 @@ def _pair(**switches):
     return config, torch_model, porting.torch_to_flax(torch_model)
 
 
-def _patched_call(module, **replacements):
-    """Give one module instance its own ``__call__``: the library's, with functions of
-    ``flax_transformer.models.llama`` replaced while it runs (Python looks calls up on the type)."""
-    cls = type(module)
-
-    def call(self, *args, **kwargs):
-        saved = {name: getattr(fl, name) for name in replacements}
-        try:
-            for name, value in replacements.items():
-                setattr(fl, name, value)
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            for name, value in saved.items():
-                setattr(fl, name, value)
-
-    module.__class__ = type(cls)(f"Broken{cls.__name__}", (cls,), {"__call__": call})
-
-
 # ------------------------------------------------------------------ the seven bugs, planted
 
 
@@ -96,7 +79,7 @@ def plant_meta_layout(config, flax_model):
 def plant_tiled_heads(config, flax_model):
     tiled = lambda x, groups: jnp.tile(x, (1, groups, 1, 1))  # noqa: E731  (kv0, kv1, kv0, kv1): heads 1, 2 swapped
     for layer in flax_model.model.layers:
-        _patched_call(layer.self_attn, repeat_kv=tiled)
+        patched_call(layer.self_attn, fl, repeat_kv=tiled)
     return flax_model
 
 
@@ -200,20 +183,6 @@ def run(name: str):
     return bisect.bisect(torch_model, flax_model, (IDS,), kwargs, grads=BUGS[name].grads, use_jit=False)
 
 
-def _assert_named(report, path, *, grad=True):
-    """``path`` introduced the error, nothing before it (its own submodules aside) diverged, and
-    with gradients the first wrong one is a parameter of ``path`` (a tied tensor: under any key)."""
-    assert report.first_divergent == path, str(report)
-    paths = [r.path for r in report.rows]
-    assert report.rows[paths.index(path)].status == "introduced", str(report)
-    upstream = [r for r in report.rows[:paths.index(path)] if not r.path.startswith(path + ".")]
-    assert all(r.status == "ok" or r.status.startswith("covered") for r in upstream), str(report)
-    assert not report.incomplete, str(report)
-    if grad:
-        row = next(g for g in report.grad_rows if g.name == report.first_divergent_grad)
-        assert any(k.startswith(path + ".") for k in row.keys or (row.name,)), str(report)
-
-
 def _onset(report, path):
     return report.positions[path].onset
 
@@ -224,7 +193,7 @@ def _onset(report, path):
 @pytest.mark.slow(reason="test_meta_llama's permutation tests")
 def test_rope_half_split_applied_to_meta_interleaved_q_k_weights():
     report = run("meta-layout")
-    _assert_named(report, f"{ATTN}.q_proj")
+    check_named(report, f"{ATTN}.q_proj")
     assert report.first_divergent_grad == f"{ATTN}.q_proj.weight", str(report)
     # q's features are permuted from position 0 on, but the output at position 0 is right: RoPE turns
     # nothing there, and the first query sees only the first key (the scores do not matter)
@@ -233,13 +202,13 @@ def test_rope_half_split_applied_to_meta_interleaved_q_k_weights():
 
 def test_gqa_heads_tiled_instead_of_repeated():
     report = run("gqa-tiled")
-    _assert_named(report, ATTN)
+    check_named(report, ATTN)
     assert _onset(report, ATTN) == 0, str(report)  # the first query reads another key/value head's value
 
 
 def test_gemma_norm_without_plus_one():
     report = run("gemma-norm")
-    _assert_named(report, "model.layers.0.input_layernorm")
+    check_named(report, "model.layers.0.input_layernorm")
     assert report.first_divergent_grad == "model.layers.0.input_layernorm.weight", str(report)
 
 
@@ -255,7 +224,7 @@ def test_rope_scaling_ignored_starts_where_its_error_passes_the_budget():
     assert "the model's output within budget at all 12 positions" in correct.summary()
     report = run("rope-scaling")  # RoPE has no parameters: forward only
     path = f"{ATTN}.rotary_emb"
-    _assert_named(report, path, grad=False)
+    check_named(report, path, grads=False)
     config = LlamaConfig(**{**BASE, **LLAMA3})
     angles = [LONG[0, :, None] * rope_inverse_frequencies(c, np.float64)
               for c in (config, dataclasses.replace(config, rope_scaling=None))]
@@ -280,7 +249,7 @@ def test_q_norm_after_rope_instead_of_before():
     copy = _attention_norm_after_rope(attention, x, norm_first=True)
     assert np.array_equal(copy, attention(x)), "the test's copy of the attention is not the library's"
     report = run("q-norm-after-rope")
-    _assert_named(report, ATTN)
+    check_named(report, ATTN)
     # the norm computes right on its right input (rerun alone): what is wrong is where it is called
     assert next(r for r in report.rows if r.path == f"{ATTN}.q_norm").status == "inherited", str(report)
     assert _onset(report, ATTN) == 1, str(report)  # RoPE turns nothing at position 0: there the order is moot
@@ -291,7 +260,7 @@ def test_sliding_window_off_by_one(name):
     """A query sees the last WINDOW keys, itself included; one more (``>=`` for ``>``) first changes
     the query at position WINDOW, one fewer the query at WINDOW - 1."""
     report = run(name)
-    _assert_named(report, ATTN, grad=BUGS[name].grads)
+    check_named(report, ATTN, grads=BUGS[name].grads)
     start = WINDOW if name == "window+1" else WINDOW - 1
     assert _onset(report, ATTN) == _onset(report, "") == start, str(report)
     assert f"error starts at position {start} of {T} in {ATTN}" in report.summary()
@@ -302,7 +271,7 @@ def test_sliding_window_off_by_one(name):
 
 def test_untied_head_where_the_checkpoint_ties_it():
     report = run("untied-head")
-    _assert_named(report, "lm_head")
+    check_named(report, "lm_head")
     # the tied tensor's gradient row, named by its first key, holds lm_head.weight too
     assert report.first_divergent_grad == "model.embed_tokens.weight", str(report)
     assert "tied: lm_head.weight = model.embed_tokens.weight" in report.summary()

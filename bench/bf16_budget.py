@@ -16,7 +16,9 @@ Two Markdown tables.
    budget, and the first wrong gradient.
 
 ``--family NAME`` (repeatable): the correct ports of those families of ``verify`` only, without
-MiniLM and the llama bugs (``--family gemma``: the Gemma 2 and 3 models, about 2 minutes).
+MiniLM and the llama bugs (``--family gemma``: the Gemma 2 and 3 models, about 2 minutes; ``--family deepseek``:
+DeepSeek-V3's two models, whose routers ``compare`` checks: a token that bf16 sends to other experts at a near
+tie is compared with torch's run forced to the same choice, while ``bisect`` judges the output as computed).
 
 fp32 with matmul precision "highest" where fp32 runs. About 8 minutes on 2 CPU cores.
 """

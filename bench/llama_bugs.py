@@ -14,7 +14,8 @@ against float64, for the module named and for the model's output, with their bud
 About 40 s on one core. ``--tests gemma_gpt_oss`` takes the bugs of
 ``parity_tests/verification/test_gemma_gpt_oss_bisect.py`` instead (about 3 minutes), ``--tests deepseek``
 those of ``parity_tests/verification/test_deepseek_bisect.py`` (all with gradients; about 2 minutes). A module
-with no positions of its own (a router or experts, which see the tokens flattened) has no onset: "-".
+with no positions of its own (a router or experts, which see the tokens flattened) has no onset: "-". After
+DeepSeek-V3's table, the tokens each routing bug sends to other experts (float64 torch).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def main() -> int:
         print(f"| {bug.what} | `{report.first_divergent}` ({row.status}) | {row.jax_err / row.budget:.2g} | "
               f"{'`' + report.first_divergent_grad + '`' if report.first_divergent_grad else '(forward only)'} | "
               f"{starts} |")
+    for name, bug in bugs.BUGS.items():  # DeepSeek-V3's routing bugs: which tokens they send to other experts
+        if getattr(bug, "rerouted", None) is not None:
+            changed = bugs.rerouted(bugs.pair()[0], (bugs.IDS,), **bug.rerouted)  # (rows, positions)
+            print(f"{name}: {changed.sum()} of {changed.size} tokens choose other experts, at positions "
+                  f"{sorted(set(changed.nonzero()[1].tolist()))}")
     if args.png:
         _draw(reports, bugs, args.png)
         print(f"wrote {args.png}")

@@ -419,6 +419,14 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
             status = BOTH_NONFINITE
         rows.append(GradRow(key.name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit,
                             note=key.note, keys=key.tied))
-    rows += [GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
-                     + ("" if rename else " (rename=?)")) for name in flax_only]
+    buffers = {apply_rename(k, check_rename(rename)) for k, _ in torch_model.named_buffers()}
+    for name in flax_only:
+        if name in buffers:  # a torch buffer (DeepSeek's correction bias): no gradient there, so Flax's must be 0
+            g = np.asarray(frameworks.to_numpy(gj[name]), np.float64)
+            err = float(np.abs(g).max(initial=0.0)) if np.all(np.isfinite(g)) else float("inf")
+            rows.append(GradRow(name, 0.0, err, 0.0, "ok" if err == 0 else "diverged", budget=0.0,
+                                note="a torch buffer: its gradient is zero"))
+            continue
+        rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
+                            + ("" if rename else " (rename=?)")))
     return rows

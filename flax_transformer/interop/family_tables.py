@@ -49,6 +49,7 @@ KEY_MAPS: dict[str, dict[str, str | tuple[str, ...]]] = {
         r"": "rms_norm",  # a bare LlamaRMSNorm
         r"embed_tokens": "embedding",
         r"q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head|shared_expert_gate": "linear",
+        r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj": "linear",  # DeepSeek-V3's latent attention
         r"mlp\.gate|mlp\.router": "router",  # the MoEs' gate, GPT-OSS's router (with a bias)
         # one path, two layouts: the module's type decides (a lookup by path alone, porting.flax_path_to_torch,
         # gets the last kind's rule for the shared leaves: Mixtral's)

@@ -54,6 +54,8 @@ def set_mla_decode(model, decode: str) -> None:
     (a static attribute: a jitted function is traced again for the other)."""
     if decode not in DECODES:
         raise ValueError(f"the latent attention's decode must be one of {DECODES}, got {decode!r}")
+    if not any(isinstance(node, DeepseekV3Attention) for _, node in nnx.iter_graph(model)):
+        raise ValueError(f"{type(model).__name__} has no latent attention (DeepseekV3Attention) to set")
     model.set_attributes(decode=decode, raise_if_not_found=False)
 
 
@@ -125,6 +127,8 @@ class DeepseekV3Attention(_LlamaConfigModule):
             keep = attention_keep(attention_mask, b, t, None)
         else:
             check_no_mask_with_cache(attention_mask, position_ids)
+            if self.decode not in DECODES:  # set by hand, past set_mla_decode's check
+                raise ValueError(f"DeepseekV3Attention.decode must be one of {DECODES}, got {self.decode!r}")
             position_ids = index + jnp.arange(t)[None]  # (1, t)
             keep = cache_keep(t, cache[0].shape[2], index, None)
         x = x.astype(self.dtype)

@@ -4,7 +4,7 @@ and every import runs one way, down the layers the folder tree names.
     models  <-  interop  <-  verification  <-  training  <-  cli  <-  flax_transformer/__init__, __main__
 
 ``torch_reference`` stands beside ``models`` (it may read the pure-Python ``models.configs``,
-``models.llama_config``, ``models.rope`` and the pure-Python shared modules in ``PURE_PYTHON``, nothing else of flax_transformer); ``train/`` is above everything.
+``models.llama_config``, ``models.mla_config``, ``models.rope`` and the pure-Python shared modules in ``PURE_PYTHON``, nothing else of flax_transformer); ``train/`` is above everything.
 Self-contained (no tool outside the repository), so it runs wherever the tests run.
 """
 
@@ -21,7 +21,7 @@ PACKAGES = ("flax_transformer", "torch_reference", "train")
 LAYERS = {"flax_transformer.models": 0, "flax_transformer.interop": 1, "flax_transformer.verification": 2,
           "flax_transformer.training": 3, "flax_transformer.cli": 4, "flax_transformer": 5, "train": 6}
 # torch_reference may read only these pure-Python modules of flax_transformer
-PURE_PYTHON = ("configs", "llama_config", "rope", "arg_checks", "constructor_records", "input_specs", "state_dict_errors",
+PURE_PYTHON = ("configs", "llama_config", "mla_config", "rope", "arg_checks", "constructor_records", "input_specs", "state_dict_errors",
                "shape_logging", "generation_args")
 TORCH_REFERENCE_MAY_IMPORT = {*(f"flax_transformer.models.{name}" for name in PURE_PYTHON), "flax_transformer",
                               "flax_transformer.models"}

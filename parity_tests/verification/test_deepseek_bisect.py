@@ -15,8 +15,8 @@ alone, with a routing bug, runs by default; the model with each bug is slow, and
 ``python bench/llama_bugs.py --tests deepseek`` prints the table of all of them (docs/benchmarks.md).
 
 transformers keeps ``e_score_correction_bias`` as a buffer and the Flax router as a parameter (its
-gradient zero, the bias only chooses): ``bisect`` has no torch gradient to compare it with, so with
-gradients that row is the one thing left uncompared (``UNCOMPARED``).
+gradient zero, the bias only chooses): ``bisect`` holds that parameter's gradient to exactly zero, so
+nothing is left uncompared.
 """
 
 import copy
@@ -52,7 +52,6 @@ CONFIG = LlamaConfig(
              router_aux_loss_coef=0.0, n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
              first_k_dense_replace=0))
 ATTN, GATE = "model.layers.0.self_attn", "model.layers.0.mlp.gate"
-UNCOMPARED = (f"gradient {GATE}.e_score_correction_bias",)
 GRADIENTS = ("bias-dropped", "half-split-rope")  # the cases test_bisect_names_the_bug runs with gradients (the
 # others forward only, for time: ``bench/llama_bugs.py --tests deepseek`` gives every first wrong gradient)
 
@@ -203,7 +202,7 @@ def run(name: str, grads: bool = True, models=None):
     """bisect's report on ``BUGS[name]`` (``models``: a fresh ``pair()`` when None), with gradients. Eager, as
     test_llama_bisect.py, for the same reason."""
     torch_model, flax_model = models or pair()
-    return bisect.bisect(torch_model, BUGS[name].plant(flax_model), (IDS,), grads=grads, allow_skipped=True,
+    return bisect.bisect(torch_model, BUGS[name].plant(flax_model), (IDS,), grads=grads,
                          use_jit=False)
 
 
@@ -213,7 +212,7 @@ def check(name: str, report, torch_module, args=(IDS,), named=None, grads: bool 
     budget exactly at the positions where one does."""
     bug = BUGS[name]
     named = named or bug.named
-    check_named(report, named, grads, incomplete=UNCOMPARED)
+    check_named(report, named, grads)
     onset = bug.onset
     if bug.rerouted is not None:
         changed = rerouted(torch_module, args, **bug.rerouted).any(axis=0)  # (T,): in any row

@@ -28,6 +28,7 @@ from flax_transformer.interop.safetensors_io import Lazy, open_weights, read, wr
 from flax_transformer.models.state_dict_errors import StateDictError
 from parity_tests.conftest import TOL
 from parity_tests.interop.test_llama_hf import logits
+from parity_tests.models.deepseek_models import eager_deepseek
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")
 
@@ -52,13 +53,7 @@ def hf_model(q_lora_rank, rope_interleave, mscale=1.0, layers=LAYERS):
         tie_word_embeddings=False, max_position_embeddings=64,
         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=mscale,
                              mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0, rope_theta=10000.0))
-    config._attn_implementation = "eager"
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
-    return model
+    return eager_deepseek(config)
 
 
 def padded_inputs():

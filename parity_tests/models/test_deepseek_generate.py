@@ -33,6 +33,7 @@ from flax_transformer.models import lora
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.mla import DECODES, set_mla_decode
 
+from .deepseek_models import eager_deepseek
 from .test_generate_hf import NEW, PAD, _assert_same_steps, _ours, _transformers_greedy
 from .test_llama_generate import one_torch_thread  # noqa: F401  (autouse: torch on one thread in this module)
 
@@ -63,12 +64,7 @@ def _deepseek(name):
     """(transformers model, torch_reference twin, Flax twin) of ``CONFIGS[name]``, random correction biases."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(**BASE, **CONFIGS[name])
-    config._attn_implementation = "eager"
-    reference = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for path, buffer in reference.named_buffers():
-            if path.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
+    reference = eager_deepseek(config)
     twin = tl.LlamaForCausalLM(LlamaConfig.from_hf(reference.config)).eval()
     twin.load_state_dict(reference.state_dict(), strict=True)
     return reference, twin, porting.torch_to_flax(twin)

@@ -254,3 +254,20 @@ def _refuse_finished(lr: float, optim: OptimConfig, step: int) -> None:
             f"extend it in torch first (torch_optimizer(model, optim.from_task(config, {optim.total_steps})), a few "
             f"steps, docs/training.md: a finished run, extended in torch), then --init-from-torch the file that "
             f"writes with --steps {optim.total_steps}")
+
+
+def buffer_shapes(twin) -> dict[str, tuple]:
+    """{name: shape} of a torch model's persistent buffers (``to_jax``'s docstring: "Buffers")."""
+    params = {n for n, _ in twin.named_parameters(remove_duplicate=False)}
+    return {n: tuple(t.shape) for n, t in twin.state_dict().items() if n not in params}
+
+
+def read_buffers(model_state: Mapping, buffers: dict) -> tuple[dict, list[str]]:
+    """({name: array} of the ``buffers`` (``buffer_shapes``) a file's "model" holds, the problems: a buffer
+    missing or of another shape)."""
+    found, problems = {}, [f"{k} missing (a buffer)" for k in buffers if k not in model_state]
+    for k in buffers.keys() & model_state.keys():
+        found[k] = _numpy(model_state[k], f'"model"[{k!r}]')
+        if found[k].shape != buffers[k]:
+            problems.append(f"{k} has shape {found[k].shape}, the model's is {buffers[k]}")
+    return found, problems

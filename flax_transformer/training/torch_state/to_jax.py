@@ -33,9 +33,8 @@ groups, so the file must say, in one of three ways:
 * ``torch_optimizer``'s two groups without names: the parameters ``decay_mask`` decays (2-D
   projection weights), then the rest, each in ``model.parameters()`` order.
 
-Buffers: a torch_reference model's persistent buffers (DeepSeek-V3's ``e_score_correction_bias``, an
-``nnx.Param`` here that gets no gradient) are in "model", never in the optimizer; their optax moments
-are zero (an export refuses a buffer whose moments are not).
+Buffers (DeepSeek-V3's ``e_score_correction_bias``, an ``nnx.Param`` here with no gradient) are in
+"model", never in the optimizer; their moments are zero (an export refuses a buffer whose are not).
 
 Anything else is refused (``TorchStateError``, before anything is changed), as are optimizers
 other than Adam/AdamW, ``amsgrad``, ``maximize``, Adam's coupled (L2) weight decay, scheduler
@@ -75,7 +74,9 @@ from flax_transformer.training.torch_state.checks import (
     _numpy,
     _refuse_finished,
     _shown,
+    buffer_shapes,
     lr_factor,
+    read_buffers,
 )
 
 # ----------------------------------------------------------------------------- the torch side
@@ -150,12 +151,6 @@ def _torch_twin_on_meta(model):
 
     with torch.device("meta"):
         return build(describe(model), framework="torch")
-
-
-def buffer_shapes(twin) -> dict[str, tuple]:
-    """{name: shape} of a torch model's persistent buffers (the module docstring's "Buffers")."""
-    params = {n for n, _ in twin.named_parameters(remove_duplicate=False)}
-    return {n: tuple(t.shape) for n, t in twin.state_dict().items() if n not in params}
 
 
 def _config_json(model) -> dict:
@@ -342,15 +337,11 @@ def _read_checked(ckpt: dict, model, optim: OptimConfig) -> TorchState:
         by_tensor.setdefault(id(p), []).append(name)
     tied = {name: tuple(group) for group in by_tensor.values() if len(group) > 1 for name in group}
     model_state = ckpt["model"]
-    params = {}
     problems = [f"{k} missing" for k in torch_names if not any(n in model_state for n in tied.get(k, (k,)))]
     buffers = buffer_shapes(twin)
-    problems += [f"{k} missing (a buffer)" for k in buffers if k not in model_state]
     problems += [f"{k} unexpected" for k in model_state if k not in shapes and k not in tied and k not in buffers]
-    for k in buffers.keys() & model_state.keys():
-        params[k] = _numpy(model_state[k], f'"model"[{k!r}]')
-        if params[k].shape != buffers[k]:
-            problems.append(f"{k} has shape {params[k].shape}, the model's is {buffers[k]}")
+    params, wrong = read_buffers(model_state, buffers)
+    problems += wrong
     for k in torch_names:
         present = [n for n in tied.get(k, (k,)) if n in model_state]
         if present:

@@ -27,7 +27,7 @@ from flax_transformer.interop import files, porting
 from flax_transformer.training.optim import OptimConfig, from_task, make_optimizer
 from flax_transformer.training.preflight import check_output
 from flax_transformer.training.run_checkpoints import Checkpoints
-from flax_transformer.training.torch_state.checks import TorchStateError, lr_factor, value_problem
+from flax_transformer.training.torch_state.checks import TorchStateError, buffer_shapes, lr_factor, value_problem
 from flax_transformer.training.torch_state.to_jax import (
     _config_json,
     _dotted,
@@ -35,7 +35,6 @@ from flax_transformer.training.torch_state.to_jax import (
     _holder,
     _rng_variables,
     _torch_twin_on_meta,
-    buffer_shapes,
     check_torch_state,
     torch_optimizer,
 )

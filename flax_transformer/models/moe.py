@@ -401,7 +401,8 @@ class DeepseekV3TopkRouter(RecordsInit, nnx.Module):
         moe = config.moe
         self.top_k, self.n_group, self.topk_group = moe.num_experts_per_tok, moe.n_group, moe.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = moe.norm_topk_prob, moe.routed_scaling_factor
-        self.dtype = jnp.promote_types(dtype, jnp.float32)  # the statistics' type
+        # the statistics' type: float32, or float64 in a float64 model (no implicit bf16 -> fp32 promotion)
+        self.dtype = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
         self.weight = nnx.Param(_normal(rngs.params(), (moe.num_experts, config.hidden_size), jnp.float32))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32))
 

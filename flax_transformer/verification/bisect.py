@@ -338,7 +338,8 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     t_args, t_kwargs = tuple(map(frameworks.to_torch, args)), {k: frameworks.to_torch(v) for k, v in kwargs.items()}
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     # a mixture of experts: at near ties both torch runs take JAX's choices (``routing``)
-    route_report, choices = routing.check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, rule=rule)
+    route_report, choices = routing.check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, rule=rule,
+                                          use_jit=use_jit)  # JAX's choices as the run they are forced for
     with contextlib.ExitStack() as forcing:
         for model in {id(m): m for m in (low, reference)}.values():
             forcing.enter_context(routing.forced(model, choices))

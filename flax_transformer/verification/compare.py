@@ -138,7 +138,7 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     j_args, j_kwargs = tuple(map(to_jax, args)), {k: to_jax(v) for k, v in kwargs.items()}
     # a mixture of experts: choices compared first; at near ties torch runs with JAX's (routing.py)
     route_report, choices = routing.check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, fp64=fp64,
-                                          rule=rule)
+                                          rule=rule, use_jit=use_jit)
     with routing.forced(torch_model, choices):  # the hooks come off whatever happens
         with torch.set_grad_enabled(grads):
             torch_out = torch_model(*t_args, **t_kwargs)

@@ -23,11 +23,13 @@ a real routing bug. The float64 torch reference tells them apart:
   of float64's ``topk_group``-th group score by at most ``group_margin``, and within those groups its
   experts fall short of the best expert it left out by at most ``margin`` (each twice the float64
   budget of torch's own error on that quantity, the group sums and the corrected scores);
-* at near ties, ``compare`` runs torch (fp32, float64 and at the model's precision) again with every
-  router's choice forced to JAX's (``forced``: the weights recomputed from torch's own scores as the
-  router computes them: a softmax's, or DeepSeek-V3's sigmoid scores without the bias, renormalised
-  where the router does, times ``routed_scaling_factor``), so each token's output is compared against
-  the float64 run with the same choice, under the ordinary budget.
+* at near ties, and where a token chose the same experts in another order (two of its chosen experts
+  closer than the precision orders them: the block's output is the same, the router's outputs are not,
+  position by position), ``compare`` and ``bisect`` run torch (fp32, float64 and at the model's
+  precision) again with every router's choice forced to JAX's (``forced``: the weights recomputed from
+  torch's own scores as the router computes them: a softmax's, or DeepSeek-V3's sigmoid scores without
+  the bias, renormalised where the router does, times ``routed_scaling_factor``), so each token's
+  output is compared against the float64 run with the same choice, under the ordinary budget.
 
 ``RoutingReport`` also gives each router's expert load of the batch (how many of the tokens' k
 choices went to each expert, torch fp32's choice) and the logits' errors against float64.
@@ -143,6 +145,7 @@ class RoutingReport:
     routers: tuple[RouterCheck, ...]
     forced: bool = False
     skipped: str = ""  # why the choices could not be judged (no float64 reference)
+    reordered: int = 0  # tokens that chose the same experts in another order (torch re-run with JAX's order)
 
     @property
     def passed(self) -> bool:
@@ -155,7 +158,9 @@ class RoutingReport:
     def lines(self) -> list[str]:
         differ = sum(r.differ for r in self.routers)
         head = (f"routing: {len(self.routers)} router calls, {differ} tokens chose other experts, "
-                f"{self.near_ties} near ties" + (" (torch re-run with JAX's choices there)" if self.forced else ""))
+                f"{self.near_ties} near ties" + (f", {self.reordered} the same experts in another order"
+                                                 if self.reordered else "")
+                + (" (torch re-run with JAX's choices there)" if self.forced else ""))
         if self.skipped:
             head += f"; NOT JUDGED: {self.skipped}"
         return [head] + [f"  {r.line()}" for r in self.routers]
@@ -167,6 +172,7 @@ class RoutingReport:
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "forced": self.forced, "near_ties": self.near_ties, "skipped": self.skipped,
+                "reordered": self.reordered,
                 "routers": [r.to_dict() for r in self.routers]}
 
 
@@ -191,11 +197,12 @@ def torch_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str
     return out
 
 
-def flax_routes(model, paths: list[str], args: tuple, kwargs: dict) -> dict[str, tuple]:
-    """{path: (router logits (T, E), chosen experts (T, k), ``GroupLimited`` or None)} of one compiled JAX
-    forward."""
+def flax_routes(model, paths: list[str], args: tuple, kwargs: dict, *, use_jit: bool = True) -> dict[str, tuple]:
+    """{path: (router logits (T, E), chosen experts (T, k), ``GroupLimited`` or None)} of one JAX forward,
+    compiled or eager as the comparison that forces these choices runs it (XLA's fusions round otherwise, and
+    may order a near tie the other way)."""
     wanted = set(paths)
-    _, calls = capture.nnx_calls(model, args, kwargs)
+    _, calls = capture.nnx_calls(model, args, kwargs, use_jit=use_jit)
     out = {}
     for label, call in capture.labelled([c for c in calls if c.path in wanted]).items():
         logits, _, chosen = call.output.values() if isinstance(call.output, dict) else call.output  # frozen or not
@@ -292,7 +299,7 @@ def forced(torch_model, choices: dict[str, np.ndarray]):
 
 
 def check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, *, fp64: bool = True,
-          rule=_precision.FP32) -> tuple[RoutingReport | None, dict[str, np.ndarray]]:
+          rule=_precision.FP32, use_jit: bool = True) -> tuple[RoutingReport | None, dict[str, np.ndarray]]:
     """(the routing report, JAX's choices to force in torch where the report has near ties and no
     divergence, else {}); (None, {}) for a model without routers."""
     import torch
@@ -312,11 +319,16 @@ def check(torch_model, flax_model, t_args, t_kwargs, j_args, j_kwargs, *, fp64: 
                                    measure.cast(t_kwargs, torch.float64))
             except Exception as error:  # noqa: BLE001 - a user's model in float64: the choices are not judged
                 t64, why_not = None, f"the float64 reference did not run ({type(error).__name__}: {error})"
-    jax = flax_routes(flax_model, paths, j_args, j_kwargs)
+    jax = flax_routes(flax_model, paths, j_args, j_kwargs, use_jit=use_jit)
     report = judge(t32, t64, jax, rule, why_not)
-    if not report.near_ties or not report.passed:
+    # the same experts in another order (two chosen experts' scores closer than the precision orders them):
+    # the block's output is the same, its router's outputs are not, position by position
+    reordered = sum(a != b and sorted(a) == sorted(b) for label in jax if label in t32
+                    for a, b in zip(t32[label][1].tolist(), jax[label][1].tolist()))
+    if not (report.near_ties or reordered) or not report.passed:
         return report, {}
-    return RoutingReport(report.routers, forced=True), {label: jax[label][1] for label in jax}
+    return (RoutingReport(report.routers, forced=True, reordered=reordered),
+            {label: jax[label][1] for label in jax})
 
 
 # ------------------------------------------------------------------ experts one by one

@@ -115,3 +115,46 @@ def test_a_dropped_correction_bias_is_named_with_its_tokens(deepseek):
     assert not report.passed and [r.path for r in bad] == ["model.layers.1.mlp.gate"], report.summary()
     assert bad[0].worst_gap > 10 * max(bad[0].margin, bad[0].group_margin) and bad[0].examples
     assert "DIVERGE" in report.summary() and report.to_dict()["routing"]["routers"][0]["group_margin"] > 0
+
+
+def test_the_same_experts_in_another_order_are_no_divergence(deepseek, monkeypatch):
+    """A router that lists each token's experts in another order (two chosen experts closer than the
+    precision orders them do that) changes no block's output, but its own outputs differ position by
+    position: torch re-runs with JAX's order, and both ``compare`` and ``bisect`` pass. JAX's router is made
+    to list them smallest first here (torch: largest first)."""
+    from flax_transformer.models import moe
+    from flax_transformer.verification import bisect
+
+    plain = moe.group_limited_route
+
+    def backwards(*args, **kwargs):
+        weights, experts = plain(*args, **kwargs)
+        return weights[:, ::-1], experts[:, ::-1]
+
+    monkeypatch.setattr(moe, "group_limited_route", backwards)
+    ids = np.random.default_rng(1).integers(0, 40, (2, 9))
+    flax = porting.torch_to_flax(deepseek)
+    report = compare(deepseek, flax, (ids,))
+    assert report.routing.reordered == 18 and report.routing.forced, report.summary()
+    assert report.passed and report.max_abs_err <= 1e-5, report.summary()
+    found = bisect.bisect(deepseek, flax, (ids,), use_jit=False)
+    assert found.routing.reordered == 18 and found.first_divergent is None, found.summary()
+    assert "18 the same experts in another order" in "\n".join(found.routing.lines())
+
+
+@pytest.mark.slow(reason="test_the_same_experts_in_another_order_are_no_divergence (JAX's order forced in torch)")
+def test_a_bf16_port_passes_bisect_eagerly():
+    """A correct DeepSeek-V3 port computing in bf16, bisected eagerly: the routing is judged on the eager run
+    that bisect compares (a compiled one may order a bf16 near tie the other way, and forcing its choices
+    left the experts' inputs apart: 8.7 budgets at ``mlp.experts``), so it passes."""
+    import jax.numpy as jnp
+
+    from flax_transformer.verification import bisect, verify
+
+    spec = next(s for s in verify.specs() if s.family == "deepseek" and s.name in verify.MODELS)
+    torch_model, args, kwargs = verify.case_inputs(spec, "causal", 0)
+    verify.perturb_torch(torch_model, 0)
+    flax = porting.torch_to_flax(torch_model, dtype=jnp.bfloat16)
+    report = bisect.bisect(torch_model, flax, args, kwargs, use_jit=False)
+    assert report.precision == "bfloat16" and report.first_divergent is None, report.summary()
+    assert report.routing is not None and report.routing.passed, report.summary()

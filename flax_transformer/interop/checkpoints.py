@@ -64,8 +64,7 @@ MODEL_CLASSES: dict[str, tuple[str, ...]] = {
     "classic": ("ScaledDotProductAttention", "AttentionHead", "MultiHeadAttention", "PositionalEmbedding",
                 "EncoderBlock", "TransformerEncoder", "DecoderBlock", "TransformerDecoder", "Transformer"),
     "llama": ("LlamaRMSNorm", "LlamaRotaryEmbedding", "LlamaMLP", "LlamaSparseMoeBlock", "LlamaAttention",
-              "LlamaDecoderLayer", "LlamaModel",
-              "LlamaForCausalLM"),
+              "DeepseekV3Attention", "LlamaDecoderLayer", "LlamaModel", "LlamaForCausalLM"),
 }
 CONFIG_TYPES = {"EncoderConfig": configs.EncoderConfig, "GPTConfig": configs.GPTConfig, "LlamaConfig": LlamaConfig}
 

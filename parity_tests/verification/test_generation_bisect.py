@@ -23,7 +23,7 @@ from flax_transformer.models.gpt import GPTTransformer
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.verification import generation_bisect, verify
 from flax_transformer.verification.generation_bisect import bisect_generation
-from parity_tests.verification.test_llama_bisect import _patched_call
+from parity_tests.verification.planting import patched_call
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,7 +87,7 @@ def _lost_writes_from(position):
 
 def test_a_cache_write_lost_after_k_tokens_is_found_at_its_step_in_its_layer(mistral):
     flax_model = porting.torch_to_flax(mistral)
-    _patched_call(flax_model.model.layers[1].self_attn, update_cache=_lost_writes_from(5))
+    patched_call(flax_model.model.layers[1].self_attn, fl, update_cache=_lost_writes_from(5))
     report = bisect_generation(mistral, flax_model, PROMPT, 6)
     # step s writes position P + s - 1: position 5 at step 3, whose query reads a zero key of its own
     assert report.first_divergent_step == 3 and report.steps[2].status == "agrees", str(report)

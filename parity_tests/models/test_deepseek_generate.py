@@ -154,6 +154,8 @@ def _cached(attention, x, cache, prefill):
     return np.concatenate([np.asarray(o) for o in outs], axis=1), cache
 
 
+@pytest.mark.slow(reason="test_greedy_deepseek_equals_transformers_token_for_token (the absorbed decode against "
+                         "transformers) and test_flax_model_forward_both_ways (the uncached forward)")
 def test_absorbed_equals_expanded_equals_forward():
     """The latent cache holds (b, 1, slots, kv_lora_rank) latents and (b, 1, slots, qk_rope_head_dim) RoPE keys
     a layer. Both decodes give the uncached attention's output at every position (a prefill of 5, then one

@@ -21,6 +21,7 @@ from flax_transformer.cli.commands import main
 from flax_transformer.interop import porting
 from flax_transformer.verification import bisect, bisect_report, compare, measure, precision
 from parity_tests.verification import test_llama_bisect as planted
+from parity_tests.verification.planting import check_named
 
 ATTN = planted.ATTN
 
@@ -89,7 +90,7 @@ def test_a_bug_in_a_bf16_model_is_named(bug):
     case = planted.BUGS[bug]
     config, torch_model, flax_model = _bf16_pair(**case.switches)
     report = bisect.bisect(torch_model, case.plant(config, flax_model), (planted.IDS,), grads=True, use_jit=False)
-    planted._assert_named(report, case.named)
+    check_named(report, case.named)
     assert report.precision == "bfloat16"
 
 

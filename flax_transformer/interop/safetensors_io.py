@@ -94,8 +94,7 @@ def read(value) -> np.ndarray:
 
 
 def _raw_reader(file: str, name: str, dtype: np.dtype, shape: tuple):
-    """(read whole, read rows) of a float8 tensor, which safetensors' numpy reader cannot give: its bytes,
-    found by the header's offsets, viewed as the ml_dtypes type."""
+    """(read whole, read rows) of a float8 tensor (not in safetensors' numpy reader): its bytes, as ml_dtypes'."""
     def read_rows(start, stop):
         with open(file, "rb") as f:
             begin = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))[name]["data_offsets"][0] + f.tell()

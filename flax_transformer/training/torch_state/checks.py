@@ -257,7 +257,9 @@ def _refuse_finished(lr: float, optim: OptimConfig, step: int) -> None:
 
 
 def buffer_shapes(twin) -> dict[str, tuple]:
-    """{name: shape} of a torch model's persistent buffers (``to_jax``'s docstring: "Buffers")."""
+    """{name: shape} of a torch model's persistent buffers (DeepSeek-V3's ``e_score_correction_bias``, an
+    ``nnx.Param`` in Flax with no gradient): in a file's "model", never in its optimizer; their moments are
+    zero (an export refuses a buffer whose are not)."""
     params = {n for n, _ in twin.named_parameters(remove_duplicate=False)}
     return {n: tuple(t.shape) for n, t in twin.state_dict().items() if n not in params}
 

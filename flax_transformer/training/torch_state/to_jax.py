@@ -20,21 +20,16 @@ bias-correct with the count, so after N updates torch's step = optax's counts = 
 and exp_avg_sq = nu (in torch's layouts: a Linear's moments are transposed like its weight, by
 ``porting``'s tables), and the next update uses ``lr * lambda(N)`` in both. LambdaLR saves no
 function, so the schedule comes from the ``OptimConfig``; it is checked against the file's base
-and current learning rates and the scheduler's ``last_epoch``, which fix the schedule position.
-The weight-decay mask is read from the groups: the parameters of the groups with weight decay.
+and current learning rates and the scheduler's ``last_epoch``; the decay mask, from the groups'.
+Buffers (``checks.buffer_shapes``) are in "model" only.
 
 Which optimizer entry is which parameter: torch numbers parameters by position within its
 groups, so the file must say, in one of three ways:
-
-* every group carries ``"param_names"``: torch (>= 2.6) writes them when the optimizer was built
-  from named parameters, ``AdamW(model.named_parameters())`` or groups of (name, parameter)
-  pairs, as ``torch_optimizer`` does;
+* every group carries ``"param_names"`` (torch >= 2.6 writes them for an optimizer built from named
+  parameters, ``AdamW(model.named_parameters())``, as ``torch_optimizer`` does);
 * one group of ``model.parameters()`` (the notebooks' ``Adam(model.parameters())``);
 * ``torch_optimizer``'s two groups without names: the parameters ``decay_mask`` decays (2-D
   projection weights), then the rest, each in ``model.parameters()`` order.
-
-Buffers (DeepSeek-V3's ``e_score_correction_bias``, an ``nnx.Param`` here with no gradient) are in
-"model", never in the optimizer; their moments are zero (an export refuses a buffer whose are not).
 
 Anything else is refused (``TorchStateError``, before anything is changed), as are optimizers
 other than Adam/AdamW, ``amsgrad``, ``maximize``, Adam's coupled (L2) weight decay, scheduler

@@ -23,7 +23,6 @@ mis-shaped tensor) before LoRA is added. Safetensors only (a pickled ``adapter_m
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop import converter, files, hf, porting, safetensors_io
+from flax_transformer.interop import converter, files, hf, peft_config, porting, safetensors_io, values
 from flax_transformer.interop.hf_tables import ENCODERS, table_of
 from flax_transformer.interop.layer_kinds import to_flax, torch_shape
 from flax_transformer.models import gpt, lora
@@ -39,23 +38,10 @@ from flax_transformer.models.lora_experts import EXPERT_PARAMETERS, EXPERT_TYPES
 from flax_transformer.models.state_dict_errors import StateDictError
 
 __all__ = ["CONFIG_FILE", "PREFIX", "WEIGHTS_FILE", "adapter_module_paths", "check_base", "from_peft_layout",
-           "hf_module_paths", "load_peft", "read_config", "save_peft", "to_peft_layout"]
+           "hf_module_paths", "load_peft", "save_peft", "to_peft_layout"]
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE = peft_config.FILE, "adapter_model.safetensors"  # its fields: interop.peft_config
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-
-# adapter_config.json fields that change what a LoRA computes and that this library does not
-# implement: refused when set, never dropped (value that means "not used" -> why it is refused)
-_UNSUPPORTED = {
-    "use_dora": (False, "DoRA (use_dora) adds a magnitude vector"),
-    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
-    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
-    "layers_to_transform": (None, "layers_to_transform"),
-    "exclude_modules": (None, "exclude_modules"),
-    "lora_bias": (False, "a trained LoRA bias (lora_bias)"),
-    "trainable_token_indices": (None, "trainable_token_indices"),
-}
-
 
 # ------------------------------------------------------------------ names
 
@@ -311,36 +297,6 @@ def save_peft(model, folder, *, base_model_name_or_path: str | None = None, task
 # ------------------------------------------------------------------ loading
 
 
-def read_config(folder) -> dict:
-    """``adapter_config.json`` of a PEFT LoRA folder, checked: anything this library would compute
-    differently from PEFT is refused in one line naming it."""
-    file = Path(folder) / CONFIG_FILE
-    config = files.read_json_object(folder, CONFIG_FILE)
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{file}: peft_type {config.get('peft_type')!r} is not 'LORA'; load_peft reads LoRA "
-                         "adapters only")
-    for field, (unused, what) in _UNSUPPORTED.items():
-        if config.get(field, unused) not in (unused, None, {}, [], False):
-            raise ValueError(f"{file}: {what} is not supported ({field}={config[field]!r})")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"{file}: bias={config['bias']!r} trains base biases, which the adapter does not "
-                         "hold here; only bias 'none' is supported")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{file}: r must be an integer >= 1, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{file}: lora_alpha must be a finite number, got {alpha!r}")
-    targets, parameters = config.get("target_modules"), config.get("target_parameters")
-    if parameters is not None and not (isinstance(parameters, list) and all(isinstance(t, str) and t for t in parameters)):
-        raise ValueError(f"{file}: target_parameters must be a list of parameter names, got {parameters!r}")
-    if parameters and targets in (None, []):
-        return config  # LoRA on the experts' weights alone
-    if not (isinstance(targets, str) or (isinstance(targets, list) and targets
-                                         and all(isinstance(t, str) for t in targets))):
-        raise ValueError(f"{file}: target_modules must be a regex or a list of module names, got {targets!r}")
-    return config
-
-
 def _our_targets(model, targets, chosen: list[str]) -> list[str]:
     """``apply``'s targets for the chosen layers: PEFT's names where they select exactly those in our model
     (the llama family's and GPT-2's names are transformers'), else each layer's escaped path."""
@@ -364,30 +320,57 @@ def _our_parameters(model, parameters: list[str], chosen: list[str]) -> list[str
     return list(chosen)
 
 
+_CERT_BYTES = 4 << 20  # a PEFT adapter's certificate is a few kB (verification.certificate.peft's limit)
+
+
+def _certified_base(cert: Path) -> dict[str, str]:
+    """The sha256 of each base file an adapter's certificate records (its ``base.files``). A certificate
+    that cannot be read is a ``ValueError`` naming it: never a silent fallback to a weaker check."""
+    why = None
+    if cert.stat().st_size > _CERT_BYTES:
+        why = f"more than {_CERT_BYTES} bytes"
+    else:
+        try:
+            record = json.loads(cert.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            record, why = None, f"not valid JSON ({str(error)[:120]})"
+        recorded = record.get("base", {}).get("files") if isinstance(record, dict) and \
+            isinstance(record.get("base"), dict) else None
+        if why is None and not (isinstance(recorded, dict) and recorded and all(
+                isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in recorded.items())):
+            why = "no 'base': {'files': {name: sha256}} in it"
+    if why is not None:
+        raise ValueError(f"{cert} is unreadable ({why}), so the adapter's base cannot be checked: restore the "
+                         "adapter's certificate, or delete it to check the base by base_model_name_or_path alone")
+    return recorded
+
+
+def _recorded_path(cert: Path):
+    return json.loads(cert.read_text(encoding="utf-8"))["base"].get("path")
+
+
 def check_base(folder, base) -> None:
     """Refuse an adapter made for another base than the HF folder ``base``, where it says which one.
 
     Its certificate (``verification.json``, written by ``verification.export.save_peft``) records the
-    sha256 of its base's files: each of those ``base`` has must match. Without one, a
+    sha256 of its base's files: each of those ``base`` has must match, and one of them must be a weights
+    file; a certificate that cannot be read (not JSON, no ``base.files``) is refused, naming it. Without one, a
     ``base_model_name_or_path`` that is a folder here must hold the same ``config.json`` as ``base``
     (a hub name or a folder that is not here cannot be compared, and is not refused)."""
     folder, base = Path(folder), Path(base)
     cert = folder / "verification.json"
-    if cert.is_file() and cert.stat().st_size < (4 << 20):
-        try:
-            record = json.loads(cert.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            record = None
-        recorded = record.get("base", {}).get("files") if isinstance(record, dict) else None
-        if isinstance(recorded, dict):
-            differ = sorted(name for name, digest in recorded.items()
-                            if (base / name).is_file() and name != "verification.json"
-                            and files.sha256_file(base / name) != digest)
-            if differ:
-                raise ValueError(f"{folder} is an adapter for another base: its certificate's base "
-                                 f"{record['base'].get('path')!r} has other {', '.join(differ)} than {base}")
-            return
-    named = read_config(folder).get("base_model_name_or_path")
+    if cert.is_file():
+        recorded = _certified_base(cert)
+        compared = [name for name in recorded if (base / name).is_file() and name != "verification.json"]
+        if not any(name.endswith(".safetensors") or name.endswith(".index.json") for name in compared):
+            raise ValueError(f"{folder} is an adapter for another base: its certificate {cert} records the base's "
+                             f"weights as {', '.join(sorted(recorded))}, none of which {base} has")
+        differ = sorted(name for name in compared if files.sha256_file(base / name) != recorded[name])
+        if differ:
+            raise ValueError(f"{folder} is an adapter for another base: its certificate's base "
+                             f"{_recorded_path(cert)!r} has other {', '.join(differ)} than {base}")
+        return
+    named = peft_config.read_config(folder).get("base_model_name_or_path")
     if isinstance(named, str) and named and (Path(named) / "config.json").is_file():
         theirs = files.read_json_object(Path(named), "config.json")
         ours = files.read_json_object(base, "config.json")
@@ -405,13 +388,14 @@ def load_peft(model, folder, *, rngs=None):
     ``lora_dropout`` and ``use_rslora``, and A/B are loaded from ``adapter_model.safetensors``.
 
     Raises:
-        ValueError: on the first problem of the config (peft_type not LORA, DoRA, per-module ranks, ...),
-            keys without the ``base_model.model.`` prefix, targets absent from the model, or a model
+        ValueError: on the first problem of the config (peft_type not LORA, a field that is neither computed
+            nor ignorable: ``interop.peft_config``), keys without the ``base_model.model.`` prefix, targets
+            absent from the model, NaN or inf in a tensor (named), or a model
             that already has LoRA; ``StateDictError`` (a ValueError) lists every missing, unexpected
             and mis-shaped tensor. Nothing is changed in the model when it raises.
     """
     folder = Path(folder)
-    config = read_config(folder)
+    config = peft_config.read_config(folder)
     file = folder / WEIGHTS_FILE
     if not file.is_file():
         pickled = " (adapter_model.bin is a pickle, which is not read: save it as safetensors)" \
@@ -462,6 +446,11 @@ def load_peft(model, folder, *, rngs=None):
     bad = [k for k, a in arrays.items() if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16"]
     if bad:
         raise ValueError(f"{file}: {bad[0]} is {arrays[bad[0]].dtype}, not a floating-point tensor")
+    broken = values.nonfinite(arrays)  # named here, not later as a NaN loss
+    if broken:
+        raise ValueError(f"{file}: NaN/inf in {len(broken)} adapter tensor{'s' if len(broken) > 1 else ''}: "
+                         f"{', '.join(broken[:3])}{' ...' if len(broken) > 3 else ''}; the adapter is broken "
+                         "where it was made (its training diverged, or the file was damaged)")
     lora.apply(model, rank=rank, alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
                targets=_our_targets(model, targets, list(chosen)) if chosen else (),
                use_rslora=bool(config.get("use_rslora", False)), rngs=rngs if rngs is not None else nnx.Rngs(0),

@@ -197,21 +197,23 @@ def _port(args) -> int:
     if not args.verify:
         return 0
     # reload what was written, independently of the model in memory, and compare with SRC's torch model
+    # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
+    tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (reports.TOLERANCE, "")
+    check = dict(tol=tolerance, fp64=args.dtype != "bf16")  # rounded weights: no float64 budget holds them
     if fmt == "torch":
         import torch
 
         reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
         reloaded.load_state_dict(torch.load(dst, weights_only=True))
-        err, finite = compare.compare(reloaded.eval(), flax_model, certificate_subjects.example_inputs(flax_model))
+        report = compare.compare(reloaded.eval(), flax_model, certificate_subjects.example_inputs(flax_model), **check)
     else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
         reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf.kind_of(flax_model)[2]
                     else checkpoints.load(dst))
-        err, finite = compare.compare(torch_model, reloaded, certificate_subjects.example_inputs(reloaded))
-    # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
-    tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (reports.TOLERANCE, "")
-    ok = finite and err <= tolerance
-    print(f"verify: max abs err {err:.2e}{'' if finite else ' (NaN/inf)'} between {args.src} (torch) and "
-          f"{dst}{what} (reloaded) -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")
+        report = compare.compare(torch_model, reloaded, certificate_subjects.example_inputs(reloaded), **check)
+    ok, out = report.passed, report.rows[0]  # the verdict, never the figures alone (an incomplete one fails)
+    print(f"verify: max abs err {out.max_abs_err:.2e}{'' if out.finite else ' (NaN/inf)'} between {args.src} (torch) "
+          f"and {dst}{what} (reloaded) -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})"
+          + ("" if ok else f": {report.summary().splitlines()[-1]}"))
     if Path(args.src).is_dir() and (Path(args.src) / "config.json").is_file():
         ok = _port_against_transformers(args.src, dst, reloaded, tolerance, what) and ok
     return 0 if ok else 1

@@ -359,6 +359,7 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                           first_nonfinite=first_nonfinite, outputs_differ=differ, outputs_not_compared=not_compared,
+                          outputs_set_aside=frameworks.set_aside_lines(t_out) + frameworks.set_aside_lines(j_out),
                           positions=attach(rows, measured), precision=rule.name, routing=route_report,
                           experts=experts)
     if grads:

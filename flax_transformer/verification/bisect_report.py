@@ -142,8 +142,9 @@ class BisectReport(Report):
     allow_nonfinite: bool = False
     allow_skipped: bool = False
     first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
-    outputs_differ: list[str] = field(default_factory=list)  # model outputs that are not float arrays and differ
+    outputs_differ: list[str] = field(default_factory=list)  # model outputs unequal (not arrays) or on one side only
     outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
+    outputs_set_aside: list[str] = field(default_factory=list)  # output leaves not compared by type: caches
     # {row path: PositionErrors}: the error per position of every sequence output
     positions: dict = field(default_factory=dict)
     precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
@@ -242,9 +243,11 @@ class BisectReport(Report):
 
     def summary(self) -> str:
         lines = [line for line in (self._incomplete_line(),) if line]
+        if self.outputs_set_aside:
+            lines.append("outputs set aside, not compared: " + "; ".join(self.outputs_set_aside))
         if self.outputs_differ:
-            lines.append(f"outputs: FAIL: {len(self.outputs_differ)} of the model's outputs that are not float arrays "
-                         "differ (compared exactly): " + "; ".join(self.outputs_differ[:10]))
+            lines.append(f"outputs: FAIL: {len(self.outputs_differ)} of the model's outputs differ (a leaf on one side "
+                         "only, or a leaf that is not an array unequal): " + "; ".join(self.outputs_differ[:10]))
         path = _first_divergent(self.rows)
         bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
         produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None
@@ -326,6 +329,7 @@ class BisectReport(Report):
         return {"first_divergent": self.first_divergent, "first_divergent_grad": self.first_divergent_grad,
                 "first_nonfinite": self.first_nonfinite, "passed": self.passed, "unverified": self.unverified,
                 "incomplete": self.incomplete, "outputs_differ": self.outputs_differ,
+                "outputs_set_aside": self.outputs_set_aside,
                 "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(self.rule), "modules": rows,
                 "gradients": grads, "routing": None if self.routing is None else self.routing.to_dict(),

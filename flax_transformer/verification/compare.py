@@ -27,6 +27,7 @@ from flax_transformer.verification.frameworks import (
     default_weights,
     flatten,
     grad_keys,
+    set_aside_lines,
     split_loss_fn,
     sum_grads,
     to_jax,
@@ -55,6 +56,9 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     as many leaves (``frameworks.match_outputs``). Arrays are compared by value; any other leaf
     must be equal, of the same type, and is listed (``report.others``); ``None`` equals an absent
     leaf. A leaf that differs, or is on one side only, fails the report (``Row.mismatched``).
+    A cache is set aside by its type (a transformers model run with ``use_cache=True``, its default,
+    returns its key/value cache beside the logits: ``frameworks.set_aside``): it is not compared,
+    the logits and any hidden states are, and ``report.set_aside`` and the summary list it.
 
     Each array output is judged three ways: its max abs error (``tol``), its error relative to the
     outputs' scale (``report.max_rel_err``, for the certificate), and against a float64 copy of the
@@ -117,7 +121,11 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
             a correct bf16 port passes, a bug does not. Needs ``fp64`` (nothing else judges it).
 
     Returns:
-        A ``CompareReport``: one row for the outputs, then one per parameter gradient.
+        A ``CompareReport``: one row for the outputs, then one per parameter gradient. Read its
+        verdict as ``report.passed`` (or ``report.verdict()``, ``to_dict()["passed"]``); it is not a
+        tuple and has no truth value (both raise ``TypeError``). Where anything was not compared or
+        differs outright, ``report.max_abs_err`` is NaN and ``report.finite`` False (``grad_err`` and
+        ``grad_finite`` likewise for a gradient not compared), so no reading of them agrees.
     """
     import torch
 
@@ -176,11 +184,15 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
     out_row = _row(family, name, "given inputs", "torch vs flax", checks, tol, "; ".join(skipped),
                    mismatched="; ".join(mismatched), **allow)
     err, finite = out_row.max_abs_err, out_row.finite
+    if (skipped and not allow_skipped) or mismatched:  # the report's figures never read as agreement then
+        err, finite = float("nan"), False
     scale = max((c["torch_scale"] for c in checks), default=0.0)
     outputs = tuple(checks)
+    aside = dict(set_aside=tuple(set_aside_lines(torch_out) + [f"{p} (flax)" for p in set_aside_lines(flax_out)]))
     if not grads:
         return CompareReport((out_row,), err, finite, tol, scale=scale, outputs=outputs, others=tuple(others),
-                             skipped=tuple(skipped), lm=agreement, precision=rule.name, routing=route_report, **allow)
+                             skipped=tuple(skipped), lm=agreement, precision=rule.name, routing=route_report,
+                             **aside, **allow)
     rows = [out_row]
     holder = nnx.clone(flax_model)
     nnx.update(holder, flax_grads)  # the gradients in the parameters' places, to read them under torch names
@@ -220,9 +232,11 @@ def compare(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *,
         all_finite &= row.finite
         if g_err >= worst:
             worst, worst_key = g_err, key
+    if any(r.skipped for r in rows[1:]) and not allow_skipped:  # a gradient not compared: no figure of agreement
+        worst, all_finite = float("nan"), False
     return CompareReport(tuple(rows), err, finite, tol, worst, all_finite, worst_key, scale=scale,
                          outputs=outputs, others=tuple(others), skipped=tuple(skipped), lm=agreement,
-                         precision=rule.name, routing=route_report, **allow)
+                         precision=rule.name, routing=route_report, **aside, **allow)
 
 
 def _run(flax_model, j_args, j_kwargs, use_jit: bool):

@@ -123,6 +123,42 @@ class Static:
     value: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class SetAside:
+    """An output leaf that is not compared, by its type, and why: a transformers cache (a model run
+    with ``use_cache=True``, transformers' default, returns its key/value cache beside the logits;
+    ``Cache`` objects, and transformers 4's tuples of tensors in a ``ModelOutput``'s cache field)."""
+
+    value: Any
+    why: str
+
+
+# A ``ModelOutput``'s fields that hold transformers' cache, whatever its type (transformers 4 returns
+# tuples of tensors there; 5 a ``Cache`` object, under ``cache`` from 5.x on, ``past_key_values`` before).
+CACHE_FIELDS = ("cache", "past_key_values", "cache_params")
+
+
+def _transformers_type(value, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("transformers.") for c in type(value).__mro__)
+
+
+def set_aside(value, key=None, parent=None) -> SetAside | None:
+    """``value`` as a ``SetAside`` when it is a cache (by its type, or as a ``ModelOutput``'s
+    ``CACHE_FIELDS`` entry), else None: it is compared."""
+    if _transformers_type(value, "Cache"):
+        why = f"a {type(value).__name__}"
+    elif key in CACHE_FIELDS and parent is not None and _transformers_type(parent, "ModelOutput"):
+        why = f"transformers' {key} field"
+    else:
+        return None
+    return SetAside(value, why + ": the model ran with use_cache=True (pass use_cache=False to leave it out)")
+
+
+def set_aside_lines(out) -> list[str]:
+    """``"PATH (why)"`` for every leaf of ``out`` that ``flatten`` sets aside."""
+    return [f"{p} ({v.why})" for p, v in flatten(out) if isinstance(v, SetAside)]
+
+
 class Flat(dict):
     """An output as ``{path: leaf}`` (``freeze``): a pytree whatever the model returned, so it leaves
     ``nnx.jit`` intact (a plain dataclass or a string does not)."""
@@ -140,13 +176,17 @@ def flatten(tree, path: str = "output") -> list[tuple[str, Any]]:
     """The leaves of any output structure with their paths, in order: ``output[0]`` in a tuple or
     list, ``output.logits`` for a dict's or HF ``ModelOutput``'s key, a dataclass's or namedtuple's
     field. A leaf is an array (torch, numpy, JAX), ``None`` or anything else (a string, an int).
-    An HF ``ModelOutput`` lists only its fields that are not None (it is a dict of those)."""
+    An HF ``ModelOutput`` lists only its fields that are not None (it is a dict of those). A cache
+    is one ``SetAside`` leaf (``set_aside``): not compared, and listed by ``set_aside_lines``."""
     if isinstance(tree, Flat):
         return [(p, v.value if isinstance(v, Static) else v) for p, v in tree.items()]
-    if tree is None or is_array(tree) or isinstance(tree, (str, bytes, int, float, complex, Static)):
+    if tree is None or is_array(tree) or isinstance(tree, (str, bytes, int, float, complex, Static, SetAside)):
         return [(path, tree.value if isinstance(tree, Static) else tree)]
+    if (aside := set_aside(tree)) is not None:
+        return [(path, aside)]
     if isinstance(tree, Mapping):
-        return [leaf for k, v in tree.items() for leaf in flatten(v, path + _key(k))]
+        return [leaf for k, v in tree.items()
+                for leaf in flatten(set_aside(v, k, tree) or v if v is not None else v, path + _key(k))]
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: by field name
         return [leaf for k in tree._fields for leaf in flatten(getattr(tree, k), f"{path}.{k}")]
     if isinstance(tree, (tuple, list)):
@@ -208,11 +248,12 @@ def match_outputs(torch_out, flax_out) -> tuple[list[tuple[str, str, Any, Any]],
     """The two frameworks' outputs leaf by leaf (``pair_paths`` on the leaves that are not None):
     (arrays to compare by value, as (name, torch path, torch leaf, flax leaf), with a Python number
     against an array among them; every other leaf as {"output", "torch", "flax", "equal"}, None
-    against None or an absent leaf equal (an HF ``ModelOutput`` drops its None fields); what
+    against None or an absent leaf equal (an HF ``ModelOutput`` drops its None fields), a cache set
+    aside on either side (``SetAside``: listed by ``set_aside_lines``, never paired); what
     differs: a non-array leaf unequal or of another type, a leaf on one side only)."""
     t_leaves, j_leaves = flatten(torch_out), flatten(flax_out)
-    t_vals = {p: v for p, v in t_leaves if v is not None}
-    j_vals = {p: v for p, v in j_leaves if v is not None}
+    t_vals = {p: v for p, v in t_leaves if v is not None and not isinstance(v, SetAside)}  # caches: set_aside_lines
+    j_vals = {p: v for p, v in j_leaves if v is not None and not isinstance(v, SetAside)}
     pairs, torch_only, flax_only = pair_paths(list(t_vals), list(j_vals))
     arrays, others, mismatched = [], [], []
     for tp, jp in pairs:

@@ -41,6 +41,15 @@ class Report:
         """``pass`` or ``FAIL``."""
         return "pass" if self.passed else "FAIL"
 
+    def __bool__(self):
+        raise TypeError(f"a {type(self).__name__} has no truth value: read its verdict as report.passed "
+                        "(if report: would read a failed or incomplete comparison as a pass)")
+
+    def __iter__(self):
+        raise TypeError(f"a {type(self).__name__} is not a tuple: read report.passed (`err, finite = report` "
+                        "was removed: it read an incomplete comparison as 0.0, True); the figures are "
+                        "report.max_abs_err, report.finite, report.to_dict()")
+
     def to_json(self, path=None, *, overwrite: bool = False) -> str:
         """The report as JSON text; also written to ``path`` (through ``files``) when given."""
         text = json_text(self.to_dict())
@@ -186,6 +195,7 @@ class CompareReport(Report):
     lm: measure.LMAgreement | None = None  # with lm=True: KL(torch || JAX), top-1/top-5 over the real tokens
     precision: str = "float32"  # the Flax model's compute dtype: the float64 budget's rule (``precision.py``)
     routing: object = None  # a mixture of experts: ``routing.RoutingReport`` (near ties, divergent routers)
+    set_aside: tuple[str, ...] = ()  # output leaves not compared by their type: caches ("PATH (why)")
 
     @property
     def passed(self) -> bool:
@@ -214,8 +224,6 @@ class CompareReport(Report):
     def incomplete(self) -> bool:
         return bool(self.skipped)
 
-    def __iter__(self):
-        return iter((self.max_abs_err, self.finite))
 
     def __str__(self) -> str:
         return format_table(list(self.rows)) + "\n\n" + self.summary()
@@ -226,8 +234,10 @@ class CompareReport(Report):
         if self.skipped:
             lines.append(f"{'ALLOWED INCOMPLETE (allow_skipped)' if self.allow_skipped else 'INCOMPLETE'}: "
                          f"{len(self.skipped)} not compared: {'; '.join(self.skipped)}")
+        if self.set_aside:
+            lines.append("set aside, not compared: " + "; ".join(self.set_aside))
         out = self.rows[0]
-        line = (f"outputs: max abs err {self.max_abs_err:.2e}, relative {self.max_rel_err:.2e} "
+        line = (f"outputs: max abs err {out.max_abs_err:.2e}, relative {out.max_abs_err / max(1.0, self.scale):.2e} "
                 + (f"(tolerance {self.tol:g})" if self.tol != float("inf") else
                    f"(no abs tolerance: a {self.precision} model is judged by its float64 budget)"))
         if out.jax_err is not None:
@@ -265,7 +275,7 @@ class CompareReport(Report):
                 "torch_err": self.torch_err, "budget": self.budget,
                 "budget_rule": budget_rule(PRECISIONS[self.precision]),
                 "grad_err": self.grad_err, "grad_finite": self.grad_finite, "worst_grad_key": self.worst_grad_key,
-                "skipped": list(self.skipped), "allow_skipped": self.allow_skipped,
+                "skipped": list(self.skipped), "set_aside": list(self.set_aside), "allow_skipped": self.allow_skipped,
                 "allow_nonfinite": self.allow_nonfinite, "outputs": list(self.outputs), "others": list(self.others),
                 "lm": None if self.lm is None else self.lm.to_dict(),
                 "routing": None if self.routing is None else self.routing.to_dict(),

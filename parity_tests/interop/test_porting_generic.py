@@ -12,7 +12,6 @@ import torch_reference.former as tf
 from flax_transformer.interop import porting, targets
 from flax_transformer.models.state_dict_errors import StateDictError
 from flax_transformer.verification import compare
-from parity_tests.conftest import TOL
 from parity_tests.user_models import FlaxConvTagger, FlaxPostCTransformer, TorchConvTagger, TorchPostCTransformer
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 5))
@@ -32,8 +31,8 @@ def test_own_model_ports_by_layer_type_into_the_given_module():
     torch_model = TorchConvTagger().eval()
     flax_model = nnx.eval_shape(lambda: FlaxConvTagger(rngs=nnx.Rngs(0)))  # abstract: no random init
     assert porting.torch_to_flax(torch_model, flax_model) is flax_model  # loaded in place
-    err, finite = compare.compare(torch_model, flax_model, (IDS,))
-    assert finite and err <= TOL, err
+    report = compare.compare(torch_model, flax_model, (IDS,))
+    assert report.passed, report
     # every weight bit-exact in torch's layout (a grouped Conv1d: (out, in/groups, k)); the buffer stays in torch
     ours, theirs = porting.state_dict(flax_model), torch_model.state_dict()
     assert ours.keys() == theirs.keys() - {"temperature"}
@@ -85,8 +84,8 @@ def test_own_model_round_trips_flax_to_torch():
     torch_model = TorchConvTagger()
     assert porting.flax_to_torch(flax_model, torch_model) is torch_model
     assert torch_model.temperature.item() == 2.0  # torch's buffer kept
-    err, finite = compare.compare(torch_model, flax_model, (IDS,))
-    assert finite and err <= TOL, err
+    report = compare.compare(torch_model, flax_model, (IDS,))
+    assert report.passed, report
     again = porting.torch_to_flax(torch_model, nnx.eval_shape(lambda: FlaxConvTagger(rngs=nnx.Rngs(2))))
     before = _snapshot(flax_model)
     assert all(np.array_equal(before[k], v) for k, v in _snapshot(again).items())
@@ -96,8 +95,8 @@ def test_modified_ctransformer_ports_with_no_table_edit():
     torch_model = TorchPostCTransformer(8, 2, 1, 6, 20, 3).eval()
     twin = targets.build_unfilled(FlaxPostCTransformer, torch_model.init_kwargs())  # abstract, RNG streams set
     flax_model = porting.torch_to_flax(torch_model, twin)
-    err, finite = compare.compare(torch_model, flax_model, (IDS,))
-    assert finite and err <= TOL, err
+    report = compare.compare(torch_model, flax_model, (IDS,))
+    assert report.passed, report
     back = porting.flax_to_torch(flax_model, TorchPostCTransformer(8, 2, 1, 6, 20, 3))
     assert all(torch.equal(v, torch_model.state_dict()[k]) for k, v in back.state_dict().items())
     # the library's own CTransformer has no `post`: refused, both keys named, nothing loaded
@@ -118,8 +117,8 @@ def test_former_library_names_port_with_rename():
     assert "tblocks.0.mhattention.tokeys.weight" in info.value.missing
     assert isinstance(model.toprobs.kernel.get_value(), jax.ShapeDtypeStruct)  # nothing loaded
     porting.load_state_dict(model, theirs, rename=FORMER_NAMES)
-    err, finite = compare.compare(torch_model, model, (IDS,))
-    assert finite and err <= TOL, err
+    report = compare.compare(torch_model, model, (IDS,))
+    assert report.passed, report
     # and back under their names
     out = porting.state_dict(model, rename=[(r"\.mhattention\.", ".attention.")])
     assert out.keys() == theirs.keys() and all(np.array_equal(out[k], theirs[k].numpy()) for k in out)

@@ -278,13 +278,22 @@ def save_peft(model, path, *, base, overwrite: bool = False, certify: bool = Tru
     """``interop.peft.save_peft`` (same arguments; ``base_model_name_or_path`` defaults to ``base``) and,
     with ``certify``, ``verification.json`` inside the folder: the adapter loaded by ``peft`` onto
     transformers' model of the HF folder ``base`` computes the JAX model's output and adapter
-    gradients (``certificate.peft``), or nothing is written."""
+    gradients (``certificate.peft``), or nothing is written. Refused before any work: a merged model (its
+    adapters take no part in its output) and, with ``certify``, a ``base`` that is no HF folder."""
     from flax_transformer.interop import peft
+    from flax_transformer.models import lora
     from flax_transformer.verification.certificate import peft as certificate_peft
 
+    if any(getattr(layer, "merged", False) for layer in lora.layers(model).values()):  # adapters out of its output
+        raise ValueError("the model's LoRA is merged (lora.merge): unmerge it (lora.unmerge) to save its adapter, "
+                         "or save the merged model with save_pretrained")
     hook = None
     if certify:
         files.check_target(path, kind="dir", overwrite=overwrite)
+        if not (Path(base) / "config.json").is_file():  # the base is what the adapter is certified on: first
+            what = "holds no config.json" if Path(base).is_dir() else "is not a folder"
+            raise FileNotFoundError(f"base={str(base)!r} {what}: save_peft certifies the adapter on its base, the HF "
+                                    "folder the model was loaded from (certify=False writes it unchecked)")
         check_finite(model)
         hook = certificate.sidecar("peft", certificate_peft.AdapterSubject(model, base))
     kwargs.setdefault("base_model_name_or_path", str(base))

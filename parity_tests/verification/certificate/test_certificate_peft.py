@@ -133,3 +133,39 @@ def test_an_adapter_for_another_base_is_refused(adapted, tmp_path):
     with pytest.raises(ValueError, match="its base_model_name_or_path .* holds another config.json than"):
         peft.check_base(tmp_path / "adapter", other)
     shutil.rmtree(other)
+
+
+def test_an_unreadable_adapter_certificate_is_an_error_not_a_weaker_check(adapted, tmp_path):
+    """Two bases with equal config.json: only the certificate's hashes tell them apart, so a certificate
+    that cannot be read (not JSON, no base.files) is refused naming it, not read as "no certificate"."""
+    import re
+
+    import torch
+
+    base, _ = adapted
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    transformers.BertModel(transformers.BertConfig.from_pretrained(base)).save_pretrained(other)
+    model = lora.apply(hf.from_pretrained(base), rank=4, targets=["query"], rngs=nnx.Rngs(0))
+    folder = peft.save_peft(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    cert = folder / certificate_peft.FILE
+    cert.write_text(json.dumps({"kind": certificate_peft.KIND, "base": certificate_peft.base_identity(base)}))
+    peft.check_base(folder, base)
+    with pytest.raises(ValueError, match="its certificate's base .* has other model.safetensors than"):
+        peft.check_base(folder, other)
+    for broken, why in (("{not json", "not valid JSON"), ('{"base": {"path": "x"}}', "no 'base'"),
+                        ('{"base": {"files": {"model.safetensors": 7}}}', "no 'base'"), ("[]", "no 'base'")):
+        cert.write_text(broken)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(cert))} is unreadable \({why}"):
+            peft.check_base(folder, other)
+
+
+def test_save_peft_names_a_merged_model_and_a_missing_base_before_any_work(adapted, tmp_path):
+    base, model = adapted
+    merged = lora.merge(nnx.clone(model))
+    with pytest.raises(ValueError, match=r"^the model's LoRA is merged \(lora.merge\): unmerge it .* or save the "
+                                         "merged model with save_pretrained$"):
+        _save(merged, base, tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match=rf"^base='{tmp_path / 'nosuch'}' is not a folder: save_peft certifies"):
+        _save(model, tmp_path / "nosuch", tmp_path / "adapter")
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary folder left

@@ -417,6 +417,7 @@ def _train(config: ClassifyConfig, run_dir: Path, run_config: dict, splits, toke
         if export_peft is not None:
             metrics["peft_check"] = lora_runs.export_peft(
                 final, export_peft, folder=folder, task="classify", overwrite=overwrite, num_labels=config.num_classes,
+                run_dir=run_dir,
                 texts=[text for text, _ in test[:4]], max_length=config.max_length, float32_base=None
                 if config.run.dtype == "float32" else lambda: build_classifier(replace(config, dtype="float32"), folder))
         final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in

@@ -446,6 +446,7 @@ def train_and_evaluate(config: LMConfig, run_dir, *, data_dir=None, resume: bool
             if export_peft is not None:
                 metrics["peft_check"] = lora_runs.export_peft(
                     final, export_peft, folder=folder, task="lm", overwrite=overwrite, ids=next(val.fixed(1))["ids"][0],
+                    run_dir=run_dir,
                     float32_base=None if config.run.dtype == "float32" else lambda: hf_init.build_lm(
                         replace(config, dtype="float32"), folder))
             final = lora_runs.merged(final)  # --export-hf and --export-torch: the adapters folded in

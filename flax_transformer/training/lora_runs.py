@@ -306,7 +306,7 @@ def peft_options(task: str, folder) -> dict:
     return {"task_type": "SEQ_CLS" if task == "classify" else "CAUSAL_LM", "modules_to_save": saved}
 
 
-def export_peft(model, path, *, folder: Path, task: str, overwrite: bool = False, float32_base=None,
+def export_peft(model, path, *, folder: Path, task: str, overwrite: bool = False, float32_base=None, run_dir=None,
                 **check) -> dict | None:
     """Write the run's adapter as a PEFT folder (``verification.export.save_peft``, certified: see
     ``certificate.peft``; the classifier's head as ``modules_to_save``), and check it in ``peft``
@@ -314,7 +314,8 @@ def export_peft(model, path, *, folder: Path, task: str, overwrite: bool = False
     unexpected adapter keys, logits within 1e-4 of this library's
     (``float32_base()``, for a run that computes in another dtype: its base built in float32, which
     gets the run's adapters and weights for the comparison). ``RunError`` when the check fails (the
-    folder stays, for a look)."""
+    folder stays, for a look), or when the folder cannot be written (a full disk: the line names it and
+    says that ``run_dir``'s checkpoint holds the trained adapter, which ``port --to peft`` writes later)."""
     from flax_transformer.verification import export
 
     try:
@@ -327,7 +328,13 @@ def export_peft(model, path, *, folder: Path, task: str, overwrite: bool = False
         checked = True
     ours = model if float32_base is None or not checked else _float32_twin(model, float32_base())
     # certified: peft loads the written folder onto the base and computes this model's output and gradients
-    export.save_peft(ours, path, base=folder, overwrite=overwrite, certify=checked, **peft_options(task, folder))
+    try:
+        export.save_peft(ours, path, base=folder, overwrite=overwrite, certify=checked, **peft_options(task, folder))
+    except OSError as error:  # after the whole run: say what is safe and how to write it again
+        run = str(run_dir) if run_dir is not None else "RUN_DIR"
+        raise RunError(f"--export-peft {path}: not written ({error.strerror or error}); training finished and its "
+                       f"checkpoint is saved in {run}: make room and write the adapter with `flax-transformer port "
+                       f"{run} {path} --to peft`") from None
     if not checked:
         print(f"Exported {path} (torch, transformers or peft is not installed here, so it was not checked)",
               file=sys.stderr)

@@ -177,8 +177,9 @@ def config_of(params: dict, vocab_size: int, file) -> LlamaConfig:
         raise ValueError(f"{file}: use_scaled_rope must be true or false, got {scaled!r}")
     theta = params.get("rope_theta", 10000.0)  # absent in Llama 1/2's files: their code's 10000
     # the context the release was trained for (params.json does not say; transformers' converter's choice):
-    # Llama 3.1 128k, Llama 3 8k, Code Llama (theta 1e6) 16k, Llama 2 4k
-    positions = (131072 if scaled else 8192 if isinstance(theta, (int, float)) and theta >= 500000
+    # Llama 3.1 128k, Llama 3 (theta 500000) 8k, Code Llama (theta 1e6) and any other theta above 10000 16k,
+    # Llama 2 4k
+    positions = (131072 if scaled else 8192 if isinstance(theta, (int, float)) and theta == 500000
                  else 16384 if isinstance(theta, (int, float)) and theta > 10000 else 4096)
     try:
         return LlamaConfig(

@@ -249,6 +249,21 @@ class Code:
         return (print, ("this ran while unpickling",))
 
 
+@pytest.mark.parametrize("theta, scaled, positions, release", [
+    (500000.0, True, 131072, "Llama 3.1: llama3-scaled RoPE"),
+    (500000.0, False, 8192, "Llama 3: theta 500000, RoPE unscaled"),
+    (1000000.0, False, 16384, "Code Llama: theta 1e6"),
+    (10000.0, False, 4096, "Llama 2"),
+    (None, False, 4096, "Llama 1/2 without rope_theta"),
+])
+def test_the_context_each_release_was_trained_for(theta, scaled, positions, release):
+    """params.json does not say the context; it follows from the RoPE fields as transformers' converter chose it."""
+    params = {k: v for k, v in {**PARAMS, "rope_theta": theta, "use_scaled_rope": scaled}.items() if v is not None}
+    config = meta_llama.config_of(params, 96, "params.json")
+    assert config.max_position_embeddings == positions, release
+    assert (config.rope_scaling is not None) is scaled, release
+
+
 def test_refusals(reference, tmp_path, capsys):
     """Each in one line (exit 2 on the command line, before anything is written): no params.json; a shard
     without a tensor the others have; replicated norms that differ between shards; a pickle with code;

@@ -172,6 +172,8 @@ def test_fresh_adapter_merge_unmerge_and_remove_on_a_model(folder):
     for p, layer in lora.layers(model).items():
         assert _err(layer.kernel[...], kernels[p]) < 1e-6
     assert _err(_ours(model), adapted) < TOL
+    merged = lora.remove(lora.merge(nnx.clone(model)))  # a merged model's adapters are folded in once, not twice
+    assert not lora.layers(merged) and _err(_ours(merged), adapted) < TOL
     lora.remove(model)  # merged into plain layers again: what hf.save_pretrained writes
     assert not lora.layers(model) and _err(_ours(model), adapted) < TOL
     assert type(model.model.layers[0].self_attn.q_proj) is nnx.Linear
@@ -258,11 +260,11 @@ def test_save_peft_loads_in_peft_with_the_same_logits(folder, tmp_path):
     assert _err(want, base_logits) > 100 * TOL  # the adapter changes the logits: a lost one would show
 
 
-def _peft_trained(kind, path, tmp_path):
+def _peft_trained(kind, path, tmp_path, use_rslora=False):
     """A PEFT adapter made by peft itself: get_peft_model, then 3 SGD steps; (its folder, its logits)."""
     torch.manual_seed(0)
     config = peft_lib.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=CASES[kind][2],
-                                 fan_in_fan_out=kind == "gpt2")
+                                 fan_in_fan_out=kind == "gpt2", use_rslora=use_rslora)
     model = peft_lib.get_peft_model(_base(kind, path), config)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     for _ in range(3):  # a random linear loss: BERT's output is layer-normed, so a mean square would not move
@@ -292,6 +294,16 @@ def test_load_peft_of_a_peft_trained_adapter_gives_peft_logits(folder, tmp_path)
     peft.save_peft(model, tmp_path / "again")  # and back: peft reads our copy of its adapter
     theirs = peft_lib.PeftModel.from_pretrained(_base(kind, path), tmp_path / "again").eval()
     assert _err(_torch_out(theirs), want) < TOL
+
+
+@pytest.mark.parametrize("folder", ["llama"], indirect=True)
+def test_load_peft_reads_rslora_from_the_folder(folder, tmp_path):
+    """A folder peft wrote with ``use_rslora=True``: scale alpha / sqrt(r) = 4, not alpha / r = 2."""
+    kind, path = folder
+    adapter, want = _peft_trained(kind, path, tmp_path, use_rslora=True)
+    model = peft.load_peft(hf.from_pretrained(path), adapter)
+    assert _err(_ours(model), want) < TOL
+    assert lora.config_of(model).use_rslora and all(layer.lora_scale == 4.0 for layer in lora.layers(model).values())
 
 
 # ------------------------------------------------------------------ refusals

@@ -72,6 +72,16 @@ def test_correct_llama_passes(mistral):
     assert report.passed and len(report.cache_rows) == 3, str(report)
 
 
+def test_correct_qwen3_with_qk_norms_passes_and_its_cache_too():
+    """Qwen3's per-head q/k RMSNorms before RoPE: the reference keys are normed as the module's forward norms them."""
+    torch.manual_seed(0)
+    torch_model = tl.LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1}, qk_norm=True,
+                                                  model_type="qwen3")).eval()
+    verify.perturb_torch(torch_model, 0)  # norm weights away from ones
+    report = bisect_generation(torch_model, porting.torch_to_flax(torch_model), PROMPT, 1, modules=False)
+    assert report.passed and len(report.cache_rows) == 1 and report.cache_layer is None, str(report)
+
+
 def _lost_writes_from(position):
     """update_cache that keeps the old cache at ``position`` and after: the step's own key is lost too."""
     import jax.numpy as jnp

@@ -117,6 +117,18 @@ def test_near_ties_are_not_disagreements():
     assert measure.lm_agreement(edge, edge[:, [0, 1, 2, 3, 5, 4, 6]]).top5 == 0.0
 
 
+def test_a_near_tie_is_judged_in_torchs_log_probs_not_jaxs():
+    """The margins differ between the frameworks: torch's decides. Torch 0.1 apart, JAX 1e-4 the other way: a
+    disagreement, though JAX sees a near tie; torch 1e-4 apart, JAX 1.0 the other way: a near tie."""
+    torch_far = np.array([[2.0, 1.9, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    jax_close = np.array([[2.0, 2.0 + 1e-4, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    r = measure.lm_agreement(torch_far, jax_close)
+    assert r.top1 == 0.0 and r.top1_near_ties == 0 and not r.passed
+    torch_close, jax_far = jax_close[:, [1, 0, 2, 3, 4, 5, 6]], np.array([[1.0, 2.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    r = measure.lm_agreement(torch_close, jax_far)
+    assert r.top1 == 1.0 and r.top1_near_ties == 1
+
+
 def test_what_is_not_logits_is_refused():
     for bad, match in ((np.zeros((2, 3), np.int64), "floating-point"), (np.zeros(5), "shape \\[5\\]"),
                        (np.zeros((2, 3, 1)), "vocabulary of at least 2"), (None, "no such array")):

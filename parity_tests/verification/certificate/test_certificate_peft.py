@@ -135,6 +135,21 @@ def test_an_adapter_for_another_base_is_refused(adapted, tmp_path):
     shutil.rmtree(other)
 
 
+def test_a_file_holding_a_tensor_beyond_the_adapter_is_not_certified(adapted, tmp_path):
+    """A base tensor written into adapter_model.safetensors beside the adapter: peft loads the folder, but
+    the certificate checks every tensor of the file, so one it did not verify is refused, not certified."""
+    from safetensors.numpy import load_file, save_file
+
+    base, _ = adapted
+    model = lora.apply(hf.from_pretrained(base), rank=4, targets=["query"], rngs=nnx.Rngs(0))
+    folder = peft.save_peft(model, tmp_path / "adapter", base_model_name_or_path=str(base))
+    tensors = load_file(folder / peft.WEIGHTS_FILE)
+    save_file({**tensors, f"{peft.PREFIX}pooler.dense.weight": np.ones((32, 32), np.float32)},
+              folder / peft.WEIGHTS_FILE, metadata={"format": "pt"})
+    with pytest.raises(CertificateError, match=r"the file holds 4 LoRA tensors and 1 others, the model 4 and 0"):
+        certificate_peft.measure(model, folder, base)
+
+
 def test_an_unreadable_adapter_certificate_is_an_error_not_a_weaker_check(adapted, tmp_path):
     """Two bases with equal config.json: only the certificate's hashes tell them apart, so a certificate
     that cannot be read (not JSON, no base.files) is refused naming it, not read as "no certificate"."""

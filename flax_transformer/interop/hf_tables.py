@@ -19,6 +19,7 @@ import numpy as np
 from flax_transformer.interop.converter import Row, convert
 from flax_transformer.interop.converter_ops import MXFP4, FP8Blocks, Join, Split, Stack
 from flax_transformer.interop.safetensors_io import read
+from flax_transformer.models import hf_config_fields
 from flax_transformer.models.configs import EncoderConfig, GPTConfig
 from flax_transformer.models.llama_config import LlamaConfig
 from flax_transformer.models.llama_hf_config import MODEL_TYPES as LLAMA_TYPES
@@ -255,6 +256,8 @@ def config_of(raw: dict, *, pooler: bool = True):
     """(model_type, our config) of a ``config.json``; ``pooler`` for RoBERTa (its classifier has none)."""
     check_quantisation(raw)
     model_type = raw.get("model_type")
+    if model_type in hf_config_fields.ENCODERS:  # every field read or knowingly ignored (the llama family: in from_hf)
+        hf_config_fields.check(raw, model_type)
     if model_type == "bert":
         return "bert", EncoderConfig.bert(raw)
     if model_type == "distilbert":

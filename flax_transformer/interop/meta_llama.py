@@ -72,6 +72,10 @@ META_BUFFERS = ("rope.freqs",)  # Llama 1's RoPE table: computed, not a weight (
 PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps",
           "rope_theta", "use_scaled_rope")
 RUNTIME_PARAMS = ("max_batch_size", "max_seq_len")
+# accepted only at the values that compute nothing different (llama2.c's ModelArgs writes both)
+INERT_PARAMS = {"dropout": ((0, None), "training's dropout (llama2.c): 0 or null computes nothing different"),
+                "hidden_dim": ((None,), "llama2.c's MLP width: null is Meta's rule (dim, multiple_of, "
+                                        "ffn_dim_multiplier); a width is given by ffn_dim_multiplier")}
 SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 
 
@@ -130,13 +134,21 @@ def read_params(folder: Path) -> dict:
         params = params["model"]  # some releases nest the model's fields (as transformers' converter reads them)
     if not isinstance(params, dict):
         raise ValueError(f"{file} must hold a JSON object, not a {type(params).__name__}")
-    unknown = sorted(set(params) - set(PARAMS) - set(RUNTIME_PARAMS))
+    unknown = sorted(set(params) - set(PARAMS) - set(RUNTIME_PARAMS) - set(INERT_PARAMS))
     if unknown:
         raise ValueError(f"{file}: fields this llama model does not compute: {', '.join(unknown)} (a Meta llama "
-                         f"params.json has {', '.join(PARAMS)})")
+                         f"params.json has {', '.join(PARAMS)}; ignored: {', '.join(RUNTIME_PARAMS)}, and "
+                         f"{', '.join(INERT_PARAMS)} when null or 0)")
     for name in ("dim", "n_layers", "n_heads"):
         if name not in params:
             raise ValueError(f"{file} has no {name!r}")
+    if params.get("dropout") not in INERT_PARAMS["dropout"][0] or isinstance(params.get("dropout"), bool):
+        raise ValueError(f"{file}: dropout={params['dropout']!r} is not computed here (accepted: 0 or null, "
+                         "which computes nothing different at inference)")
+    if params.get("hidden_dim") is not None:
+        raise ValueError(f"{file}: hidden_dim={params['hidden_dim']!r} (llama2.c's MLP width) is not read from a "
+                         f"params.json: Meta's layout gives the width by ffn_dim_multiplier; "
+                         f"{width_hint(params, params['hidden_dim'])}, and hidden_dim null")
     vocab = params.get("vocab_size", -1)
     if isinstance(vocab, bool) or not isinstance(vocab, int) or (vocab < 1 and vocab != -1):
         raise ValueError(f"{file}: vocab_size must be a positive integer or -1 (the embedding's rows), got {vocab!r}")
@@ -150,6 +162,27 @@ def _integer(file, params, name, default=None, least=1) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{file}: {name} must be an integer >= {least}, got {value!r}")
     return value
+
+
+def multiplier_for(dim: int, multiple_of: int, width: int) -> float | None:
+    """The shortest ``ffn_dim_multiplier`` with which Meta's rule gives the MLP width ``width``, or None."""
+    base = int(2 * (4 * dim) / 3)
+    for digits in range(1, 9):
+        for guess in (round(width / base, digits), round((width - multiple_of + 1) / base, digits)):
+            if guess > 0 and intermediate_size(dim, multiple_of, guess) == width:
+                return 1.0 if guess == 1 else guess
+    return None
+
+
+def width_hint(params: dict, width) -> str:
+    """What gives the MLP width ``width`` in a params.json: the ffn_dim_multiplier to set, or why none does."""
+    dim, multiple_of = params.get("dim"), params.get("multiple_of", 256)
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (dim, multiple_of, width))
+    found = multiplier_for(dim, multiple_of, width) if valid else None
+    if found is not None:
+        return f'"ffn_dim_multiplier": {found} gives the width {width} (dim {dim}, multiple_of {multiple_of})'
+    return (f"no ffn_dim_multiplier gives the width {width} with dim {dim} and multiple_of {multiple_of} "
+            "(the width is rounded up to a multiple of multiple_of)")
 
 
 def intermediate_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -305,8 +338,10 @@ def open_folder(folder) -> tuple[LlamaConfig, dict]:
         elif key in joined and tuple(joined[key].shape) != shape:
             mismatched.append((key, list(joined[key].shape), list(shape)))
             if ".feed_forward." in key and not notes:
+                width = joined[key].shape[0 if key.endswith(("w1.weight", "w3.weight")) else 1]
                 notes.append(f"the MLP width {config.intermediate_size} is Meta's from dim {dim}, multiple_of "
-                             f"{params.get('multiple_of', 256)}, ffn_dim_multiplier {params.get('ffn_dim_multiplier')}")
+                             f"{params.get('multiple_of', 256)}, ffn_dim_multiplier {params.get('ffn_dim_multiplier')}; "
+                             f"{key} holds {width}: {width_hint(params, width)}")
     unexpected += [k for k in joined if k not in expected]  # a layer beyond n_layers
     if missing or unexpected or mismatched:
         raise MetaLayoutError(folder, missing, sorted(unexpected), mismatched, notes)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from flax_transformer.models import hf_config_fields
 from flax_transformer.models.mla_config import MlaConfig
 from flax_transformer.models.moe_config import MOE_TYPES, MoeConfig
 from flax_transformer.models.rope import RopeScaling
@@ -44,6 +45,10 @@ DEFAULTS = {
                     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                       original_max_position_embeddings=4096)),
 }
+# RoPE keys a scaling needs (transformers' _validate_*_rope_parameters); yarn's factor may be left out
+# (DeepSeek's: max_position_embeddings / original_max_position_embeddings, rope.RopeScaling.from_any)
+REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 _ABSENT = object()  # a field a config leaves out, told from one it sets to null
 WINDOWED = ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 
@@ -59,12 +64,16 @@ def read(config, defaults: dict) -> dict:
     get = getter(config)
     if get("model_type", None) == "gemma3" and get("text_config", None) is not None:
         text = get("text_config", None)  # the language model of a multimodal Gemma 3
-        get = getter(text if isinstance(text, dict) else text)
+        hf_config_fields.check(hf_config_fields.fields_of(config), "gemma3")
+        config, get = text, getter(text)
         kind = "gemma3_text"
     else:
         kind = get("model_type", "llama")
     if kind not in MODEL_TYPES:
         raise ValueError(f"model_type {kind!r} is not a llama-family model ({', '.join(MODEL_TYPES)})")
+    # every field read or knowingly ignored (hf_config_fields): a field that changes the computation is
+    # never read with a default or left unread
+    hf_config_fields.check(hf_config_fields.fields_of(config), kind)
     own = DEFAULTS.get(kind, {})
 
     def field(name, fallback=None):
@@ -105,7 +114,7 @@ def read(config, defaults: dict) -> dict:
         mlp_bias=get("mlp_bias", None) or False,
         qk_norm=get("qk_norm", kind in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text")),
         qk_norm_scope=get("qk_norm_scope", "projection" if kind == "olmoe" else "head"),
-        clip_qkv=get("clip_qkv", None) if kind == "olmoe" else None,
+        clip_qkv=get("clip_qkv", None),  # OLMoE's; null elsewhere (hf_config_fields.INERT)
         moe=MoeConfig.from_hf(get, kind) if kind in MOE_TYPES else None,
         mla=MlaConfig.from_hf(get) if kind == "deepseek_v3" else None,
         norm_plus_one=get("norm_plus_one", gemma),
@@ -142,6 +151,12 @@ def _read_rope(get, kind: str, own: dict, max_positions: int, default_theta: flo
     if kind == "gemma3_text":
         local = local or get("rope_local_base_freq", None) or own["rope_local_base_freq"]
     rope = rope or own.get("rope_scaling", {})
+    if isinstance(rope, dict):  # the keys transformers requires: never filled with a default
+        kind_of = rope.get("rope_type", rope.get("type", "default"))
+        for key in REQUIRED_ROPE_KEYS.get(kind_of, ()):
+            if rope.get(key) is None:
+                raise ValueError(f"{kind}: rope_scaling of type {kind_of!r} has no {key!r} (transformers refuses it "
+                                 f"too): give it, as {kind_of!r} computes with it")
     theta = (rope.get("rope_theta", None) if isinstance(rope, dict) else None) or get("rope_theta", None) or \
         own.get("rope_theta", default_theta)
     return theta, RopeScaling.from_any(rope or None, max_position_embeddings=max_positions), local
@@ -151,6 +166,10 @@ def _read_windows(get, kind: str, layers: int, window) -> dict:
     """``sliding_window`` and ``layer_types`` as each type's class decides which layers slide."""
     if kind not in WINDOWED or window is None:
         return {}
+    if kind == "mistral" and get("layer_types", None) is not None:
+        # transformers 5's AutoConfig reads a mistral with layer_types as Ministral: per layer
+        types = tuple(get("layer_types", None))
+        return {"sliding_window": window, "layer_types": types} if "sliding_attention" in types else {}
     if kind in ("mistral", "mixtral"):
         return {"sliding_window": window}
     if kind == "qwen3_moe":  # every layer slides, or none

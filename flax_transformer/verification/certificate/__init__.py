@@ -42,8 +42,8 @@ import numpy as np
 
 from flax_transformer.interop import files
 from flax_transformer.verification import measure as core
+from flax_transformer.verification.certificate import independent, schema, subjects
 from flax_transformer.verification.certificate import peft as certificate_peft
-from flax_transformer.verification.certificate import schema, subjects
 from flax_transformer.verification.certificate.schema import (
     FORMAT,
     INPUTS,
@@ -107,6 +107,8 @@ def refuse_failed(record: dict, label: str, reloaded: str) -> None:
               for k in ("forward", "backward") if not (v := record[k]).get("passed", True)]
     if not record.get("lm", {}).get("passed", True):
         failed.append(lm_line(record["lm"]))
+    if not record.get("reader", {}).get("passed", True):  # transformers read the folder otherwise
+        failed.append(independent.line(record["reader"]))
     if failed:
         raise CertificateError(f"{label}: the export check failed: {', '.join(failed)} between the model and what "
                                f"was written, {reloaded}; nothing was written (certify=False writes without the check)")
@@ -405,6 +407,9 @@ def recheck(path, pair=None, *, base=None) -> RecheckReport | certificate_peft.A
                                 length=inputs["length"])
     _compare_errors(report, record, measured, same_environment=not changed)
     _compare_lm(report, record, measured)
+    if "not_measured" not in measured["forward"]:  # the config read by transformers too, or why not
+        args = subjects.example_inputs(flax_model, seed=inputs["seed"], batch=inputs["batch"], length=inputs["length"])
+        independent.recheck(report, path, record, flax_model, args)
     return report
 
 

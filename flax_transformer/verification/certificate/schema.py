@@ -1,10 +1,7 @@
-"""The certificate's record: what a certificate holds, and its schema, checked before anything uses it.
-
-Recorded: every tensor of an export (``read_tensors``, ``tensor_hashes``), ``file_hashes``,
-``versions``, ``platform_info``, and the entries in words (``value_of``, ``float64_note``, ``lm_line``).
-``validate(record, cert)`` checks every field before anything uses it and raises ``CertificateError``
-naming the file and the field. ``certificate`` is the flow (make, sidecar, read, re-check).
-"""
+"""The certificate's record: what a certificate holds (every tensor: ``read_tensors``, ``tensor_hashes``;
+``file_hashes``, ``versions``, ``platform_info``; the entries in words: ``value_of``, ``float64_note``,
+``lm_line``), and its schema: ``validate(record, cert)`` checks every field before anything uses it,
+raising ``CertificateError`` naming the file and the field. ``certificate`` is the flow."""
 
 from __future__ import annotations
 
@@ -117,14 +114,10 @@ def torch_available():
 
 
 INPUTS = {"seed": 0, "batch": 2, "length": 9}  # one small batch: the whole check stays cheap
-# A parameter's gradient sums over every position of the batch (an embedding's over its rows too),
-# and torch and XLA sum in different orders: with real weights the fp32 rounding grows past 1e-5
-# (all-MiniLM-L6-v2: 0.9e-5 to 1.7e-5 on three seeds, worst on attention queries). A porting bug
-# (a transpose, a wrong bias) gives relative errors of order 1, so 1e-4 still catches every one.
+# A gradient sums over the batch in torch's and XLA's orders: with real weights fp32 rounding passes 1e-5
+# (all-MiniLM-L6-v2: 0.9e-5 to 1.7e-5); a porting bug gives relative errors of order 1, caught at 1e-4.
 BACKWARD_TOLERANCE = 1e-4
-# The forward error is relative to the outputs' scale, max(1, max |torch output|), as the backward's
-# is to the gradient's: fp32 rounding grows with the values (a GPT-2's logits up to ~80 differ by
-# 3e-5 in absolute terms), so an absolute 1e-5 would refuse a correct model with large outputs.
+# relative to the outputs' scale, as the backward's: a GPT-2's logits up to ~80 differ by 3e-5 absolute
 FORWARD_RELATIVE_TO = "max(1, max|output|)"  # the torch output
 
 
@@ -157,13 +150,11 @@ def entries(report) -> dict:
 
 
 class ExportSubject:
-    """What an export's certificate is about (``certificate.subjects``): ``formats`` it can be
-    written as; ``describe()`` (the certificate's ``model``), ``inputs()`` (fields recorded before
-    the measurement), ``load(written, fmt, description, tensors, name)`` (the (Flax, torch) pair
-    that measures what was written) and ``measure(flax_model, torch_model)`` (``inputs``,
-    ``forward``, ``backward``, ``lm``); ``reloaded`` says how, for a refusal. A subject whose record
-    is its own (a PEFT adapter) gives ``record(written, fmt, final)``; the others are recorded by
-    ``certificate.make``, the whole flow."""
+    """What an export's certificate is about (``certificate.subjects``): ``formats``; ``describe()``
+    (its ``model``), ``inputs()`` (recorded before the measurement), ``load(written, fmt, description,
+    tensors, name)`` (the (Flax, torch) pair of what was written), ``measure(flax_model, torch_model)``
+    (``inputs``, ``forward``, ``backward``, ``lm``, ``reader``); ``reloaded`` says how. A subject whose
+    record is its own (a PEFT adapter) gives ``record(written, fmt, final)``; ``certificate.make`` the others'."""
 
     formats: tuple[str, ...] = ()
     reloaded = "reloaded in torch"
@@ -228,9 +219,7 @@ def lm_line(entry: dict) -> str:
 # --------------------------------------------------------------------------- the schema
 
 MAX_BYTES = 16 << 20  # 16 MiB: all-MiniLM-L6-v2's certificate is ~40 KB; a 1000-layer model's stays under 16 MiB
-# the recorded inputs: every export records INPUTS (seed 0, batch 2, length 9); these bounds only keep a
-# tampered certificate from driving the re-check's allocation (a length beyond the model's context is
-# cut to it when the inputs are drawn, at export as now: certificate_subjects.example_inputs)
+# the recorded inputs' bounds keep a tampered certificate from driving the re-check's allocation
 INPUT_BOUNDS = {"seed": (0, 2**32 - 1), "batch": (1, 64), "length": (1, 4096)}  # seed: a random key keeps 32 bits
 MAX_TOKENS = 4096  # batch x length
 DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
@@ -335,7 +324,7 @@ def _check_error_entry(s: _Schema, key: str, entry) -> None:
     if entry["tolerance"] <= 0:
         s.fail(f"{key}.tolerance", "a number in (0, 1], not 0")
     s.optional(entry, "scale", lambda f, v: s.number(f"{key}.{f}", v, 1.0))
-    for f in ("relative_to", "worst", "not_compared"):
+    for f in ("relative_to", "worst", "not_compared", "implementation"):
         s.optional(entry, f, lambda f, v: s.text(f"{key}.{f}", v))
     s.optional(entry, "passed", lambda f, v: s.kind(f"{key}.{f}", v, bool, "true or false"))
     if entry.get("float64") is not None:
@@ -439,18 +428,30 @@ def _check_shape(s: _Schema, field: str, shape) -> None:
         s.fail(field, f"at most 2**40 elements, not {count}")
 
 
+_ENTRY = {"max_abs_err", "max_rel_err", "scale", "relative_to", "finite", "tolerance", "float64", "passed",
+          "not_compared", "worst", "not_measured", "implementation"}
+KNOWN = {"": {"certificate", "created", "format", "model", "files", "tensors", "dtypes", "matmul_precision", "versions",
+              "platform", "inputs", "forward", "backward", "lm", "reader"}, "dtypes": {"tensors", "compute"},
+         "model": {"family", "class", "init_kwargs", "module", "flax_class", "flax_module", "reference", "rename"},
+         "forward": _ENTRY, "backward": _ENTRY, "reader": _ENTRY, "lm": {  # every field a certificate may hold
+             "tokens", "vocab", "kl_mean", "kl_max", "top1", "top5", "top1_near_ties", "finite", "gates",
+             "measured", "reason", "passed", "not_measured"}}
+
+
 def validate(record, cert) -> dict:
     """``record`` (a parsed certificate), checked field by field before anything uses it: types,
-    ranges and required fields (``CertificateError`` naming ``cert`` and the field). Required:
-    certificate, format, model, files, tensors, forward, backward, versions, platform; optional:
-    created, inputs (null or absent: the re-check draws the library's defaults), dtypes,
-    matmul_precision, and a forward's ``max_rel_err`` (certificates before it have ``max_abs_err``).
-    A user's model (``model.family`` "user") has ``class``, ``module``, ``flax_class``,
-    ``flax_module``, ``reference`` and ``rename`` instead of ``init_kwargs``, and requires ``inputs``
-    (``args``, ``kwargs``: each null, a number or an array's shape, dtype and sha256)."""
+    ranges, required and unknown fields (``KNOWN``; ``CertificateError`` naming ``cert`` and the field).
+    Optional: created, inputs (null or absent: the re-check draws the library's defaults), dtypes,
+    matmul_precision, lm, reader (``certificate.independent``). A user's model (``model.family`` "user")
+    has ``class``, ``module``, ``flax_class``, ``flax_module``, ``reference`` and ``rename``, and
+    requires ``inputs`` (``args``, ``kwargs``: each null, a number or an array's shape, dtype and sha256)."""
     s = _Schema(cert)
     if not isinstance(record, dict):
         raise CertificateError(f"{cert}: field (top level): a JSON object, not {_json_type(record)}: not a {FORMAT!r}")
+    for section, names in KNOWN.items():  # refused: a reader that skipped it would not say so
+        entry = record.get(section) if section else record
+        for name in [n for n in (entry if isinstance(entry, dict) else ()) if n not in names][:1]:
+            s.fail(f"{section}.{key_name(name)}".lstrip("."), f"not a field of a {FORMAT!r}: refused unread")
     if record.get("certificate") != FORMAT:
         s.fail("certificate", f"{_short_value(record.get('certificate'))}: not a {FORMAT!r}")
     if record.get("format") not in FORMATS:
@@ -479,22 +480,20 @@ def validate(record, cert) -> dict:
     for key in ("forward", "backward"):
         _check_error_entry(s, key, record.get(key))
     s.optional(record, "lm", lambda f, v: _check_lm(s, v))
+    s.optional(record, "reader", lambda f, v: _check_error_entry(s, f, v))
     if user:  # required: a re-check must run on the very inputs the figures were measured on
         _check_user_inputs(s, record.get("inputs"))
     else:
         s.optional(record, "inputs", lambda f, v: _check_inputs(s, v))
     if record.get("dtypes") is not None:
         dtypes = s.kind("dtypes", record["dtypes"], dict, "a JSON object")
-        listed = s.kind("dtypes.tensors", dtypes.get("tensors", []), list, "a list")
-        for i, d in enumerate(listed):
+        for i, d in enumerate(s.kind("dtypes.tensors", dtypes.get("tensors", []), list, "a list")):
             if d not in DTYPES:
                 s.fail(f"dtypes.tensors[{i}]", f"a known dtype, not {_short_value(d)}")
         if dtypes.get("compute") not in DTYPES | {None}:
             s.fail("dtypes.compute", f"a known dtype, not {_short_value(dtypes.get('compute'))}")
     s.optional(record, "matmul_precision", lambda f, v: s.text(f, v, 32))
     for key, limit in (("versions", 128), ("platform", 512)):
-        entries = s.mapping(key, record.get(key), 64, key_limit=64)
-        for name, value in entries.items():
-            if value is not None:
-                s.text(f"{key}[{key_name(name)}]", value, limit)
+        for name, value in [(n, v) for n, v in s.mapping(key, record.get(key), 64, key_limit=64).items() if v is not None]:
+            s.text(f"{key}[{key_name(name)}]", value, limit)
     return record

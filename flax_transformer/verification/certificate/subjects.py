@@ -45,7 +45,7 @@ from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 from flax_transformer.interop.values import to_numpy
 from flax_transformer.models.input_specs import input_spec
 from flax_transformer.verification import measure as core
-from flax_transformer.verification.certificate import schema
+from flax_transformer.verification.certificate import independent, schema
 from flax_transformer.verification.certificate.schema import FORMATS, USER, USER_FORMATS, CertificateError, brief
 from flax_transformer.verification.compare import compare
 
@@ -237,11 +237,14 @@ class FamilySubject(schema.ExportSubject):
 
     def load(self, written: Path, fmt: str, description: dict, tensors: dict, name: str | None):
         reuse = tensors if fmt != "hf" else None  # the HF torch model reads the folder itself
-        torch_model = torch_model_of(written, fmt, description, reuse)
-        return fp32_twin(self.model, self.state), torch_model
+        self.written = written, fmt  # for the reader entry: transformers reads an HF folder on its own
+        return fp32_twin(self.model, self.state), torch_model_of(written, fmt, description, reuse)
 
     def measure(self, flax_model, torch_model) -> dict:
-        return measure(flax_model, torch_model)
+        record = measure(flax_model, torch_model)
+        if record["inputs"] is None:  # a sub-module: nothing measured
+            return record
+        return record | {"reader": independent.entry(*self.written, flax_model, example_inputs(flax_model))}
 
 
 class UserSubject(schema.ExportSubject):

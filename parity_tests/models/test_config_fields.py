@@ -1,0 +1,156 @@
+"""Every config reader reads what it computes and refuses what it does not (issue 36 item 6).
+
+Each reader (``config.json`` per ``model_type``: ``LlamaConfig.from_hf``, ``hf_tables.config_of``) is fed
+every field transformers' own config class knows (``XConfig(...).to_dict()``, tiny sizes): each field
+is computed (changing it alone changes the config read, or is refused) or in the reader's ignorable
+list (``hf_config_fields``); a made-up field is refused in one line naming it and the model_type. Pure
+config: no model runs.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+
+from flax_transformer.interop import hf_tables
+from flax_transformer.models import hf_config_fields
+from flax_transformer.models.llama_config import LlamaConfig
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+WINDOWS = dict(sliding_window=8, use_sliding_window=True, max_window_layers=2)  # so that the window's fields count
+LLAMA_CLASSES = {
+    "llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(head_dim=None, **WINDOWS)), "qwen3": ("Qwen3Config", WINDOWS),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", dict(sliding_window=8, query_pre_attn_scalar=8)),
+    "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=8, query_pre_attn_scalar=8)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(head_dim=None, num_experts=4, shared_expert_intermediate_size=16, **MOE,
+                                         **WINDOWS)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, sliding_window=8, use_sliding_window=True, **MOE)), "olmoe": ("OlmoeConfig", dict(
+        head_dim=None, num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "deepseek_v3": ("DeepseekV3Config", dict(head_dim=None, num_key_value_heads=4, n_routed_experts=8, n_group=2,
+                                             topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **MOE)),
+}
+ENCODER_CLASSES = {"bert": ("BertConfig", {}), "roberta": ("RobertaConfig", {}), "distilbert": ("DistilBertConfig", {}),
+                   "gpt2": ("GPT2Config", {})}
+
+
+def transformers_fields(kind: str) -> dict:
+    name, extra = {**LLAMA_CLASSES, **ENCODER_CLASSES}[kind]
+    kwargs = {} if kind in ENCODER_CLASSES else {k: v for k, v in {**TINY, **extra}.items() if v is not None or k
+                                                 != "head_dim"}
+    if kind in ("qwen2", "qwen2_moe", "olmoe", "deepseek_v3"):
+        kwargs.pop("head_dim", None)
+    return getattr(transformers, name)(**kwargs).to_dict()
+
+
+def changed(name: str, value):
+    """Another value of the field, of its kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 2 if name.endswith("token_id") or value == 0 else value * 2
+    if isinstance(value, float):
+        return value * 2 + 0.25 if value < 0.4 else value / 2 + 0.5
+    if isinstance(value, str):
+        return {"silu": "gelu", "gelu": "relu", "gelu_pytorch_tanh": "relu", "gelu_new": "relu"}.get(value, "relu")
+    if isinstance(value, list):
+        if value and isinstance(value[0], str):  # layer_types: the first layer's kind turned
+            return [{"full_attention": "sliding_attention"}.get(value[0], "full_attention"), *value[1:]]
+        return [*value, 1] if not value else value[:-1]
+    if isinstance(value, dict):  # rope_parameters: another base
+        nested = {k: dict(v, rope_theta=v["rope_theta"] * 3) for k, v in value.items() if isinstance(v, dict)}
+        return nested or dict(value, rope_theta=value["rope_theta"] * 3)
+    return 4  # a null: a size or an id
+
+
+def read(kind: str, fields: dict):
+    return LlamaConfig.from_hf(fields) if kind in LLAMA_CLASSES else hf_tables.config_of(fields)[1]
+
+
+@pytest.mark.parametrize("kind", [*LLAMA_CLASSES, *ENCODER_CLASSES])
+def test_every_field_transformers_knows_is_computed_or_ignorable(kind):
+    fields = transformers_fields(kind)
+    computed, ignored, inert = hf_config_fields.lists(kind)
+    unlisted = sorted(set(fields) - computed - set(ignored) - set(inert))
+    assert not unlisted, f"{kind}: transformers' fields in no list: {unlisted}"
+    read(kind, fields)
+    silent = []
+    for name in sorted(set(fields) & computed - {"model_type"}):
+        base = copy.deepcopy(fields)
+        if hf_config_fields.SUPERSEDED.get(name) in base:  # read only without the field that supersedes it
+            del base[hf_config_fields.SUPERSEDED[name]]
+        other = dict(base, **{name: changed(name, base[name])})
+        try:
+            if read(kind, other) == read(kind, base):
+                silent.append(f"{name}: {base[name]!r} -> {other[name]!r}")
+        except ValueError:
+            continue  # refused: not computed with a default either
+    assert not silent, f"{kind}: computed fields whose change changes nothing: {silent}"
+
+
+@pytest.mark.parametrize("kind", [*LLAMA_CLASSES, *ENCODER_CLASSES])
+def test_a_made_up_field_is_refused_naming_it(kind):
+    with pytest.raises(ValueError, match=f"{kind} field 'rope_dropout_frobnicate'") as error:
+        read(kind, {**transformers_fields(kind), "rope_dropout_frobnicate": 0.5})
+    assert "\n" not in str(error.value) and "hf_config_fields.py" in str(error.value)
+
+
+def test_our_own_names_are_llama_configs_fields():
+    """``OURS`` (read for every type) is LlamaConfig's fields but its nested configs, which ``from_hf``
+    reads under transformers' names."""
+    assert set(hf_config_fields.OURS) == {f.name for f in dataclasses.fields(LlamaConfig)} - {"moe", "mla"}
+
+
+@pytest.mark.parametrize("kind, name, value, accepted", [
+    ("mistral", "attention_bias", True, False), ("llama", "clip_qkv", 8.0, None),
+    ("gemma", "use_bidirectional_attention", True, None), ("bert", "position_embedding_type", "relative_key", None),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True, False), ("distilbert", "sinusoidal_pos_embds", True, False),
+    ("deepseek_v3", "scoring_func", "softmax", None), ("bert", "is_decoder", True, False)])
+def test_a_field_is_accepted_only_where_it_computes_nothing(kind, name, value, accepted):
+    fields = transformers_fields(kind)
+    read(kind, {**fields, name: accepted})
+    with pytest.raises(ValueError, match=f"{kind} field {name}={value!r} is not computed here"):
+        read(kind, {**fields, name: value})
+
+
+@pytest.mark.parametrize("scaling, missing", [
+    (dict(rope_type="linear"), "factor"), (dict(type="dynamic"), "factor"),
+    (dict(rope_type="llama3", factor=8.0, high_freq_factor=4.0, original_max_position_embeddings=32), "low_freq_factor"),
+    (dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, original_max_position_embeddings=32), "high_freq_factor")])
+def test_a_rope_scaling_without_its_keys_is_refused_as_transformers_refuses_it(scaling, missing):
+    """They were filled with 1.0 (or 4.0) and written back by ``port`` as if given."""
+    with pytest.raises(KeyError, match=missing):
+        transformers.LlamaConfig(**TINY, rope_scaling=dict(scaling))
+    fields = {**transformers_fields("llama"), "rope_scaling": scaling}
+    del fields["rope_parameters"]
+    with pytest.raises(ValueError, match=f"has no '{missing}'"):
+        LlamaConfig.from_hf(fields)
+
+
+@pytest.mark.parametrize("types", [["sliding_attention", "full_attention"] * 2, ["full_attention"] * 4,
+                                   ["sliding_attention"] * 4])
+def test_a_mistral_with_layer_types_slides_where_transformers_reads_it(types):
+    """transformers 5's AutoConfig reads a mistral with layer_types as Ministral (a window on the sliding
+    layers only); it was read with the window on every layer (0.40 off)."""
+    fields = {**transformers_fields("mistral"), "layer_types": types}
+    theirs = transformers.AutoConfig.for_model("ministral", **{k: v for k, v in fields.items() if k != "model_type"})
+    ours = LlamaConfig.from_hf(fields)
+    windows = [theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == windows
+    try:  # what port would write: refused, or read back by transformers with the same windows
+        written = ours.to_hf_dict()
+    except ValueError as error:
+        assert "layer_types" in str(error)
+        return
+    config = transformers.AutoConfig.for_model(**written)
+    back = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    got = [config.sliding_window if t == "sliding_attention" else None for t in back]
+    assert got == windows

@@ -4,7 +4,8 @@
     flax-transformer port SRC DST [--verify]      convert checkpoints between frameworks and formats
     flax-transformer summary MODEL_OR_CHECKPOINT  modules, parameter counts and shapes, largest layers
     flax-transformer attention-map --text ...     a BERT's or a decoder's attention on a text, PNG or HTML
-    flax-transformer generate --checkpoint RUN_DIR --prompt TEXT   continue a prompt with a train.lm run
+    flax-transformer generate --checkpoint RUN_DIR --prompt TEXT   continue a prompt with a train.lm run, or an
+                                                   HF or Meta folder with its own tokenizer
 """
 
 from __future__ import annotations
@@ -352,6 +353,10 @@ def _generate(args) -> int:
         from flax_transformer.models.generate import check_seed
 
         check_seed(args.seed, "--seed")
+    if Path(args.checkpoint).is_dir() and not (Path(args.checkpoint) / "run.json").is_file():
+        from flax_transformer.cli import folder_generation  # an HF or Meta folder, with its own tokenizer
+
+        return folder_generation.run(args)
     run = load_run(args.checkpoint)
     if run.task != "lm":
         raise ValueError(f"{args.checkpoint} is a {run.task} run; generate continues text with a train.lm run")
@@ -452,15 +457,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_attention_map)
 
-    p = sub.add_parser("generate", help="continue a prompt with a trained train.lm run")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="a run directory of python -m train.lm")
+    p = sub.add_parser("generate", help="continue a prompt with a train.lm run, or an HF or Meta causal LM folder")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_FOLDER",
+                   help="a run directory of python -m train.lm, or an HF (GPT-2, llama family) or Meta llama folder "
+                        "with its tokenizer.json or tokenizer.model (docs/generation.md)")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int,
                    help="how many tokens to add; the prompt and they must fit in the run's context (64 tokens for "
                         "--preset tiny, 128 for small). Default: as many as the run's sample (sample_tokens in its "
                         "run.json), cut to what fits")
-    p.add_argument("--temperature", type=float, help="default: the run's")
-    p.add_argument("--top-k", type=int, help="default: the run's")
+    p.add_argument("--temperature", type=float, help="default: the run's (a folder: greedy, or its "
+                                                     "generation_config.json's sampling)")
+    p.add_argument("--top-k", type=int, help="default: the run's (a folder: its generation_config.json's, else 50)")
     p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens whose probability reaches P")
     p.add_argument("--greedy", action="store_true", help="the most likely token each step, no sampling")
     p.add_argument("--seed", type=int, help="0 to 2**32 - 1 (default: the run's)")

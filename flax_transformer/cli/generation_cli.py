@@ -7,22 +7,27 @@ mistake is a ``ValueError`` (``commands`` prints it in one line, exit 2), raised
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 DEFAULT_NEW_TOKENS = 16
 
 
-def prompt_ids(folder, text: str) -> list[int]:
-    """The prompt's ids through the checkpoint folder's own tokenizer.json, unpadded and uncut."""
-    from tokenizers import Tokenizer
+def prompt_ids(checkpoint, text: str):
+    """The prompt's ids as ``generate`` gives them to the same checkpoint (one rule for both:
+    ``training.prompts.prompt_ids``): a ``train.lm`` run's through ``lm.prompt_ids``, a folder's through its
+    own tokenizer (``prompts.folder_tokenizer``); the template's BOS kept, even before an empty prompt."""
+    from flax_transformer.training import prompts
 
-    tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-    tokenizer.no_padding()
-    tokenizer.no_truncation()  # a prompt too long for the model is refused by name, not cut
-    ids = tokenizer.encode(text).ids
-    if not ids:
-        raise ValueError("--prompt gives no tokens")
-    return ids
+    path = Path(checkpoint)
+    if (path / "run.json").is_file():
+        from flax_transformer.training import lm
+        from flax_transformer.training.rundir import config_of_run, read_tokenizer
+
+        config = dataclasses.replace(config_of_run(path, "lm", lm.LMConfig), prompt=text)
+        return lm.prompt_ids(config, read_tokenizer(path / "tokenizer.json"))
+    tokens = prompts.folder_tokenizer(path)
+    return prompts.prompt_ids(tokens.tokenizer, text, prefix=tokens.prefix)
 
 
 def run(args) -> int:
@@ -43,8 +48,9 @@ def run(args) -> int:
     new = DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {new}")
-    if not (Path(args.checkpoint) / "tokenizer.json").is_file():
-        raise ValueError(f"--prompt needs a checkpoint folder with a tokenizer.json; {args.checkpoint} has none")
+    if not any((Path(args.checkpoint) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise ValueError(f"--prompt needs a checkpoint folder with a tokenizer.json (or tokenizer.model); "
+                         f"{args.checkpoint} has none")
     if args.json:
         files.check_target(args.json, kind="file", overwrite=args.overwrite)
     ids = prompt_ids(args.checkpoint, args.prompt)

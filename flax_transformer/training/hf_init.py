@@ -288,12 +288,13 @@ def encode(tokenizer, text: str) -> np.ndarray:
 
 
 def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
-    """The prompt's ids, after what the tokenizer's template puts before a text (a bos), without what it
-    puts after (an eos would end the text before the continuation)."""
-    bare = tokenizer.encode(prompt, add_special_tokens=False).ids
-    full = tokenizer.encode(prompt).ids
-    start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
-    return np.asarray(full[:start] + bare, dtype=np.int32)
+    """The prompt's ids, after what the tokenizer's template puts before a text (a bos, kept before an empty
+    prompt too), without what it puts after (an eos would end the text before the continuation); characters
+    the tokenizer cannot encode refused (``prompts.prompt_ids``: the rule ``generate`` and
+    ``verify --bisect-generate`` share)."""
+    from flax_transformer.training import prompts
+
+    return prompts.prompt_ids(tokenizer, prompt)
 
 
 def decode(tokenizer, ids) -> str:

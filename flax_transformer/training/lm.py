@@ -313,9 +313,13 @@ def eval_loss_fn(model, batch):
 
 def prompt_ids(config: LMConfig, tokenizer) -> np.ndarray:
     """The prompt's token ids; ``RunError`` unless it has 1 to ``context - 1`` of them."""
+    from flax_transformer.training.prompts import PromptError
+
     try:
         prompt = (hf_init.prompt_ids(tokenizer, config.prompt) if config.model == "hf"
                   else encode(config, tokenizer, config.prompt))
+    except PromptError as error:  # characters an hf run's tokenizer cannot encode, named
+        raise RunError(str(error)) from None
     except Exception:  # the Rust tokenizer refuses a character it has no id for (no unknown token at char level)
         unknown = sorted(set(config.prompt) - set(tokenizer.get_vocab()))
         raise RunError(f"--prompt {config.prompt!r} has characters the text does not have ({''.join(unknown)!r}), "

@@ -181,7 +181,9 @@ def test_port_verify_of_an_hf_folder_compares_with_what_transformers_loads(base,
     pytest.importorskip("transformers")
     assert main(["port", str(base), str(tmp_path / "out.safetensors"), "--verify", "--no-certify"]) == 0
     out = capsys.readouterr().out
-    assert f"between {base} (transformers) and" in out and out.rstrip().endswith("-> pass (tolerance 1e-05)")
+    assert f"between {base} (transformers) and {tmp_path / 'out.safetensors'} (reloaded) -> pass (tolerance 1e-05)" \
+        in out and out.rstrip().endswith(f"wrote {tmp_path / 'out.safetensors'} (safetensors) without a certificate "
+                                          "(--no-certify)")
     # a folder transformers reads otherwise than this library (here: an index without "metadata",
     # which transformers refuses with a KeyError) fails the check
     folder = _copy(base, tmp_path)
@@ -189,7 +191,11 @@ def test_port_verify_of_an_hf_folder_compares_with_what_transformers_loads(base,
     del index["metadata"]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     assert main(["port", str(folder), str(tmp_path / "out2.safetensors"), "--verify", "--no-certify"]) == 1
-    assert "transformers cannot load" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "transformers cannot load" in out
+    assert out.rstrip().endswith(f"port: --verify failed, so {tmp_path / 'out2.safetensors'} was not written "
+                                 "(nothing is there)")
+    assert not (tmp_path / "out2.safetensors").exists()  # and no staged copy beside it
     # and values that differ are measured: transformers' reading, made to differ, fails it
     import flax_transformer.interop.hf as hf_module
 
@@ -201,6 +207,14 @@ def test_port_verify_of_an_hf_folder_compares_with_what_transformers_loads(base,
             model.transformer.ln_f.bias.add_(0.5)
         return model, missing
 
+    assert main(["port", str(base), str(tmp_path / "out3.pt"), "--verify"]) == 0  # certified, and passes
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out3.pt*")}
+    assert sorted(before) == ["out3.pt", "out3.pt.verification.json"]
     monkeypatch.setattr(hf_module, "transformers_from_pretrained", shifted)
-    assert main(["port", str(base), str(tmp_path / "out3.pt"), "--verify", "--no-certify"]) == 1
-    assert "(transformers) and" in capsys.readouterr().out
+    assert main(["port", str(base), str(tmp_path / "out3.pt"), "--verify", "--overwrite"]) == 1
+    out = capsys.readouterr().out
+    assert "(transformers) and" in out and "-> FAIL" in out
+    assert out.rstrip().endswith(f"so {tmp_path / 'out3.pt'} was not written (the one there is as it was)")
+    # nothing lost: the certified output of the run before, as it was, and no new output or staged copy
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith(("out3", ".out3"))} == before

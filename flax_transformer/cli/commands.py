@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from flax_transformer.cli import run_ports, verify_flags
+from flax_transformer.cli import run_ports, source_cli, verify_flags
 from flax_transformer.cli.bisect_cli import load_model
 
 
@@ -53,6 +53,8 @@ def _verify(args) -> int:
         return _verify_training(args, start)
     if check == verify_flags.CHECKPOINT:
         return _verify_checkpoint(args.checkpoint, start, dtype=args.dtype)
+    if check == verify_flags.SOURCE:  # a conversion checked against its source: source_cli.py
+        return source_cli.run(args, start)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -111,6 +113,8 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     print(f" ({judged}, {time.perf_counter() - start:.1f} s)")
     if report is not None:
         print("\n" + report.format())
+    else:  # the table cannot tell a wrong conversion: every side reads the same weights
+        print(source_cli.NO_CERTIFICATE)
     return 1 if failed or not rows or (report is not None and not report.passed) else 0
 
 

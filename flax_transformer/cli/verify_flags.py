@@ -14,6 +14,7 @@ CERTIFIED_PAIR = "certified pair"  # --checkpoint PATH --pair MODULE:FACTORY: yo
 PAIR = "pair"  # --pair or --bisect: bisect_cli
 TRAIN_STEPS = "train steps"  # --train-steps K [--through-torch-state]
 CHECKPOINT = "checkpoint"  # --checkpoint PATH
+SOURCE = "source"  # --checkpoint CONVERTED --source ORIGINAL [--pair] [--bisect]: source_cli
 TABLE = "table"  # every module (or with --grads every full model's gradients)
 
 
@@ -23,6 +24,7 @@ def mode(args) -> str:
         taken = [flag for flag, value in (("--bisect", args.bisect), ("--pair", args.pair), ("--grads", args.grads),
                                           ("--text", args.text), ("--train-steps", args.train_steps),
                                           ("--family", args.family), ("--rename", args.rename),
+                                          ("--source", getattr(args, "source", None)),
                                           ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
                  if value]
         if taken:
@@ -30,6 +32,8 @@ def mode(args) -> str:
         return PAIR
     if getattr(args, "prompt", None) is not None or getattr(args, "max_new_tokens", None) is not None:
         raise ValueError("--prompt and --max-new-tokens go with --bisect-generate")
+    if getattr(args, "source", None) is not None:
+        return _source_mode(args)
     pictures = [flag for flag, value in (("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
                 if value]
     if pictures and not args.bisect:  # a picture of bisect's report: compare's has no modules to draw
@@ -59,11 +63,34 @@ def mode(args) -> str:
     return CHECKPOINT if args.checkpoint else TABLE
 
 
+def _source_mode(args) -> str:
+    """``--source ORIGINAL``: a conversion checked against its source; the flags of other checks refused."""
+    if not args.checkpoint:
+        raise ValueError("--source ORIGINAL goes with --checkpoint CONVERTED (the conversion to check against it)")
+    taken = [flag for flag, value in (("--train-steps", args.train_steps), ("--family", args.family),
+                                      ("--grads", args.grads), ("--text", args.text), ("--rename", args.rename),
+                                      ("--allow-skipped", args.allow_skipped),
+                                      ("--allow-nonfinite", args.allow_nonfinite),
+                                      ("--through-torch-state", args.through_torch_state),
+                                      ("--dtype", getattr(args, "dtype", "fp32") != "fp32"),
+                                      ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
+             if value]
+    if taken:
+        raise ValueError(f"--checkpoint CONVERTED --source ORIGINAL takes no {', '.join(taken)} (it compares the two "
+                         "in fp32 on example inputs; --pair, --bisect, --seed and --json go with it)")
+    return SOURCE
+
+
 def add_parser(sub, func) -> None:
     """The ``verify`` subcommand and its flags, calling ``func(args)``."""
     p = sub.add_parser("verify", help="torch vs Flax parity table for every module of every family, or one checkpoint")
     p.add_argument("--checkpoint", help="verify one checkpoint (HF folder, safetensors or orbax) against its torch twin, "
                                         "and re-check its certificate (verification.json) if it has one")
+    p.add_argument("--source", metavar="ORIGINAL",
+                   help="with --checkpoint CONVERTED: is the conversion right? ORIGINAL (an HF folder, read by "
+                        "transformers; a Meta folder; a torch state_dict or training checkpoint, or a safetensors "
+                        "file, built by --pair or as CONVERTED's architecture) and CONVERTED run on the same inputs, "
+                        "their logits and tensors compared; exit 1 naming the tensors that differ")
     p.add_argument("--family", action="append", choices=list(FAMILIES),
                    help="only this family (repeatable; default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")

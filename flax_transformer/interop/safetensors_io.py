@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.models.state_dict_errors import StateDictError
+from flax_transformer.models.state_dict_errors import StateDictError, read_weights_entry
 
 # safetensors' dtype codes <-> numpy (bfloat16 and the float8s are ml_dtypes')
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
@@ -159,8 +159,7 @@ def read_torch_pickle(file: Path) -> dict[str, np.ndarray]:
     except Exception as error:  # a corrupted pickle fails in many ways (KeyError, IndexError, EOFError...)
         raise ValueError(f"{file} is not a readable torch checkpoint (truncated or corrupted?): "
                          f"{type(error).__name__}: {error}") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
+    state = read_weights_entry(state, file)  # a training checkpoint's model/state_dict entry, with a warning
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ValueError(f"{file} does not hold a state_dict (a mapping of names to tensors)")

@@ -369,7 +369,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
         reference = reference.from_pretrained(path, dtype=torch.float32).eval()  # a bf16 folder widens exactly
         for case, (ids, mask) in (("none", no_mask), ("padding", args)):
             if dtype != "fp32":  # bf16: judged against transformers' model in float64, by bf16's budget
-                report = compare(_Transformers(reference, name == "TransformerEncoder"), flax_model, (ids, mask),
+                report = compare(TransformersCall(reference, name == "TransformerEncoder"), flax_model, (ids, mask),
                                  lm=lm, lm_mask=certificate_subjects.lm_mask(flax_model, (ids, mask)) if lm else None)
                 rows.append(dataclasses.replace(report.rows[0], case=case, direction="transformers vs flax"))
                 if report.lm is not None:
@@ -388,7 +388,7 @@ def checkpoint_report(path, *, load=None, dtype: str = "fp32") -> tuple[list[Row
     return rows, agreements
 
 
-class _Transformers:
+class TransformersCall:
     """transformers' model as ``(ids, mask) -> last_hidden_state or logits``, the call the Flax twin
     takes, for ``compare`` (a torch module, made when first needed: torch is imported lazily)."""
 

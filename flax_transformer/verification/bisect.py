@@ -62,7 +62,7 @@ import numpy as np
 from flax import nnx
 
 from flax_transformer.interop.layer_kinds import apply_rename, check_rename
-from flax_transformer.verification import capture, frameworks, measure, routing
+from flax_transformer.verification import capture, frameworks, layouts, measure, routing
 from flax_transformer.verification import precision as _precision
 from flax_transformer.verification.bisect_report import (
     BOTH_NONFINITE,
@@ -101,7 +101,7 @@ def _aligned(ref_out, t32_out, jax_out, channels_last: bool):
     pairs, torch_only, flax_only = frameworks.pair_paths(list(want), list(got_j))
     if torch_only or flax_only or set(want) != set(got_t):
         return None
-    js = [frameworks.to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
+    js = [layouts.to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
     if any(j is None for j in js):
         return None
     return [want[t] for t, _ in pairs], [got_t[t] for t, _ in pairs], js
@@ -123,19 +123,20 @@ def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: b
     for i, r in zip(slots, ref):
         a = r.detach().numpy().astype(np.float32)
         if channels_last and a.ndim >= 3:
-            a = np.transpose(a, frameworks.channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
+            a = np.transpose(a, layouts.channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
         if tuple(leaves[i].shape) != a.shape:
             return None
         leaves[i] = jnp.asarray(a).astype(leaves[i].dtype)
     return treedef.unflatten(leaves)
 
 
-def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None):
+def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None, heads=None):
     """(torch error, JAX error) of the module rerun alone on the fp64 input, cast to ``dtype`` for
-    torch (default float32) and to float32 for JAX (its module casts); None if it cannot be."""
+    torch (default float32) and to float32 for JAX (its module casts; through the RoPE permutation
+    of ``heads``, as its row); None if it cannot be."""
     import torch
 
-    channels_last = frameworks.channels_last(jax_call.module)
+    channels_last = layouts.channels_last(jax_call.module)
     inputs = _jax_inputs(jax_call, ref_call, channels_last)
     if inputs is None or jax_call.module is None:
         return None, None
@@ -144,7 +145,9 @@ def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None):
         torch_out = torch_module(*cast(ref_call.args, dtype), **cast(ref_call.kwargs, dtype))
     jax_out = jax_call.module(*inputs[0], **inputs[1])
     got_t = _floats(torch_out)
-    got_j = [frameworks.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
+    got_j = [layouts.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
+    if heads is not None:
+        got_j = [None if a is None else layouts.to_rope_order(a, heads, -1) for a in got_j]
     if len(got_t) != len(want) or len(got_j) != len(want) or any(a is None for a in got_j):
         return None, None
     return measure.err(got_t, want), measure.err(got_j, want)
@@ -238,9 +241,9 @@ def _tied(torch_model) -> dict[str, tuple[str, ...]]:
 def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
                  flax_names: tuple[set[str], set[str]] | None = None, pairs=(),
                  tied: dict[str, tuple[str, ...]] | None = None, measured: dict | None = None,
-                 length: int | None = None, precision=_precision.FP32) -> list[ModuleRow]:
+                 length: int | None = None, precision=_precision.FP32, permutations=()) -> list[ModuleRow]:
     """One row per torch call (``t32_calls``: the torch run at ``precision``); ``measured`` gets
-    {row: (torch, JAX) error per position} (``positions``)."""
+    {row: (torch, JAX) error per position} (``positions``); ``permutations``: ``check_permutations``'."""
     rows = []
     for name, ref in ref_calls.items():
         kind = type(ref.module).__name__
@@ -252,7 +255,7 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
             rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names, pairs, tied),
                                   produced="torch" if _produced(t32) else "", flax_path=renamed))
             continue
-        channels_last = frameworks.channels_last(jx.module)
+        channels_last = layouts.channels_last(jx.module)
         aligned = _aligned(ref.output, t32.output, jx.output, channels_last)
         if aligned is None:
             shapes = lambda xs: [tuple(x.shape) for x in xs]  # noqa: E731
@@ -261,6 +264,12 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
                 f"torch {shapes(_floats(ref.output))})")))
             continue
         want, got_t, got_j = aligned
+        heads = layouts.permuted_heads(ref.path, permutations)
+        if heads is not None and any((got_j := [layouts.to_rope_order(j, heads, -1) for j in got_j])[i] is None
+                                     for i in range(len(got_j))):
+            rows.append(ModuleRow(name, kind, flax_path=renamed, status=(
+                f"skipped: the output's features are not {heads} heads of RoPE pairs (permutations=)")))
+            continue
         moved = channels_last and any(w.ndim >= 3 for w in want)
         torch_err, jax_err, scale = measure.err(got_t, want), measure.err(got_j, want), measure.scale(want)
         if measured is not None and not moved and (found := measure.position_errors(want, got_t, got_j, length)):
@@ -272,7 +281,7 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
             torch_err, jax_err = finite_part_errs(got_t, got_j, want)
         local = (None, None)
         if rerun and jax_err > budget(torch_err, scale, precision):  # only a diverged call needs the rerun
-            local = _rerun_alone(modules32[ref.path], ref, jx, want, precision.torch_dtype())
+            local = _rerun_alone(modules32[ref.path], ref, jx, want, precision.torch_dtype(), heads)
         status = _status(jax_err, torch_err, scale, local, precision)
         if torch_only and not jax_only:
             status = TORCH_NONFINITE
@@ -283,14 +292,16 @@ def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
         produced = ", ".join(side for side, call in (("JAX", jx), ("torch", t32)) if _produced(call))
         rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, status, jax_only, torch_only, both,
                               produced, flax_path=renamed,
-                              note="channels last in Flax, compared in torch's layout" if moved else "",
+                              note="channels last in Flax, compared in torch's layout" if moved else
+                              "compared through Meta's RoPE order of its features" if heads is not None else "",
                               precision=precision.name))
     return rows
 
 
 def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
            use_jit: bool = True, seed: int = 0, allow_nonfinite: bool = False,
-           allow_skipped: bool = False, rename=None, loss_fn=None, precision=None) -> BisectReport:
+           allow_skipped: bool = False, rename=None, loss_fn=None, precision=None,
+           permutations=None) -> BisectReport:
     """Find the first submodule where the Flax model's output leaves the float64 torch reference.
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
@@ -307,8 +318,15 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     Outputs of any structure (tuples, dicts, dataclasses, HF ``ModelOutput``s, ``None`` leaves)
     are compared leaf by leaf, their floating-point arrays matched by path
     (``frameworks.pair_paths``). A layer whose kind holds its inputs and outputs in another
-    layout in Flax (``frameworks.CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
+    layout in Flax (``layouts.CHANNELS_LAST_KINDS``: a convolution, channels first in torch and last in
     Flax) is compared through that transposition, its rerun too.
+
+    ``permutations``: ``[(torch module path regex, heads), ...]``, projections whose output features
+    (and weight rows) torch holds in Meta's interleaved RoPE order per head and Flax in transformers'
+    half split (the porting table's rule, ``converter_ops.RopePermute``): compared through that
+    permutation, as a convolution is through its transposition, forward, rerun and gradients, so a
+    correct port of Meta's model agrees and a port that forgot the permutation is named there.
+    ``known_layouts.meta_llama(config)`` gives Meta's ``rename`` and ``permutations``.
 
     ``precision``: the budget's (``precision.py``; None: the Flax model's compute dtype). A bf16
     model's torch runs (model, reruns, gradients) use a ``torch.bfloat16`` copy, judged by bf16's rule.
@@ -328,6 +346,7 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 
     kwargs = kwargs or {}
     pairs = check_rename(rename)  # a bad rename fails before any work
+    permuted = layouts.check_permutations(permutations)
     frameworks.split_loss_fn(loss_fn)
     rule = _precision.resolve(precision, flax_model)
     torch_model.eval()
@@ -350,11 +369,12 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
         modules32, measured = dict(low.named_modules()), {}
         rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
                             _flax_names(flax_model), pairs, _tied(torch_model), measured,
-                            measure.sequence_length((t_args, t_kwargs)), rule)
+                            measure.sequence_length((t_args, t_kwargs)), rule, permuted)
         experts = routing.expert_rows(capture.labelled(ref), capture.labelled(jx), modules32,
                                       dict(reference.named_modules()), rule) if route_report is not None else {}
         if grads:
-            grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule)
+            grad_rows = _grad_rows(low, reference, flax_model, t_args, t_kwargs, seed, rename, loss_fn, rule,
+                                   permuted)
     first_nonfinite = next((MODEL if r.path == "" else r.path for r in rows if r.produced), None)
     differ, not_compared = frameworks.output_problems(t_out, j_out)  # what no module row covers: strings, labels
     report = BisectReport(rows, None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
@@ -372,7 +392,7 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 
 
 def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None,
-               rule=_precision.FP32) -> list[GradRow]:
+               rule=_precision.FP32, permutations=()) -> list[GradRow]:
     """One row per parameter: torch's (at ``rule``'s precision) and Flax's gradients against ``reference``'s."""
     import torch
     from flax import nnx
@@ -408,6 +428,8 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
                                 + ("" if rename else " (rename=?)"), note=key.note, keys=key.tied))
             continue
         (scale, limit), got_t, got_j = budgets[key.name], [g32[key.name]], [frameworks.sum_grads(gj, key.flax)]
+        if (heads := layouts.permuted_heads(key.name.rpartition(".")[0], permutations)) is not None:
+            got_j = [layouts.to_rope_order(got_j[0], heads, 0)]  # a weight's rows, a bias: Meta's order
         torch_err, jax_err = measure.err(got_t, [want]), measure.err(got_j, [want])
         jax_only, torch_only, both = nonfinite_counts(got_t, got_j)
         if jax_only:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_transformer.interop.layer_kinds import apply_rename, check_rename, kinds_of
+from flax_transformer.interop.layer_kinds import apply_rename, check_rename
 
 
 def leaves(x):
@@ -287,33 +287,6 @@ def output_problems(torch_out, flax_out) -> tuple[list[str], list[str]]:
 
     not_compared = [name for name, _, a, b in arrays if not (numeric(a) and numeric(b))]
     return differ, not_compared
-
-
-# ------------------------------------------------------------------ layouts by layer kind
-
-
-# Kinds of layer (``layer_kinds``) whose inputs and outputs torch and Flax hold in transposed
-# layouts: torch convolves channels first, (b, c, *spatial); Flax's ``nnx.Conv`` channels last,
-# (b, *spatial, c). A user's layer registered as a kind in ``layer_kinds.LAYER_KINDS`` counts too.
-CHANNELS_LAST_KINDS = ("conv",)
-
-
-def channels_last(flax_module) -> bool:
-    return flax_module is not None and any(k in CHANNELS_LAST_KINDS for k in kinds_of(flax_module))
-
-
-def channels_last_axes(ndim: int) -> tuple[int, ...]:
-    """flax.shape[j] = torch.shape[axes[j]]: (b, c, *spatial) -> (b, *spatial, c)."""
-    return (0, *range(2, ndim), 1)
-
-
-def to_torch_layout(a: np.ndarray, shape: tuple, channels_last: bool) -> np.ndarray | None:
-    """A Flax array in torch's layout of ``shape``: moved from channels last where the layer's kind
-    says so (always: the shapes may agree either way, a 3-channel 3x3 map), else as it is; None
-    when the result does not have torch's shape."""
-    if channels_last and a.ndim >= 3:
-        a = np.transpose(a, np.argsort(channels_last_axes(a.ndim)))  # (b, *spatial, c) -> (b, c, *spatial)
-    return a if tuple(a.shape) == tuple(shape) else None
 
 
 # ------------------------------------------------------------------ the scalar grads=True differentiates

@@ -70,6 +70,9 @@ def test_a_wrong_port_of_it_fails(llama):
     assert not report.passed and report.max_abs_err > 1e-5 and "use_cache" in report.summary()
     found = bisect.bisect(model, wrong, (IDS,))
     assert not found.passed and found.first_divergent.endswith("q_proj"), found.summary()
+    assert found.verdict() == "FAIL" and json.loads(found.to_json())["passed"] is False
+    with pytest.raises(TypeError, match="report.passed"):  # every report of the protocol: no truth value
+        bool(found)
 
 
 class _LegacyCache(torch.nn.Module):

@@ -311,9 +311,19 @@ def _read(folder: Path) -> dict:
         if not isinstance(record.get(key), kind):
             raise CertificateError(f"{cert}: field {key!r} is missing or not an object")
     base = record["base"]
-    if not isinstance(base.get("path"), str) or not isinstance(base.get("files"), dict):
-        raise CertificateError(f"{cert}: field 'base' must hold 'path' (a string) and 'files' (an object)")
+    if not isinstance(base.get("path"), str) or not _digests(base.get("files")):
+        raise CertificateError(f"{cert}: field 'base' must hold 'path' (a string) and 'files' (file name -> sha256)")
+    adapter = record["adapter"]
+    if not isinstance(adapter.get("tensors"), dict) or not isinstance(adapter.get("config_sha256"), str):
+        raise CertificateError(f"{cert}: field 'adapter' must hold 'tensors' (an object: tensor name -> its hash) "
+                               "and 'config_sha256' (a string)")
     return record
+
+
+def _digests(value) -> bool:
+    """Whether ``value`` is a non-empty {name: sha256 hex} object, as a certificate records its base's files."""
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in value.items())
 
 
 def recheck(folder, *, base=None) -> AdapterReport:

@@ -184,3 +184,23 @@ def test_save_peft_names_a_merged_model_and_a_missing_base_before_any_work(adapt
     with pytest.raises(FileNotFoundError, match=rf"^base='{tmp_path / 'nosuch'}' is not a folder: save_peft certifies"):
         _save(model, tmp_path / "nosuch", tmp_path / "adapter")
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary folder left
+
+
+
+def test_a_recheck_of_a_certificate_of_the_wrong_shape_names_the_file_and_field(adapted, tmp_path):
+    """Checked before anything reads it: a one-line CertificateError, never an AttributeError half-way."""
+    import re
+
+    base, _ = adapted
+    folder = peft.save_peft(lora.apply(hf.from_pretrained(base), rank=2, targets=["query"], rngs=nnx.Rngs(0)),
+                            tmp_path / "adapter", base_model_name_or_path=str(base))
+    for edit, field in ((lambda r: r["adapter"].update(tensors=["a list"]), "field 'adapter' must hold 'tensors'"),
+                        (lambda r: r["base"].update(files={"model.safetensors": 7}),
+                         "field 'base' must hold 'path' .* and 'files'"),
+                        (lambda r: r.update(forward=None), "field 'forward' is missing or not an object")):
+        record = {"kind": certificate_peft.KIND, "adapter": {"tensors": {}, "config_sha256": "0" * 64},
+                  "base": certificate_peft.base_identity(base), "forward": {}, "adapter_grads": {}}
+        edit(record)
+        (folder / certificate_peft.FILE).write_text(json.dumps(record))
+        with pytest.raises(CertificateError, match=rf"^{re.escape(str(folder / certificate_peft.FILE))}: {field}"):
+            certificate_peft.recheck(folder)

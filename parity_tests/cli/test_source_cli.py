@@ -138,3 +138,29 @@ def test_no_certificate_says_what_is_not_checked(folders, capsys):
 def test_flags_of_other_checks_are_refused(capsys, argv, message):
     code, out = _verify(capsys, *argv)
     assert code == 2 and message in out and out.count("\n") == 1, out
+
+
+@pytest.mark.slow(reason="test_training_checkpoint_of_a_compiled_model_as_source (a state_dict source, the "
+                         "architecture from CONVERTED instead of a pair)")
+def test_a_pair_builds_both_sides(capsys, tmp_path):
+    """``--pair MODULE:FACTORY``: the source state_dict (a ``{"model": ...}`` dict) loads into the pair's torch
+    model, CONVERTED's tensors (torch names, no description) into its Flax model; one transposed tensor is named."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from flax_transformer.interop import porting
+    from parity_tests import user_models_tied
+
+    torch_model, flax_model, _ = user_models_tied.make_pair()
+    torch.save({"model": torch_model.state_dict(), "step": 1}, tmp_path / "source.pt")
+    state = porting.state_dict(flax_model)
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp_path / "right.safetensors")
+    wrong = dict(state, **{"blocks.0.c_proj.weight": np.ascontiguousarray(state["blocks.0.c_proj.weight"].T)})
+    save_file(wrong, tmp_path / "wrong.safetensors")
+    pair = f"{user_models_tied.__file__}:make_pair"
+    code, out = _verify(capsys, "--checkpoint", tmp_path / "right.safetensors", "--source", tmp_path / "source.pt",
+                        "--pair", pair)
+    assert code == 0 and "into the pair's torch model" in out and "17 compared, every one equal" in out, out
+    code, out = _verify(capsys, "--checkpoint", tmp_path / "wrong.safetensors", "--source", tmp_path / "source.pt",
+                        "--pair", pair)
+    assert code == 1 and out.rstrip().splitlines()[-2].endswith("tensors that differ: blocks.*.c_proj.weight (layers 0)")

@@ -260,11 +260,15 @@ def test_gpt2_folder_exports_and_the_default_context(tmp_path):
     assert config.context == 64 and hf_init.default_context(config).context == 48
     with pytest.raises(errors.RunError, match="--context 64 is longer than the model takes: 48 positions"):
         hf_init.lm_tokenizer(config, folder)
+    generation = {**json.loads((folder / "generation_config.json").read_text()), "eos_token_id": [2, 0],
+                  "max_new_tokens": 7}  # the folder's own end ids and defaults: transformers' generate reads them
+    (folder / "generation_config.json").write_text(json.dumps(generation))
     model = hf.from_pretrained(folder)
     report = hf_init.export_lm(model, tmp_path / "export", folder=folder, text=TEXT, length=48)
     assert report["same_ids"] and not any(report["loading_info"].values()) and report["max_abs_diff"] < 1e-5
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert written["model_type"] == "gpt2" and written["eos_token_id"] == 2
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == generation
 
 
 @pytest.mark.parametrize("kind", list(GEMMAS))

@@ -190,7 +190,12 @@ def test_a_changed_base_is_refused(cls_run, tmp_path, capsys):
     assert "holds other weights" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_lora_flag_conflicts_are_one_line_and_create_nothing(tmp_path, capsys):
+def test_lora_flag_conflicts_are_one_line_and_create_nothing(tmp_path, capsys, monkeypatch):
+    def started(*args, **kwargs):  # past every check a run makes first: a conflict let through fails now, not
+        pytest.fail("a conflicting command line got past the checks and started a run")  # after a real run
+
+    for task in (classify, lm):
+        monkeypatch.setattr(task, "check_batch_size", started)
     out = tmp_path / "run"
     adapter = tmp_path / "adapter"
     cases = [
@@ -315,3 +320,27 @@ def test_a_resumed_run_gets_its_expert_lora_back(tmp_path):
     (run / "lora.json").write_text(json.dumps(record))
     with pytest.raises(errors.RunError, match="does not rebuild the run's LoRA: 1 of its layers"):
         adapt()
+
+
+@pytest.mark.parametrize("kind, cls, targets", [
+    ("bert", "Bert", ["query", "value"]), ("distilbert", "DistilBert", ["q_lin", "v_lin"]),
+    ("roberta", "Roberta", ["query", "value"])])
+def test_a_classify_run_trains_the_head_peft_trains(tmp_path, kind, cls, targets):
+    """What a LoRA classify run trains beside its adapters (``lora_runs.trained``) is what PEFT's SEQ_CLS
+    ``modules_to_save`` trains: BERT's classifier, DistilBERT's pre_classifier and classifier, RoBERTa's
+    classifier head (dense and out_proj: our pre_classifier and classifier), tensor for tensor."""
+    import peft as peft_lib
+    import transformers
+
+    from flax_transformer.interop import hf
+    from flax_transformer.training import lora_runs
+
+    sizes = dict(dim=32, n_layers=1, n_heads=2, hidden_dim=48) if kind == "distilbert" else dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
+    config = getattr(transformers, f"{cls}Config")(vocab_size=64, max_position_embeddings=16, num_labels=3, **sizes)
+    theirs = getattr(transformers, f"{cls}ForSequenceClassification")(config)
+    theirs.save_pretrained(tmp_path / "hf")
+    theirs = peft_lib.get_peft_model(theirs, peft_lib.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=targets))
+    want = sorted(tuple(p.shape[::-1]) for n, p in theirs.named_parameters() if p.requires_grad and "lora_" not in n)
+    ours = nnx.state(hf.classifier_from_pretrained(tmp_path / "hf"), lora_runs.trained("classify", kind))
+    assert sorted(x.shape for x in jax.tree.leaves(ours)) == want

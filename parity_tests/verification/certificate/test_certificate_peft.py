@@ -204,3 +204,20 @@ def test_a_recheck_of_a_certificate_of_the_wrong_shape_names_the_file_and_field(
         (folder / certificate_peft.FILE).write_text(json.dumps(record))
         with pytest.raises(CertificateError, match=rf"^{re.escape(str(folder / certificate_peft.FILE))}: {field}"):
             certificate_peft.recheck(folder)
+
+
+def test_a_three_label_distilbert_head_is_certified_with_its_own_size(tmp_path):
+    """The head's size comes from the adapter's saved ``classifier`` (3 labels; the base folder's config says
+    none, so transformers would build 2), not from ``pre_classifier`` (32 wide), which PEFT saves beside it."""
+    import torch
+
+    torch.manual_seed(0)
+    base = tmp_path / "distilbert"
+    transformers.DistilBertModel(transformers.DistilBertConfig(
+        vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=48, max_position_embeddings=16)).save_pretrained(base)
+    model = lora.apply(hf.classifier_from_pretrained(base, num_labels=3), rank=4, targets=["q_lin"],
+                       rngs=nnx.Rngs(0))
+    export.save_peft(model, tmp_path / "adapter", base=base, task_type="SEQ_CLS",
+                     modules_to_save=["pre_classifier", "classifier"])
+    grads = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())["adapter_grads"]
+    assert grads["tensors"] == grads["of"] == 2 * 1 + 4  # A and B of one adapter, both heads' weight and bias

@@ -175,3 +175,29 @@ def test_a_nan_in_an_adapter_is_named_at_load_peft(llama, tmp_path):
     with pytest.raises(ValueError, match=rf"NaN/inf in 1 adapter tensor: {key} \(1 NaN of 64 values\)"):
         peft.load_peft(model, adapter)
     assert not lora.layers(model)
+
+
+def test_a_pissa_adapter_converted_as_the_refusal_says_loads_and_gives_peft_logits(llama, tmp_path):
+    """The refusal's fix works: ``save_pretrained(..., path_initial_model_for_weight_conversion=...)`` writes
+    plain LoRA (r doubled) for the unchanged base, which load_peft reads to PEFT's PiSSA model's logits."""
+    import torch
+
+    path, base = llama
+    torch.manual_seed(0)
+    model = peft_lib.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(path), peft_lib.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="pissa"))
+    model.save_pretrained(tmp_path / "init")  # the adapter as initialised, marked plain as peft's example does
+    config = json.loads((tmp_path / "init" / "adapter_config.json").read_text())
+    (tmp_path / "init" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": True}))
+    with torch.no_grad():  # trained: every A and B moved off its start
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(tmp_path / "converted", path_initial_model_for_weight_conversion=str(tmp_path / "init"))
+    ids = np.random.default_rng(0).integers(0, 64, size=(2, 7))
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(ids)).logits.numpy()
+    ours = peft.load_peft(nnx.clone(base), tmp_path / "converted")
+    assert lora.config_of(ours).rank == 8
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, ids))  # one compile, not one per op
+    assert float(np.abs(got - want).max()) < 1e-5  # measured 1.0e-7

@@ -8,6 +8,8 @@ in the torch weights, and is refused before anything is loaded, with the fix in 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,6 +52,32 @@ def fill_rng_state(model, seed: int) -> None:
         variable.set_value(key if typed else jax.random.key_data(key).astype(abstract.dtype))
 
 
+@contextlib.contextmanager
+def tracer_origins_unexplained():
+    """While tracing, a tracer's errors do not say where its value came from (jax-ml/jax#40041).
+
+    A tracer's ``.sharding`` raises AttributeError, and jax (0.10) builds that error's message by
+    walking every equation traced so far. flax NNX's ``Variable.set_value`` probes
+    ``getattr(value, "sharding", None)`` at each RNG count update (``rngs.params()``: one per
+    initialised weight), and ``getattr`` throws the message away: building a model under
+    ``nnx.eval_shape`` took time quadratic in its size (all-MiniLM-L6-v2: 27 s, 6 s without the
+    walk). Errors raised meanwhile keep their text, less that origin paragraph. A jax without the
+    hook is left as it is.
+    """
+    from jax._src.interpreters import partial_eval
+
+    tracer = getattr(partial_eval, "DynamicJaxprTracer", None)
+    if tracer is None or not callable(vars(tracer).get("_origin_msg")):
+        yield
+        return
+    original = vars(tracer)["_origin_msg"]
+    tracer._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        tracer._origin_msg = original
+
+
 def build_unfilled(cls, kwargs: dict, *, seed: int = 0):
     """Build a Flax module without initialising its parameters (they stay abstract).
 
@@ -57,7 +85,8 @@ def build_unfilled(cls, kwargs: dict, *, seed: int = 0):
     away. ``nnx.eval_shape`` gives the structure; the dropout RNG streams get concrete
     keys here, and the parameters are filled by ``load_state_dict``.
     """
-    abstract = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(seed)))
+    with tracer_origins_unexplained():
+        abstract = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(seed)))
     others = abstract_state(abstract)[1]
     if others:
         raise TypeError(f"cannot build {cls.__name__} unfilled: unexpected state {', '.join(others)}")

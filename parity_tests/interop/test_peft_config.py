@@ -177,6 +177,7 @@ def test_a_nan_in_an_adapter_is_named_at_load_peft(llama, tmp_path):
     assert not lora.layers(model)
 
 
+@pytest.mark.slow(reason="test_peft_variants_are_refused_naming_the_field (the refusal whose conversion this runs)")
 def test_a_pissa_adapter_converted_as_the_refusal_says_loads_and_gives_peft_logits(llama, tmp_path):
     """The refusal's fix works: ``save_pretrained(..., path_initial_model_for_weight_conversion=...)`` writes
     plain LoRA (r doubled) for the unchanged base, which load_peft reads to PEFT's PiSSA model's logits."""

@@ -1,15 +1,15 @@
 """The verification certificate: evidence, written with every export, that the weights were checked.
 
-Every certified export (``export.save_safetensors``/``save_torch``/``save_orbax``/``save_pretrained``,
-so ``port`` and the trainers' ``--export-torch``/``--export-hf``) reloads what it wrote as a torch model, compares it with the Flax model being exported on
-example inputs (outputs, and every parameter's gradient), and records:
+Every certified export (``export.save_safetensors``/``save_torch``/``save_orbax``/``save_pretrained``, so
+``port``, ``--export-torch``/``--export-hf``) reloads what it wrote as a torch model, compares it with the
+Flax model being exported on example inputs (outputs, and every parameter's gradient), and records:
 
 * the sha256 of every tensor (and of the files that describe the model),
 * the forward and backward errors and the tolerance, and the inputs they were measured on,
 * for a language model, its next-token agreement: KL(torch || JAX) and top-1/top-5 (``lm``, from
   ``measure.lm_agreement``; optional, so certificates written before it still verify),
-* the tensors' dtypes and the matmul precision,
-* the versions of jax, flax, torch, transformers (...) and the platform.
+* for an HF folder, transformers' own reading of it against the torch twin (``reader``,
+  ``certificate.independent``), or why not; the dtypes, matmul precision, versions and platform.
 
 A folder (HF, orbax) holds it as ``verification.json``, written inside the folder's atomic
 swap. A file ``x.safetensors`` / ``x.pt`` has it beside as ``x.safetensors.verification.json``:
@@ -23,9 +23,8 @@ recomputes the hashes (a changed tensor is named), reruns the measurement on the
 and compares versions (see its ``RecheckReport`` for what fails and what is a note).
 
 This module is the flow: it makes (``make``), reads (``read``, ``certified_pair``) and re-checks
-(``recheck``) certificates and writes no file; what a certificate records (hashes, versions,
-platform, the measurement's entries) and its schema are ``certificate.schema``'s.
-The writers of ``interop`` take its ``sidecar`` hook, and ``export`` puts the two together. What a
+(``recheck``) certificates and writes no file; what a certificate records and its schema are
+``certificate.schema``'s. The writers of ``interop`` take its ``sidecar`` hook, and ``export`` puts the two together. What a
 certificate is about is its *subject* (``certificate.schema.ExportSubject``; ``certificate.subjects``: a family's
 model, a user's own model against its torch reference; ``certificate.peft``: a PEFT adapter): the
 subject describes itself, reloads what was written and measures it; the flow does the rest.
@@ -208,19 +207,19 @@ def certified_pair(path):
 class RecheckReport(Report):
     """The re-check of one certificate. ``failures`` make ``passed`` False; ``notes`` do not.
 
-    Fails: a changed, missing or added tensor or file (an added file: one of those the
-    certificate hashes, a weights file, ``config.json`` or an index); an error above the
-    tolerance, or JAX beyond its float64 budget (``float64`` in the entry); an error above ``max(2 x recorded, recorded + 1e-7)`` while versions and platform
-    are unchanged (the margin absorbs thread counts and reduction order; a real change moves the
-    error by orders of magnitude). Notes: changed versions or platform (and an error that grew
-    past that margin with them but stays within the tolerance), a measurement that cannot run.
-    """
+    Fails: a changed, missing or added tensor or file (one the certificate hashes: weights,
+    ``config.json``, an index); an error above the tolerance, or JAX beyond its float64 budget; an
+    error above ``max(2 x recorded, recorded + 1e-7)`` while versions and platform are unchanged (a
+    real change moves it by orders of magnitude). Notes: changed versions or platform (and an error
+    grown past that margin with them), a measurement that cannot run. ``reader``: whether anything
+    but this library's config reader read the export (``certificate.independent``)."""
 
     path: Path
     certificate: Path
     passes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    reader: str = ""
 
     @property
     def passed(self) -> bool:
@@ -229,7 +228,7 @@ class RecheckReport(Report):
     def format(self) -> str:
         lines = [f"certificate {self.certificate}"]
         lines += [f"  pass  {t}" for t in self.passes] + [f"  FAIL  {t}" for t in self.failures]
-        lines += [f"  note  {t}" for t in self.notes]
+        lines += [f"  note  {t}" for t in self.notes] + ([f"  reader  {self.reader}"] if self.reader else [])
         lines.append(f"certificate: {len(self.passes)} passed, {len(self.failures)} failed, {len(self.notes)} notes")
         return "\n".join(lines)
 
@@ -238,7 +237,8 @@ class RecheckReport(Report):
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "certificate": str(self.certificate), "passed": self.passed,
-                "passes": list(self.passes), "failures": list(self.failures), "notes": list(self.notes)}
+                "passes": list(self.passes), "failures": list(self.failures), "notes": list(self.notes),
+                "reader": self.reader}
 
 
 def _short(digest) -> str:
@@ -409,7 +409,7 @@ def recheck(path, pair=None, *, base=None) -> RecheckReport | certificate_peft.A
     _compare_lm(report, record, measured)
     if "not_measured" not in measured["forward"]:  # the config read by transformers too, or why not
         args = subjects.example_inputs(flax_model, seed=inputs["seed"], batch=inputs["batch"], length=inputs["length"])
-        independent.recheck(report, path, record, flax_model, args)
+        independent.recheck(report, path, record, torch_model, args)
     return report
 
 

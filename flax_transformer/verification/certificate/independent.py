@@ -5,9 +5,10 @@ that twin is built by this library's own config reader: a field the reader gets 
 ``layer_types`` read as a window on every layer) is wrong on both sides, and the certificate passes.
 So an HF folder is also loaded by transformers itself, which reads ``config.json`` with its own
 class for the ``model_type``, and its logits (last hidden state for an encoder) are compared with the
-Flax model's on the certificate's inputs. The certificate records the result as ``reader``: the
+torch twin's on the certificate's inputs (the twin is held to the Flax model by the forward entry;
+both in torch, eagerly: nothing more to compile). The certificate records the result as ``reader``: the
 figures, or ``{"not_measured": why}`` (another format, a classifier, transformers missing or unable to
-load the folder), which ``verify --checkpoint`` prints as a note. Every line says which it was.
+load the folder), which ``verify --checkpoint`` prints on its ``reader`` line.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ def not_measured(why: str) -> dict:
     return {"not_measured": f"{SHARED} ({why})"}
 
 
-def entry(path, fmt: str, flax_model, args) -> dict:
+def entry(path, fmt: str, torch_model, args) -> dict:
     """The ``reader`` entry of the export at ``path``: transformers' reading of an HF folder against
-    ``flax_model`` on ``args`` (ids, mask), or why it was not measured."""
+    ``torch_model`` (the twin this library's reader built from it) on ``args`` (ids, mask), or why it
+    was not measured."""
     if fmt != "hf":
         return not_measured(f"a {fmt} export holds this library's own description, which only it reads")
-    if type(flax_model).__name__ == "TransformerForSequenceClassification":
+    if type(torch_model).__name__ == "TransformerForSequenceClassification":
         return not_measured("a classifier: transformers' AutoModel leaves its head out")
     try:
         import transformers
@@ -42,11 +44,12 @@ def entry(path, fmt: str, flax_model, args) -> dict:
     except Exception as error:  # noqa: BLE001 - whatever transformers raises, it did not read the folder
         return not_measured(f"transformers {transformers.__version__} cannot load it: {type(error).__name__}: "
                             f"{brief(error, 160)}")
-    from flax_transformer.verification.frameworks import apply
+    import torch
 
     ids, mask = args[0], args[1]
     want = hf.transformers_output(reference, ids, mask)
-    got = np.asarray(apply(flax_model, (ids, mask), {}), dtype=np.float32)
+    with torch.no_grad():
+        got = torch_model(torch.from_numpy(np.asarray(ids)), torch.from_numpy(np.asarray(mask))).float().numpy()
     finite = bool(np.isfinite(want).all() and np.isfinite(got).all())
     err = float(np.max(np.abs(want - got))) if finite and want.shape == got.shape else float("inf")
     scale = max(1.0, float(np.max(np.abs(want)))) if finite else 1.0
@@ -70,11 +73,10 @@ def line(reader: dict | None) -> str:
             + (f"; {reader['not_compared']}" if reader.get("not_compared") else ""))
 
 
-def recheck(report, path, record: dict, flax_model, args) -> None:
-    """The ``reader`` entry measured again into ``report`` (a ``RecheckReport``): a pass or failure
-    when transformers read the folder, else a note saying that the check shares the config reader."""
-    now = entry(path, record["format"], flax_model, args)
-    if "not_measured" in now:
-        report.notes.append(now["not_measured"])
-    else:
-        (report.passes if now["passed"] else report.failures).append(line(now) + " now")
+def recheck(report, path, record: dict, torch_model, args) -> None:
+    """The ``reader`` entry measured again into ``report`` (a ``RecheckReport``): its ``reader`` line,
+    and a failure when transformers reads the folder otherwise."""
+    now = entry(path, record["format"], torch_model, args)
+    report.reader = now["not_measured"] if "not_measured" in now else line(now) + " now"
+    if not now.get("passed", True):
+        report.failures.append(report.reader)

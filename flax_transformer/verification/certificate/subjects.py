@@ -221,8 +221,7 @@ def _kind(x) -> str:
 
 
 class FamilySubject(schema.ExportSubject):
-    """A model of the library's families (``state``: the values the file holds where they differ
-    from the model's: a bf16 export is certified on its bf16 values)."""
+    """A model of the library's families (``state``: the file's values where they differ: a bf16 export's)."""
 
     formats = FORMATS
     reloaded = "reloaded in torch"
@@ -244,7 +243,7 @@ class FamilySubject(schema.ExportSubject):
         record = measure(flax_model, torch_model)
         if record["inputs"] is None:  # a sub-module: nothing measured
             return record
-        return record | {"reader": independent.entry(*self.written, flax_model, example_inputs(flax_model))}
+        return record | {"reader": independent.entry(*self.written, torch_model, example_inputs(flax_model))}
 
 
 class UserSubject(schema.ExportSubject):

@@ -1,42 +1,93 @@
-"""What each family costs ``flax-transformer verify``: its rows' wall and CPU seconds, in one process.
+"""How long the README's two commands take, measured as a user runs them, and recorded where the docs quote it.
 
-    python bench/verify_time.py [--seed 0]
+    python bench/verify_time.py            # runs `flax-transformer verify`, records it in bench/timings.json
+    python bench/verify_time.py --tests    # runs the default test run (`python -m pytest parity_tests -q -n 2`)
+    python bench/verify_time.py --show     # the recorded figures, as README.md states them
 
-The families run in the table's order in one process, as the command runs them, so a family's
-time is what it adds to the whole table: programs and array shapes compiled for an earlier
-family are not compiled again. On a machine that other jobs share, wall time stretches with the
-load; the shares of the total are steadier than the seconds.
+Each command runs in a subprocess, as typed, from the repository root; its wall time, its CPU time
+(user + system of every process it started) and its counts are recorded with the machine's cores
+and the load average when it started, because on shared cores the wall time stretches with the
+load while the CPU time barely moves. ``verify`` also gives each family's rows and seconds, read
+from the line per family it writes to stderr when stderr is not a terminal. README.md quotes
+``stated(record)`` word for word, and ``parity_tests/project/test_doc_figures.py`` checks that it
+still does: re-run this script after a change that moves the figures, then paste ``--show``'s line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "bench" / "timings.json"
+COMMANDS = {  # what README.md's two commands run, after the set-up
+    "verify": ["flax-transformer", "verify"],
+    "tests": [sys.executable, "-m", "pytest", "parity_tests", "-q", "-n", "2"],
+}
+FAMILY_LINE = re.compile(r"^verify: (?P<family>\w+): (?P<rows>\d+) rows, (?P<passed>\d+) passed \((?P<s>[\d.]+) s\)$")
+
+
+def stated(name: str, record: dict) -> str:
+    """The sentence README.md states for a record (the test checks it is there, word for word)."""
+    where = f"{record['cores']} cores, load average {record['load']:.1f} at its start"
+    if name == "verify":
+        return (f"{record['rows']} rows, {record['passed']} passed in {record['wall_s']:.0f} s "
+                f"({record['cpu_s']:.0f} CPU s; {where})")
+    return (f"{record['passed']} passed, {record['failed']} failed in {record['wall_s']:.0f} s "
+            f"({record['cpu_s'] / 60:.1f} CPU minutes; {where})")
+
+
+def measure(name: str) -> dict:
+    """Run the command, as typed, and return its record."""
+    command = COMMANDS[name]
+    load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    record = {"command": " ".join(["python" if c == sys.executable else c for c in command]),
+              "date": time.strftime("%Y-%m-%d"), "exit": done.returncode, "wall_s": round(wall, 1),
+              "cpu_s": round(cpu, 1), "cores": os.cpu_count(), "load": round(load, 2)}
+    if name == "verify":
+        counts = re.search(r"^(\d+) passed, (\d+) failed", done.stdout, re.M)
+        if counts is None:
+            raise SystemExit(f"`{record['command']}` printed no count (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        passed, failed = map(int, counts.groups())
+        record |= {"rows": passed + failed, "passed": passed, "failed": failed,
+                   "families": {m["family"]: {"rows": int(m["rows"]), "s": float(m["s"])}
+                                for m in map(FAMILY_LINE.match, done.stderr.splitlines()) if m}}
+    else:
+        last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
+        if "passed" not in counts:
+            raise SystemExit(f"`{record['command']}` printed no count (exit {done.returncode}): {last!r}")
+        record |= {"passed": counts["passed"], "failed": counts.get("failed", 0) + counts.get("error", 0)
+                   + counts.get("errors", 0), "skipped": counts.get("skipped", 0)}
+    return record
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0, help="verify's --seed (default 0)")
+    parser.add_argument("--tests", action="store_true", help="measure the default test run instead of verify")
+    parser.add_argument("--show", action="store_true", help="print the recorded figures, measure nothing")
     args = parser.parse_args(argv)
-
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")  # as flax-transformer verify
-    from flax_transformer.verification import verify
-
-    families = list(dict.fromkeys(spec.family for spec in verify.specs()))
-    results = []
-    for family in families:
-        wall, cpu = time.perf_counter(), time.process_time()
-        rows = list(verify.run(seed=args.seed, families=(family,)))
-        results.append((family, len(rows), sum(r.passed for r in rows),
-                        time.perf_counter() - wall, time.process_time() - cpu))
-    total_wall = sum(r[3] for r in results)
-    print(f"{'family':<8} {'rows':>5} {'passed':>6} {'wall s':>8} {'cpu s':>8} {'share':>6}")
-    for family, n, passed, wall, cpu in results:
-        print(f"{family:<8} {n:>5} {passed:>6} {wall:>8.1f} {cpu:>8.1f} {wall / total_wall:>6.1%}")
-    print(f"{'total':<8} {sum(r[1] for r in results):>5} {sum(r[2] for r in results):>6} {total_wall:>8.1f} "
-          f"{sum(r[4] for r in results):>8.1f}")
+    records = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    if not args.show:
+        name = "tests" if args.tests else "verify"
+        records[name] = measure(name)
+        RECORD.write_text(json.dumps(records, indent=1) + "\n")
+        for family, figures in records[name].get("families", {}).items():
+            print(f"  {family:<8} {figures['rows']:>4} rows {figures['s']:>7.1f} s")
+    for name, record in records.items():
+        print(f"{record['command']}: {stated(name, record)}")
 
 
 if __name__ == "__main__":

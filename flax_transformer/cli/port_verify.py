@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["against_transformers", "wrote", "write_verified"]
+__all__ = ["against_transformers", "check", "staged", "wrote", "write_verified"]
 
 
 def wrote(args, dst: Path, fmt: str, carried: list[str]) -> None:
@@ -29,24 +29,34 @@ def wrote(args, dst: Path, fmt: str, carried: list[str]) -> None:
 
 def write_verified(args, fmt: str, writer, flax_model, torch_model, dst: Path, options: dict,
                    carried: list[str]) -> int:
-    """Write with ``writer`` into a staging folder, check what was written there (``check``), and move it
-    to ``dst`` when it passes (0); when it fails, remove it and say that ``dst`` is unchanged (1)."""
+    """``port SRC DST --verify``: ``writer``'s export checked (``check``) where it was written aside, and
+    moved to ``dst`` when it passes (0); when it fails, ``dst`` is unchanged (1)."""
+    ok = staged(dst, lambda path: writer(flax_model, path, overwrite=False, certify=not args.no_certify, **options),
+                lambda path: check(args, fmt, flax_model, torch_model, path, shown=dst), overwrite=args.overwrite)
+    if ok:
+        wrote(args, dst, fmt, carried)
+    return 0 if ok else 1
+
+
+def staged(dst: Path, write, passes, *, overwrite: bool) -> bool:
+    """``write(path)`` into a staging folder beside ``dst``, then ``passes(path)``: True when the check
+    passed and the output is now at ``dst``; False (said on a line) when it failed and ``dst`` is as it was.
+    ``port --to peft/torch-state --verify`` (``run_ports``) write through it too."""
     from flax_transformer.interop import files
 
     stage = files.temp_name(dst)
     stage.mkdir()
     try:
-        staged = stage / dst.name
-        writer(flax_model, staged, overwrite=False, certify=not args.no_certify, **options)
-        if not check(args, fmt, flax_model, torch_model, staged, shown=dst):
+        path = stage / dst.name
+        write(path)
+        if not passes(path):
             kept = "the one there is as it was" if os.path.lexists(dst) else "nothing is there"
             print(f"port: --verify failed, so {dst} was not written ({kept})")
-            return 1
-        _move(staged, dst, overwrite=args.overwrite)
+            return False
+        _move(path, dst, overwrite=overwrite)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    wrote(args, dst, fmt, carried)
-    return 0
+    return True
 
 
 def _move(staged: Path, dst: Path, *, overwrite: bool) -> None:

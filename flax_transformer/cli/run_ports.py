@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flax_transformer.cli import port_verify
 from flax_transformer.cli.bisect_cli import load_model
 
 
@@ -67,17 +68,25 @@ def port_peft(args, dst: Path) -> int:
         raise ValueError(f"{src} trained no LoRA adapter (train with --lora-rank R): nothing for --to peft")
     base = _base_of(src)
     options = lora_runs.peft_options(run.task, base)
-    export.save_peft(run.model, dst, base=base, overwrite=args.overwrite, certify=not args.no_certify, **options)
+
+    def write(path: Path, overwrite: bool = False):
+        export.save_peft(run.model, path, base=base, overwrite=overwrite, certify=not args.no_certify, **options)
+
+    def passes(path: Path) -> bool:  # measured where it was written, before it goes to DST
+        report = certificate_peft.AdapterReport(dst)
+        report.measured = certificate_peft.measure(run.model, path, base)
+        if not certificate_peft.measured_passed(report.measured):
+            report.failures.append("the adapter through peft does not compute the run's model")
+        print(f"verify: {report.summary()}")
+        return report.ok
+
+    if args.verify and not port_verify.staged(dst, write, passes, overwrite=args.overwrite):
+        return 1
+    if not args.verify:
+        write(dst, args.overwrite)
     print(f"wrote {dst} (PEFT LoRA adapter for {base}, {options['task_type']}) " +
           ("without a certificate (--no-certify)" if args.no_certify else f"and its certificate {dst / 'verification.json'}"))
-    if not args.verify:
-        return 0
-    report = certificate_peft.AdapterReport(dst)
-    report.measured = certificate_peft.measure(run.model, dst, base)
-    if not certificate_peft.measured_passed(report.measured):
-        report.failures.append("the adapter through peft does not compute the run's model")
-    print(f"verify: {report.summary()}")
-    return 0 if report.ok else 1
+    return 0
 
 
 def port_torch_state(args, dst: Path) -> int:
@@ -89,14 +98,20 @@ def port_torch_state(args, dst: Path) -> int:
 
     files.check_target(dst, kind="file", overwrite=args.overwrite)
     model, optimizer, optim, step = run_export.restore_run(args.src)
-    to_torch.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
+
+    def passes(path: Path) -> bool:  # read back as torch does and as the import does, against the run's state
+        problems = run_export.check_export(args.src, path, step=step)
+        for problem in problems:
+            print(f"  {problem}")
+        print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "
+              f"parameters, Adam moments and counts at step {step} -> {'FAIL' if problems else 'pass'}")
+        return not problems
+
+    if args.verify:  # written aside, checked there, moved to DST only when it passes
+        if not port_verify.staged(dst, lambda path: to_torch.save_torch_state(path, model, optimizer, optim),
+                                  passes, overwrite=args.overwrite):
+            return 1
+    else:
+        to_torch.save_torch_state(dst, model, optimizer, optim, overwrite=args.overwrite)
     print(f"wrote {dst} (torch-state: model, Adam/AdamW state, LambdaLR, step {step})")
-    if not args.verify:
-        return 0
-    # read it back as torch does and as the import does, and compare with the run's own state
-    problems = run_export.check_export(args.src, dst, step=step)
-    for problem in problems:
-        print(f"  {problem}")
-    print(f"verify: {dst} loads into torch's model, optimizer and scheduler, and imports back as the run's "
-          f"parameters, Adam moments and counts at step {step} -> {'FAIL' if problems else 'pass'}")
-    return 1 if problems else 0
+    return 0

@@ -124,16 +124,27 @@ def test_export_peft_loads_in_peft_with_the_runs_logits(cls_run):
 
 @pytest.mark.slow(reason="test_certified_export_measures_through_peft_and_rechecks (an adapter through peft), "
                   "test_a_resumed_run_gets_its_expert_lora_back (a LoRA run's record)")
-def test_port_writes_the_runs_adapter_for_peft_and_the_merged_model(cls_run, tmp_path, capsys):
-    """``port RUN_DIR DIR --to peft``: the run's adapter and head, certified; ``--merge``: a plain HF
-    classifier folder computing the run's logits; a LoRA run without either is refused in one line."""
+def test_port_writes_the_runs_adapter_for_peft_and_the_merged_model(cls_run, tmp_path, capsys, monkeypatch):
+    """``port RUN_DIR DIR --to peft``: the run's adapter and head, certified (and a failed ``--verify``
+    leaves it as it was); ``--merge``: a plain HF classifier folder computing the run's logits; a LoRA run
+    without either is refused in one line."""
     from flax_transformer.cli import main
     from flax_transformer.interop import hf
+    from flax_transformer.verification.certificate import peft as certificate_peft
 
     tmp, _ = cls_run
     assert main(["port", str(tmp / "whole"), str(tmp_path / "peft"), "--to", "peft"]) == 0
     cert = json.loads((tmp_path / "peft" / "verification.json").read_text())
     assert cert["adapter_grads"]["tensors"] == cert["adapter_grads"]["of"] == 2 * 2 + 2  # q, v of 1 layer; the head
+    before = {p.name: p.read_bytes() for p in (tmp_path / "peft").iterdir()}
+    with monkeypatch.context() as patch:  # a --verify that fails: the certified folder there stays as it was
+        patch.setattr(certificate_peft, "measured_passed", lambda measured: False)
+        capsys.readouterr()
+        assert main(["port", str(tmp / "whole"), str(tmp_path / "peft"), "--to", "peft", "--no-certify", "--verify",
+                     "--overwrite"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith(f"{tmp_path / 'peft'} was not written (the one there is as it was)")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "peft").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peft"]  # no staged copy left
     assert main(["port", str(tmp / "whole"), str(tmp_path / "merged"), "--merge"]) == 0
     run = classify.load_run(tmp / "whole")[0]
     ids, mask = np.array([[101, 2023, 2001, 102]]), np.ones((1, 4), bool)

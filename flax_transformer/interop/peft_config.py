@@ -86,6 +86,9 @@ REFUSED = {
     "use_qalora": (False, "QALoRA pools the inputs in groups (GPTQ bases)"),
     "megatron_config": (None, "Megatron's parallel layers"),
     "ensure_weight_tying": (False, "the adapters of tied layers tied together"),
+    # peft 0.2's fields (alpaca-lora's adapters were written with them): off, they are plain LoRA
+    "enable_lora": (None, "peft 0.2's MergedLinear: LoRA on some of a fused projection's parts"),
+    "merge_weights": (False, "peft 0.2: the adapter merged into the base weights in eval mode"),
 }
 
 # init_lora_weights whose start leaves the base weights as they were: A and B from the file are the adapter

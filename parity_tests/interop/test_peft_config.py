@@ -77,7 +77,19 @@ def test_every_loraconfig_field_is_computed_ignored_or_refused():
     assert set(NON_DEFAULT) == _fields(), "the sweep below must set every LoraConfig field"
     default = peft_lib.LoraConfig()
     for name, (off, _) in peft_config.REFUSED.items():  # "off" is peft's own default
-        assert off == getattr(default, name), name
+        assert off == getattr(default, name, off), name  # (peft 0.2's fields are no LoraConfig's now)
+
+
+def test_an_adapter_written_by_peft_0_2_reads_and_its_fields_on_are_refused(tmp_path):
+    """alpaca-lora's adapter_config.json (peft 0.2: enable_lora, merge_weights) as it was published."""
+    old = {"base_model_name_or_path": "decapoda-research/llama-7b-hf", "bias": "none", "enable_lora": None,
+           "fan_in_fan_out": False, "inference_mode": True, "lora_alpha": 16, "lora_dropout": 0.05,
+           "merge_weights": False, "modules_to_save": None, "peft_type": "LORA", "r": 16,
+           "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"}
+    assert peft_config.read_config(_write(tmp_path / "old", old))["r"] == 16
+    for name, value in (("enable_lora", [True, False, True]), ("merge_weights", True)):
+        with pytest.raises(ValueError, match=f"adapter_config.json: {name}=.* is not supported"):
+            peft_config.read_config(_write(tmp_path / name, {**old, name: value}))
 
 
 def test_peft_defaults_are_read_and_each_field_off_its_default_is_read_or_refused_by_name(plain, tmp_path):

@@ -127,6 +127,13 @@ GEMMA3_VISION = {name: "the vision tower and its tokens, left out (the language 
     "vision_soft_tokens_per_image", "vision_feature_layer", "vision_feature_select_strategy")}
 MULTIMODAL = {"gemma3": dict(computed=("text_config",), ignored={
     **GEMMA3_VISION, "tie_word_embeddings": "the text_config's is read"})}
+# read for these types only (llama_hf_config.read); elsewhere accepted only at null (transformers' classes
+# for the other types have no such field, and a dict of LlamaConfig's own fields must not lose it)
+ONLY_FOR = {"rope_local_base_freq": ("gemma3_text",),
+            "attn_logit_softcapping": ("gemma2", "gemma3_text"), "final_logit_softcapping": ("gemma2", "gemma3_text"),
+            "sliding_window": ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+                               "gemma3_text", "gpt_oss"),
+            "layer_types": ("mistral", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "gpt_oss")}
 # read only when the first is absent (transformers 5: layer_types before the older switches)
 SUPERSEDED = {"max_window_layers": "layer_types", "use_sliding_window": "layer_types",
               "sliding_window_pattern": "layer_types",
@@ -172,6 +179,8 @@ def lists(model_type: str) -> tuple[set, dict, dict]:
         computed = {"model_type", *own["computed"]}
     ignored = {**IGNORED, **own.get("ignored", {})}
     inert = {**INERT, **own.get("inert", {})}
+    if model_type in LLAMA_FAMILY:
+        inert.update({name: (None,) for name, kinds in ONLY_FOR.items() if model_type not in kinds})
     computed -= set(ignored) | set(inert)
     return computed, ignored, inert
 

@@ -213,7 +213,9 @@ def test_cli_port_certifies_and_verify_reads_a_bare_torch_file_by_its_certificat
     assert "torch twin vs flax" in out and "certificate: 3 passed, 0 failed" in out
     assert main(["verify", "--checkpoint", str(src)]) == 0  # no certificate: the table as before
     out = capsys.readouterr().out
-    assert "torch twin vs flax" in out and "certificate" not in out
+    assert "torch twin vs flax" in out and "certificate:" not in out  # no certificate's rows, and a line saying so:
+    assert out.rstrip().splitlines()[-1].startswith("no certificate found and no --source: this checks that the "
+                                                    "checkpoint loads")
 
 
 def test_the_exported_model_keeps_its_mode(tmp_path, former):

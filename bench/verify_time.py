@@ -61,9 +61,11 @@ def measure(name: str) -> dict:
         if counts is None:
             raise SystemExit(f"`{record['command']}` printed no count (exit {done.returncode}):\n{done.stderr[-2000:]}")
         passed, failed = map(int, counts.groups())
-        record |= {"rows": passed + failed, "passed": passed, "failed": failed,
-                   "families": {m["family"]: {"rows": int(m["rows"]), "s": float(m["s"])}
-                                for m in map(FAMILY_LINE.match, done.stderr.splitlines()) if m}}
+        families = {}  # a family's rows may come in more than one run (the table's order): summed
+        for match in filter(None, map(FAMILY_LINE.match, done.stderr.splitlines())):
+            figures = families.setdefault(match["family"], {"rows": 0, "s": 0.0})
+            figures["rows"], figures["s"] = figures["rows"] + int(match["rows"]), round(figures["s"] + float(match["s"]), 1)
+        record |= {"rows": passed + failed, "passed": passed, "failed": failed, "families": families}
     else:
         last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
         counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}

@@ -117,8 +117,8 @@ def _verify_checkpoint(path, start, pair: str | None = None, dtype: str = "fp32"
 
 def _port(args) -> int:
     _highest_precision()
-    from flax_transformer.interop import checkpoints, files, hf
-    from flax_transformer.verification import certificate, compare, export, reports
+    from flax_transformer.interop import files, hf
+    from flax_transformer.verification import export
     from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     dst = Path(args.dst)
@@ -153,71 +153,15 @@ def _port(args) -> int:
     carried = [name for name in hf.TOKENIZER_FILES if (Path(args.src) / name).is_file()] if fmt == "hf" else []
     if carried:  # an HF folder's tokenizer goes with its weights, in the same write
         options["tokenizer_from"] = args.src
+    if args.verify:  # written aside, checked there, swapped in only when it passes: port_verify.py
+        from flax_transformer.cli import port_verify
+
+        return port_verify.write_verified(args, fmt, writers[fmt], flax_model, torch_model, dst, options, carried)
     writers[fmt](flax_model, dst, overwrite=args.overwrite, certify=not args.no_certify, **options)
-    print(f"wrote {dst} ({fmt}) " + ("without a certificate (--no-certify)" if args.no_certify
-                                     else f"and its certificate {certificate.path_for(dst)}"))
-    if carried:
-        print(f"  with {args.src}'s tokenizer files: {', '.join(carried)}")
-    if not args.verify:
-        return 0
-    # reload what was written, independently of the model in memory, and compare with SRC's torch model
-    # bf16 weights are rounded: measured against SRC's fp32 model, they get hf.BF16_TOLERANCE (docs/porting.md)
-    tolerance, what = (hf.BF16_TOLERANCE, " (bf16 weights)") if args.dtype == "bf16" else (reports.TOLERANCE, "")
-    check = dict(tol=tolerance, fp64=args.dtype != "bf16")  # rounded weights: no float64 budget holds them
-    if fmt == "torch":
-        import torch
+    from flax_transformer.cli.port_verify import wrote
 
-        reloaded = checkpoints.build(checkpoints.describe(flax_model), framework="torch")
-        reloaded.load_state_dict(torch.load(dst, weights_only=True))
-        report = compare.compare(reloaded.eval(), flax_model, certificate_subjects.example_inputs(flax_model), **check)
-    else:  # an HF folder of a classifier reloads as one (checkpoints.load reads its encoder)
-        reloaded = (hf.classifier_from_pretrained(dst) if fmt == "hf" and hf.kind_of(flax_model)[2]
-                    else checkpoints.load(dst))
-        report = compare.compare(torch_model, reloaded, certificate_subjects.example_inputs(reloaded), **check)
-    ok, out = report.passed, report.rows[0]  # the verdict, never the figures alone (an incomplete one fails)
-    print(f"verify: max abs err {out.max_abs_err:.2e}{'' if out.finite else ' (NaN/inf)'} between {args.src} (torch) "
-          f"and {dst}{what} (reloaded) -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})"
-          + ("" if ok else f": {report.summary().splitlines()[-1]}"))
-    if Path(args.src).is_dir() and (Path(args.src) / "config.json").is_file():
-        ok = _port_against_transformers(args.src, dst, reloaded, tolerance, what) and ok
-    return 0 if ok else 1
-
-
-def _port_against_transformers(src, dst, reloaded, tolerance: float, what: str) -> bool:
-    """``port --verify`` of an HF folder: what transformers itself loads from SRC against DST reloaded
-    (a torch_reference model for a torch DST, else a Flax one), on the same random inputs. True when
-    they agree, or when transformers is not installed (said on a line)."""
-    import numpy as np
-
-    from flax_transformer.interop import hf
-    from flax_transformer.verification import verify
-    from flax_transformer.verification.certificate import subjects as certificate_subjects
-
-    try:
-        import torch
-        import transformers  # noqa: F401
-    except ImportError:
-        print(f"verify: transformers is not installed: {src} was not loaded by transformers")
-        return True
-    try:
-        reference, missing = hf.transformers_from_pretrained(src)
-    except Exception as error:  # noqa: BLE001 - whatever transformers raises, the folder is not one it reads
-        print(f"verify: transformers cannot load {src}: {type(error).__name__}: {str(error).splitlines()[0]} -> FAIL")
-        return False
-    ids, mask = certificate_subjects.example_inputs(reloaded)
-    want = hf.transformers_output(reference, ids, mask)
-    if isinstance(reloaded, torch.nn.Module):
-        with torch.no_grad():
-            got = reloaded(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
-    else:
-        got = np.asarray(verify.flax_module_call(reloaded, ids, mask), dtype=np.float32)  # jitted
-    finite = bool(np.isfinite(want).all() and np.isfinite(got).all())  # NaN never agrees with NaN
-    err = float(np.max(np.abs(want - got))) if finite and want.shape == got.shape else float("inf")
-    ok = finite and err <= tolerance
-    note = f" (transformers initialised {len(missing)} missing keys: {', '.join(missing[:5])})" if missing else ""
-    print(f"verify: max abs err {err:.2e}{'' if finite else ' (NaN/inf)'} between {src} (transformers) and "
-          f"{dst}{what} (reloaded){note} -> {'pass' if ok else 'FAIL'} (tolerance {tolerance:g})")
-    return ok
+    wrote(args, dst, fmt, carried)
+    return 0
 
 
 def _summary(args) -> int:

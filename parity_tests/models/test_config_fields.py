@@ -97,6 +97,24 @@ def test_every_field_transformers_knows_is_computed_or_ignorable(kind):
     assert not silent, f"{kind}: computed fields whose change changes nothing: {silent}"
 
 
+@pytest.mark.parametrize("kind", LLAMA_CLASSES)
+def test_a_flag_left_out_reads_as_transformers_class_default(kind):
+    """A config.json leaves a flag out where the hub's writer did not write it (gemma-2-2b's has no
+    tie_word_embeddings, DeepSeek-V3's as released no rope_interleave): read as transformers' own class
+    default (``Gemma2Config().tie_word_embeddings`` True: a tied model; ``DeepseekV3Config().rope_interleave``
+    True), not as another type's."""
+    fields = transformers_fields(kind)
+    defaults = getattr(transformers, LLAMA_CLASSES[kind][0])()
+    flags = sorted(name for name, value in fields.items()
+                   if isinstance(value, bool) and name in hf_config_fields.lists(kind)[0])
+    assert "tie_word_embeddings" in flags and ("rope_interleave" in flags) == (kind == "deepseek_v3")
+    for name in flags:  # read only without the field that supersedes it (qwen2's use_sliding_window: layer_types)
+        base = {k: v for k, v in fields.items() if k != hf_config_fields.SUPERSEDED.get(name)}
+        left_out = {k: v for k, v in base.items() if k != name}
+        assert read(kind, left_out) == read(kind, dict(base, **{name: getattr(defaults, name)})), \
+            f"{kind}: {name} left out is not transformers' default {getattr(defaults, name)!r}"
+
+
 @pytest.mark.parametrize("kind", [*LLAMA_CLASSES, *ENCODER_CLASSES])
 def test_a_made_up_field_is_refused_naming_it(kind):
     with pytest.raises(ValueError, match=f"{kind} field 'rope_dropout_frobnicate'") as error:

@@ -113,6 +113,14 @@ def test_meta_s_rope_order_moves_rows_as_its_formula_says():
     assert not np.array_equal(twice, wq)
 
 
+def test_meta_rope_rows_not_whole_pairs_per_head_are_named():
+    """wq with 6 rows for 2 heads (a multiple of the heads, not of their RoPE pairs): the tensor is named with
+    the shape it needs, before any reshape fails without a name."""
+    with pytest.raises(StateDictError) as error:
+        to_canonical([CASES["meta rope"][0]], {"wq": RNG.normal(size=(6, 3))}, context=Context(heads=2))
+    assert error.value.mismatched == [("wq", (6, 3), "(a multiple of 2 * heads=4, in)")]
+
+
 def test_the_context_s_overrides_win_over_the_config():
     class Config:
         num_experts = 4
@@ -165,6 +173,16 @@ def test_experts_beyond_the_config_s_count_and_gaps_are_refused():
     with pytest.raises(StateDictError) as error:  # no config: the indices must still run from 0 without a gap
         to_canonical(hf_tables.MOE_ROWS, state)
     assert set(error.value.missing) == {f"model.layers.0.mlp.experts.1.{w}_proj.weight" for w in ("gate", "up", "down")}
+
+
+def test_an_expert_out_of_range_is_named_unexpected_and_the_rest_not_stacked():
+    """Expert 3 of a 3-expert config (another model's, of another width): named as unexpected, and the group
+    is not stacked with it (which would also report the in-range experts' equal shapes as mismatched)."""
+    state = _experts(n=4, shape=lambda e, w: (5, 6) if e == 3 else (4, 6))
+    with pytest.raises(StateDictError) as error:
+        to_canonical(hf_tables.MOE_ROWS, state, context=Context(num_experts=3))
+    assert set(error.value.unexpected) == {f"model.layers.0.mlp.experts.3.{w}_proj.weight" for w in ("gate", "up", "down")}
+    assert error.value.missing == [] and error.value.mismatched == []
 
 
 def test_a_file_with_both_the_fused_and_the_per_expert_layout_is_refused():

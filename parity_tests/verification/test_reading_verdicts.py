@@ -118,3 +118,44 @@ def test_nothing_compared_reads_as_a_failure_every_way():
     report = compare.compare(model, _FlaxPlain(model, "string"), (x,), use_jit=False)
     _readings_fail(report)
     assert "differs" in report.summary() and np.isnan(report.max_abs_err)  # NaN: no comparison of it agrees
+
+
+class _DictOut(torch.nn.Module):
+    """A user's model returning a plain dict whose ``cache`` is an array like any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.proj(x)
+        return {"logits": out, "cache": out * 2}
+
+
+class _FlaxDict(_FlaxPlain):
+    def __call__(self, x):
+        with torch.no_grad():
+            out = self.torch_model.proj(torch.from_numpy(np.array(x))).numpy()
+        return {"logits": out, "cache": out * (2.5 if self.what == "off" else 2.0)}
+
+
+def test_a_plain_dicts_cache_key_is_compared_not_set_aside():
+    """Only transformers' caches are set aside: by their type, or in a transformers ModelOutput's field."""
+    model = _DictOut().eval()
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    assert compare.compare(model, _FlaxDict(model, "same"), (x,), use_jit=False).passed
+    report = compare.compare(model, _FlaxDict(model, "off"), (x,), use_jit=False)
+    assert not report.passed and report.set_aside == () and report.max_abs_err > 0.1, report
+
+
+def test_the_first_gradient_not_compared_makes_the_gradient_figures_nan():
+    """``rename`` sends the first torch parameter (``proj.weight``) nowhere: its gradient is not compared."""
+    from flax_transformer.interop import porting
+
+    model = _DictOut().eval()
+    flax_model = porting.torch_to_flax(model.proj, nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
+    report = compare.compare(model.proj, flax_model, (x,), grads=True, use_jit=False,
+                             rename=[(r"^weight$", "nowhere")])
+    assert report.rows[1].skipped and not any(r.skipped for r in report.rows[2:]), report
+    assert not report.passed and np.isnan(report.grad_err) and not report.grad_finite, report

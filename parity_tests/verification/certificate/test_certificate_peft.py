@@ -152,7 +152,8 @@ def test_a_file_holding_a_tensor_beyond_the_adapter_is_not_certified(adapted, tm
 
 def test_an_unreadable_adapter_certificate_is_an_error_not_a_weaker_check(adapted, tmp_path):
     """Two bases with equal config.json: only the certificate's hashes tell them apart, so a certificate
-    that cannot be read (not JSON, no base.files) is refused naming it, not read as "no certificate"."""
+    that cannot be read (not JSON, no base.files, a value that is no sha256) is refused naming it, not
+    read as "no certificate" (nor, for a short hash, as the certificate of another base)."""
     import re
 
     import torch
@@ -169,7 +170,8 @@ def test_an_unreadable_adapter_certificate_is_an_error_not_a_weaker_check(adapte
     with pytest.raises(ValueError, match="its certificate's base .* has other model.safetensors than"):
         peft.check_base(folder, other)
     for broken, why in (("{not json", "not valid JSON"), ('{"base": {"path": "x"}}', "no 'base'"),
-                        ('{"base": {"files": {"model.safetensors": 7}}}', "no 'base'"), ("[]", "no 'base'")):
+                        ('{"base": {"files": {"model.safetensors": 7}}}', "no 'base'"), ("[]", "no 'base'"),
+                        (json.dumps({"base": {"files": {"model.safetensors": "0" * 63}}}), "no 'base'")):
         cert.write_text(broken)
         with pytest.raises(ValueError, match=rf"{re.escape(str(cert))} is unreadable \({why}"):
             peft.check_base(folder, other)

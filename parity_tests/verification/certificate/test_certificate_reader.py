@@ -2,7 +2,8 @@
 own (issue 36 item 6): an HF folder is also read by transformers (``certificate.independent``), the
 figures recorded as ``reader``; any other export says that its check shares the config reader. A
 convention that the library's writer and reader share but transformers reads otherwise (planted
-here: the RoPE base written doubled and read halved) passes the torch twin and is refused.
+here: the RoPE base written doubled and read halved) passes the torch twin and is refused. A tensor transformers had to initialise is no pass even where
+the outputs agree, and a re-check's reader line that fails lands under the failures.
 And the schema refuses a field it does not know. Tiny llama (1 layer, width 32).
 """
 
@@ -62,6 +63,57 @@ def test_a_convention_transformers_reads_otherwise_is_refused(model, tmp_path, m
     passed = {"passed": True}
     with pytest.raises(certificate_schema.CertificateError, match="read independently by transformers"):
         certificate.refuse_failed({"forward": passed, "backward": passed, "reader": reader}, "wrong", "reloaded")
+
+
+def test_a_tensor_transformers_had_to_initialise_is_not_a_pass(model, tmp_path):
+    """An HF folder without its final norm weight (all ones here, as transformers initialises it): the
+    outputs agree, but the folder is not the model transformers reads, so the entry fails and says which."""
+    from safetensors.numpy import load_file, save_file
+
+    args = certificate_subjects.example_inputs(model)
+    folder = hf.save_pretrained(model, tmp_path / "hf")
+    twin = hf.torch_from_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    assert (weights.pop("model.norm.weight") == 1).all()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    reader = independent.entry(folder, "hf", twin, args)
+    assert reader["max_rel_err"] <= reader["tolerance"] and not reader["passed"]
+    assert reader["not_compared"] == "transformers found no model.norm.weight"
+
+
+def _halved_reading(monkeypatch):
+    """This library's config reader made to read rope_theta halved (transformers reads it as written)."""
+    read = llama_hf_config.read
+    monkeypatch.setattr(llama_hf_config, "read", lambda config, defaults: {
+        **(values := read(config, defaults)), "rope_theta": values["rope_theta"] / 2})
+
+
+def test_a_reading_transformers_no_longer_shares_fails_the_recheck_on_its_reader_line(model, tmp_path, monkeypatch):
+    """The re-check's reader line, when transformers now reads the folder otherwise than this library's
+    reader (which built the twin): a failure, not only shown. Measured in torch alone, as
+    ``verify --checkpoint`` does it (the full CLI run: the slow test below)."""
+    args = certificate_subjects.example_inputs(model)
+    folder = hf.save_pretrained(model, tmp_path / "hf")
+    _halved_reading(monkeypatch)
+    report = certificate.RecheckReport(path=folder, certificate=certificate.path_for(folder))
+    independent.recheck(report, folder, {"format": "hf"}, hf.torch_from_pretrained(folder), args)
+    assert report.reader.startswith("read independently by transformers") and report.reader.endswith(" now")
+    assert report.failures == [report.reader] and not report.passed
+
+
+@pytest.mark.slow(reason="test_a_reading_transformers_no_longer_shares_fails_the_recheck_on_its_reader_line")
+def test_verify_checkpoint_fails_a_certified_folder_transformers_now_reads_otherwise(model, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Certified as written; then this library's reader reads rope_theta halved: the files and the
+    Flax model against its twin still pass (both read alike), the reader line is the failure."""
+    from flax_transformer.cli import main
+
+    folder = export.save_pretrained(model, tmp_path / "hf")
+    _halved_reading(monkeypatch)
+    assert main(["verify", "--checkpoint", str(folder)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("  FAIL  ")] == [
+        next(line for line in lines if line.startswith("  FAIL  read independently by transformers"))], lines
 
 
 @pytest.mark.slow(reason="test_a_convention_transformers_reads_otherwise_is_refused")

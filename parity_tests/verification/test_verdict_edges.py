@@ -1,15 +1,20 @@
 """Verdicts the fault sweep (bench/faults.py) found could still be fooled or end in a traceback:
 a model that calls sys.exit while it is checked, outputs that are not float arrays under
-``--bisect``, a ``verify`` seed beyond JAX's 32 bits (issue 22 items 1, 2 and 7)."""
+``--bisect``, a ``verify`` seed beyond JAX's 32 bits (issue 22 items 1, 2 and 7); a Flax parameter
+twin of a torch buffer that gets a gradient (issue 36's blind probe)."""
 
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from flax_transformer.cli.commands import main
-from flax_transformer.verification import bisect, bisect_report
+from flax_transformer.interop import porting
+from flax_transformer.verification import bisect, bisect_report, compare
 
 PAIRS = textwrap.dedent('''
     import sys
@@ -128,3 +133,41 @@ def test_a_corrupt_orbax_folder_is_one_short_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ct is unreadable (orbax): " in err[0] and len(err[0]) < 600, err
     assert "Event loop is closed" not in err[0] and not (tmp_path / "out.safetensors").exists()
+
+
+class _TorchBuffered(torch.nn.Module):
+    """A linear layer plus a bias held as a torch buffer (as DeepSeek-V3's router holds its correction bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 3))
+
+    def forward(self, x):
+        return self.lin(x) + self.shift
+
+
+def _flax_buffered(stop: bool):
+    from flax import nnx
+
+    class FlaxBuffered(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            self.shift = nnx.Param(jnp.zeros(3))
+
+        def __call__(self, x):
+            shift = self.shift[...]
+            return self.lin(x) + (jax.lax.stop_gradient(shift) if stop else shift)
+
+    return FlaxBuffered()
+
+
+def test_a_flax_parameter_twin_of_a_torch_buffer_must_get_no_gradient():
+    """A torch buffer gets no gradient, so its Flax twin's must be zero: a twin that trains it fails compare."""
+    torch_model = _TorchBuffered().eval()
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    for stop in (True, False):
+        flax_model = porting.torch_to_flax(torch_model, _flax_buffered(stop))
+        report = compare.compare(torch_model, flax_model, (x,), grads=True, use_jit=False)
+        row = next(r for r in report.rows[1:] if r.module == "shift")
+        assert row.note == "a torch buffer: its gradient is zero" and row.passed is stop and report.passed is stop, report

@@ -15,6 +15,7 @@ byte-level tokenizer.json is the slow run's.
 
 import base64
 import json
+import shutil
 
 import pytest
 
@@ -115,6 +116,39 @@ def test_hf_folder_continues_as_transformers_generate(made, capsys):
     code, out, _ = _generate(capsys, "--checkpoint", tmp / "hf", "--prompt", prompt, "--max-new-tokens", NEW)
     assert code == 0 and out == tok.decode(want, skip_special_tokens=True) + "\n"  # greedy: generation_config's
 
+
+
+def test_generation_config_budget_and_stop_as_transformers_generate(made, tmp_path):
+    """generation_config.json's max_length without max_new_tokens leaves max_length less the prompt for new
+    tokens; a stop id that is reached (the second of a list, as Llama 3 Instruct's <|eot_id|>) ends the new ids
+    and is kept, as transformers' generate keeps it. The prompt and budget of the test above: one compiled loop."""
+    tmp, model, _, _ = made
+    folder = shutil.copytree(tmp / "hf", tmp_path / "hf")
+    prompt = "ROMEO: but soft"
+    tokens = prompts.folder_tokenizer(folder)
+    ids = prompts.prompt_ids(tokens.tokenizer, prompt, prefix=tokens.prefix).tolist()
+    saved = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(saved | {"max_length": len(ids) + NEW}))
+    want = _greedy_as_folder(model, ids, folder)
+    assert len(want) == len(ids) + NEW  # no stop reached: the budget alone ends it
+    got = folder_generation.continue_folder(folder, prompt)
+    assert got.prompt.tolist() + got.new.tolist() == want
+    new = want[len(ids):]
+    stop = next(t for k, t in enumerate(new) if k and t not in new[:k] and t != 2)  # reached, not at once
+    (folder / "generation_config.json").write_text(json.dumps(saved | {"eos_token_id": [2, stop]}))
+    want = _greedy_as_folder(model, ids, folder, max_new_tokens=NEW)
+    assert want[-1] == stop and len(want) < len(ids) + NEW
+    got = folder_generation.continue_folder(folder, prompt, max_new_tokens=NEW)
+    assert got.prompt.tolist() + got.new.tolist() == want
+
+
+def _greedy_as_folder(model, ids, folder, **kwargs) -> list[int]:
+    """transformers' generate with the folder's generation_config.json, as its own from_pretrained reads it."""
+    config = transformers.GenerationConfig.from_pretrained(folder)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             generation_config=config, **kwargs)
+    return out[0].tolist()
 
 def test_meta_tokenizers_read_as_their_own_libraries(made):
     """tokenizer.model converted by transformers' converters: SentencePiece's and tiktoken's own ids, BOS first."""

@@ -154,6 +154,38 @@ def _cached(attention, x, cache, prefill):
     return np.concatenate([np.asarray(o) for o in outs], axis=1), cache
 
 
+@functools.partial(nnx.jit, static_argnames="prefill")
+def _decode_and_forward(attention, base, x, cache, prefill):
+    """``attention``'s outputs (b, t, hidden) decoded through ``cache`` (a prefill, then one position a step,
+    unrolled in one program), its uncached outputs and ``base``'s."""
+    outs, cache = attention(x[:, :prefill], cache=cache, index=0)
+    outs = [outs]
+    for s in range(prefill, x.shape[1]):
+        out, cache = attention(x[:, s:s + 1], cache=cache, index=s)
+        outs.append(out)
+    return jnp.concatenate(outs, axis=1), attention(x), base(x)
+
+
+def test_absorbed_decode_adds_an_unmerged_lora_on_kv_b_proj():
+    """The default run's check of what the slow test below checks at every position: the default config's
+    sparse layer's latent attention with an unmerged LoRA on ``kv_b_proj`` (B drawn, not zero), a prefill of 3
+    and 3 absorbed steps, each within 1e-5 of the uncached attention with the LoRA. The absorbed decode folds
+    kv_b_proj's kernel into the query and output; without the LoRA's update it is off by the update's
+    effect (> 1e-2 at the uncached output, asserted)."""
+    _, _, model = _deepseek("lora-q-interleaved-yarn")
+    base = model.model.layers[1].self_attn
+    attention = lora.apply(nnx.clone(base), rank=2, targets="kv_b_proj", rngs=nnx.Rngs(1))
+    assert attention.decode == "absorbed" and not attention.kv_b_proj.merged
+    rng = np.random.default_rng(2)
+    attention.kv_b_proj.lora_B[...] = rng.normal(0.0, 0.3, attention.kv_b_proj.lora_B.shape).astype(np.float32)
+    x = rng.normal(size=(2, 6, model.config.hidden_size)).astype(np.float32)
+    out, full, without = (np.asarray(a) for a in _decode_and_forward(
+        attention, base, x, model.init_cache(2, 6)[1], prefill=3))
+    assert np.abs(full - without).max() > 1e-2, "the LoRA changes nothing: a dropped one would pass"
+    err = np.abs(out - full).max(axis=(0, 2))  # per position
+    assert err.max() <= 1e-5, f"position {int(err.argmax())} off by {err.max():.3g}"
+
+
 @pytest.mark.slow(reason="test_greedy_deepseek_equals_transformers_token_for_token (the absorbed decode against "
                          "transformers) and test_flax_model_forward_both_ways (the uncached forward)")
 def test_absorbed_equals_expanded_equals_forward():

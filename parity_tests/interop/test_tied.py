@@ -160,7 +160,7 @@ def test_pair_file_imports_its_sibling(tmp_path, capsys):
     assert main(["verify", "--pair", f"{tmp_path}/pair.py:make"]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip().endswith("pass"), out.out + out.err
-    assert sys.path == path and "my_gpt" in sys.modules  # the sibling imported; the path put back
+    assert sys.path == path  # the sibling imported (the pair passed), the path put back
     assert main(["verify", "--pair", f"{tmp_path}/pair.py:raises"]) == 2  # a factory that raises: one line
     err = capsys.readouterr().err
     assert "raised AttributeError" in err and len(err.strip().splitlines()) == 1, err

@@ -140,7 +140,6 @@ def test_meta_reference_bisects_through_the_rope_permutation(pair):
     assert rows[""].status == "ok" and told_nothing.first_divergent == "layers.0.attention.wq", told_nothing.summary()
 
 
-@pytest.mark.slow(reason="test_meta_reference_bisects_through_the_rope_permutation")
 def test_a_port_that_forgot_the_permutation_is_named_at_wq(pair):
     from flax import nnx
 
@@ -150,6 +149,13 @@ def test_a_port_that_forgot_the_permutation_is_named_at_wq(pair):
     q.set_value(half_split_to_interleaved(np.asarray(q[...]).T, 2).T)
     report = bisect.bisect(meta, forgot, (IDS,), **layouts.meta_llama(forgot.config))
     assert report.first_divergent == "layers.0.attention.wq", report.summary()
+    wq = next(r for r in report.rows if r.path == "layers.0.attention.wq")  # rerun alone through the permutation too
+    assert wq.status == "introduced" and wq.local_jax_err > wq.local_torch_err * 10, wq
+
+
+def test_features_that_are_not_whole_rope_pairs_are_not_permuted():
+    assert layouts.to_rope_order(np.zeros((2, 16)), 16, -1) is None  # 16 features: 16 heads of one, no pairs
+    assert layouts.to_rope_order(np.arange(8.0)[None], 2, -1).tolist() == [[0, 2, 1, 3, 4, 6, 5, 7]]
 
 
 def test_permutations_are_checked_before_any_work(pair):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 

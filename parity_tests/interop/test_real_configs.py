@@ -1,6 +1,6 @@
 """The ``config.json`` files of widely used checkpoints, as their model repositories publish them
 (``data/real_configs.json``: BERT, RoBERTa, DistilBERT, GPT-2, Llama 2 and 3.1, Mistral, Qwen2 and 3,
-Gemma 1-3, Mixtral, Qwen1.5-MoE, OLMoE, GPT-OSS, DeepSeek-V3; written by transformers 4.6 to 4.55).
+Gemma 1-3, Mixtral, Qwen1.5-MoE, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3; written by transformers 4.6 to 4.55).
 
 The readers refuse every field they neither compute nor know to be ignorable (issue 36 item 6); the
 fields of real folders, old bookkeeping included (``gradient_checkpointing``, ``pretraining_tp``,

@@ -214,3 +214,20 @@ def test_a_pissa_adapter_converted_as_the_refusal_says_loads_and_gives_peft_logi
     assert lora.config_of(ours).rank == 8
     got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, ids))  # one compile, not one per op
     assert float(np.abs(got - want).max()) < 1e-5  # measured 1.0e-7
+
+
+def test_r_alpha_bias_and_empty_targets_are_checked_field_by_field(plain, tmp_path):
+    """A config without ``bias`` reads (peft's default 'none'); ``r: 0``, a NaN/infinite ``lora_alpha`` and
+    ``target_modules: []`` without ``target_parameters`` are refused by name; with them, ``[]`` reads."""
+    bare = {k: v for k, v in plain.items() if k != "bias"}
+    assert peft_config.read_config(_write(tmp_path / "no-bias", bare))["r"] == 4
+    with pytest.raises(ValueError, match="r must be an integer >= 1, got 0"):
+        peft_config.read_config(_write(tmp_path / "r0", {**plain, "r": 0}))
+    for alpha in (float("nan"), float("inf")):  # json writes NaN / Infinity, as Python's json reads them
+        with pytest.raises(ValueError, match="lora_alpha must be a finite number"):
+            peft_config.read_config(_write(tmp_path / f"alpha-{alpha}", {**plain, "lora_alpha": alpha}))
+    no_targets = {**plain, "target_modules": [], "target_parameters": None}
+    with pytest.raises(ValueError, match=r"target_modules must be a regex or a list of module names, got \[\]"):
+        peft_config.read_config(_write(tmp_path / "empty", no_targets))
+    experts = {**no_targets, "target_parameters": ["mlp.experts.down_proj"]}
+    assert peft_config.read_config(_write(tmp_path / "experts", experts))["target_modules"] == []

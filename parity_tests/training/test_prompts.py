@@ -73,3 +73,24 @@ def test_generation_configs_stops_come_before_config_jsons(tmp_path):
     assert want == [2, 7, 5] and prompts.folder_tokenizer(folder).eos_ids == tuple(want)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert prompts.folder_tokenizer(folder).eos_ids == (2,)  # none there: config.json's
+
+
+@pytest.mark.parametrize("kind", ["BertProcessing", "RobertaProcessing"])
+def test_bert_and_roberta_templates_give_their_cls(kind):
+    """BERT's and RoBERTa's post-processors hold ``cls`` as (token, id): the prompt is the cls id and the text,
+    as the library's own encoding gives them, without the sep after."""
+    from tokenizers import processors
+
+    tokenizer = _tokenizer("<s> $A")
+    tokenizer.post_processor = getattr(processors, kind)(("</s>", 2), ("<s>", 1))  # (sep, cls)
+    full = tokenizer.encode("hello world").ids
+    assert full[0] == 1 and full[-1] == 2
+    assert prompts.template_prefix(tokenizer) == [1]
+    assert prompts.prompt_ids(tokenizer, "hello world").tolist() == full[:-1]
+
+
+def test_add_bos_token_with_a_bos_the_tokenizer_lacks_is_refused(tmp_path):
+    settings = {"add_bos_token": True, "bos_token": "<bos>"}  # tokenizer.json has <s>, not <bos>
+    folder = _folder(tmp_path / "nobos", "$A", tokenizer_config=settings)
+    with pytest.raises(ValueError, match="sets add_bos_token but its bos_token '<bos>' is not in tokenizer.json"):
+        prompts.folder_tokenizer(folder)

@@ -245,6 +245,9 @@ def test_generation_config_decides_sampling(made):
     assert folder_generation.sampling({}, greedy=False, temperature=0.7, top_k=0, top_p=None) == dict(
         greedy=False, temperature=0.7, top_k=None, top_p=1.0)
     assert folder_generation.not_computed({"repetition_penalty": 1.1, "num_beams": 1}) == ("repetition_penalty=1.1",)
+    # null and [] are transformers' "none" too (GenerationConfig's defaults): nothing to name
+    assert folder_generation.not_computed({"repetition_penalty": None, "bad_words_ids": [], "suppress_tokens": [],
+                                           "min_p": None}) == ()
 
 
 @pytest.mark.slow(reason="test_hf_folder_continues_as_transformers_generate")

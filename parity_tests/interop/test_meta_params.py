@@ -61,3 +61,17 @@ def test_a_width_no_multiplier_gives_says_so():
 def test_an_unknown_field_is_refused_with_the_lists(tmp_path):
     with pytest.raises(ValueError, match="does not compute: rope_frobnicate .*ignored: max_batch_size, max_seq_len"):
         params_of(tmp_path, **dataclasses.asdict(ModelArgs(dim=64, n_heads=4, n_layers=1)), rope_frobnicate=1)
+
+
+def test_a_params_json_without_norm_eps_reads_meta_s_default(tmp_path):
+    """Meta's ModelArgs default norm_eps is 1e-5: a params.json without it reads that."""
+    args = dataclasses.asdict(ModelArgs(dim=64, n_heads=4, n_layers=1))
+    del args["norm_eps"]
+    _, config = params_of(tmp_path, **args)
+    assert config.rms_norm_eps == ModelArgs.norm_eps
+
+
+@pytest.mark.parametrize("vocab", [0, -2])
+def test_a_vocab_size_not_positive_nor_minus_one_is_refused(tmp_path, vocab):
+    with pytest.raises(ValueError, match=f"vocab_size must be a positive integer or -1.*got {vocab}"):
+        params_of(tmp_path, **dataclasses.asdict(ModelArgs(dim=64, n_heads=4, n_layers=1, vocab_size=vocab)))

@@ -65,3 +65,5 @@ def test_weights_entry():
     assert weights_entry({"model_state_dict": {"w": tensor}, "epoch": 2}) == "model_state_dict"
     assert weights_entry({"w": tensor, "b": tensor}) is None  # a state_dict
     assert weights_entry({"step": 1}) is None  # no entry holds weights
+    # a training checkpoint whose step is itself a tensor is still a training checkpoint
+    assert weights_entry({"model": {"w": tensor}, "step": torch.tensor(3)}) == "model"

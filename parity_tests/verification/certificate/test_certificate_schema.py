@@ -7,6 +7,7 @@ short summary lines. One tiny CTransformer exported once for the module; each te
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -159,3 +160,38 @@ def test_a_stray_weights_file_in_a_certified_folder_gives_short_lines_and_fails(
     out, err = capsys.readouterr()
     assert "0 passed, 0 failed" not in out and "nothing compared" in out, out
     assert all(len(line) < 500 for line in (out + err).splitlines()) and len(out + err) < 2500, out + err
+
+
+def _validate(exported, change):
+    record = json.loads(certificate.path_for(exported).read_text())
+    certificate_schema.validate(json.loads(json.dumps(record)), "c.json")  # the unchanged record passes
+    change(record)
+    with pytest.raises(certificate_schema.CertificateError) as caught:
+        certificate_schema.validate(record, "c.json")
+    return str(caught.value)
+
+
+def test_an_unknown_top_level_field_is_refused(exported):
+    assert "field 'frobnicate': not a field" in _validate(exported, lambda r: r.update(frobnicate=1))
+
+
+def test_a_single_file_export_with_no_files_is_refused(exported):
+    assert "field files: one weights file for a safetensors export, not 0" in _validate(
+        exported, lambda r: r.update(files={}))
+
+
+def test_a_shape_over_the_element_limit_is_refused_though_each_dimension_is_within_it(exported):
+    def change(record):
+        record["tensors"][FIRST_TENSOR]["shape"] = [2**20, 2**20, 2]
+    assert f"field tensors['{FIRST_TENSOR}'].shape: at most 2**40 elements" in _validate(exported, change)
+
+
+def test_a_passing_table_with_a_failing_certificate_recheck_exits_1(exported, tmp_path, capsys):
+    """Probe 2's mutant #55: the exit code looked at the table only. The file is unchanged (every row
+    passes), but its certificate's recorded hash was edited: the re-check fails, so the command does."""
+    def change(record):
+        record["files"]["m.safetensors"] = "0" * 64
+    path = _copy(exported, tmp_path, change)
+    assert main(["verify", "--checkpoint", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"\n(\d+) passed, 0 failed", out), out  # the table passed: only the certificate fails

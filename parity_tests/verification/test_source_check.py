@@ -68,3 +68,19 @@ def test_a_report_that_ran_nothing_fails():
     side = source_check.Side("x", "an HF folder", "transformers")
     report = source_check.SourceReport(side, side, source_check.diff(SOURCE, SOURCE), not_run="ValueError: shapes")
     assert not report.passed and report.summary().endswith("not compared: ValueError: shapes")
+
+
+def test_a_nan_in_a_converted_tensor_is_a_difference():
+    wrong = dict(SOURCE, **{"model.norm.weight": np.where(np.arange(8) == 3, np.nan, SOURCE["model.norm.weight"])})
+    assert source_check.diff(SOURCE, wrong).names() == ["model.norm.weight"]
+
+
+def test_equal_logits_with_a_differing_tensor_fail():
+    """A tensor the logits do not use (changed here, the logits' report passing) still fails the check."""
+    from types import SimpleNamespace
+
+    side = source_check.Side("x", "an HF folder", "transformers")
+    wrong = dict(SOURCE, **{"model.norm.weight": SOURCE["model.norm.weight"] + 1})
+    same = source_check.SourceReport(side, side, source_check.diff(SOURCE, SOURCE), SimpleNamespace(passed=True))
+    report = source_check.SourceReport(side, side, source_check.diff(SOURCE, wrong), SimpleNamespace(passed=True))
+    assert same.passed and not report.passed

@@ -140,3 +140,19 @@ def _record() -> dict:
             "files": {"m.safetensors": hex_}, "tensors": {"w": {"sha256": hex_, "dtype": "float32", "shape": [2]}},
             "forward": {"max_rel_err": 0.0, "finite": True, "tolerance": 1e-5},
             "backward": {"max_rel_err": 0.0, "finite": True, "tolerance": 1e-4}, "versions": {}, "platform": {}}
+
+
+def test_an_output_of_another_shape_than_the_twin_s_is_not_a_pass(monkeypatch):
+    """transformers' logits (1, 3, 8) against a twin's (1, 1, 8) of the same values: numpy would broadcast
+    them to an error of 0; a different shape is no agreement."""
+    import numpy as np
+    import torch
+
+    monkeypatch.setattr(hf, "transformers_from_pretrained", lambda path: (object(), []))
+    monkeypatch.setattr(hf, "transformers_output", lambda reference, ids, mask: np.ones((1, 3, 8), np.float32))
+    ids = np.zeros((1, 3), np.int32)
+    twin = lambda ids, mask: torch.ones(1, ids.shape[1], 8)  # noqa: E731 - the twin's shape matches
+    assert independent.entry("folder", "hf", twin, (ids, np.ones_like(ids)))["passed"]
+    twin = lambda ids, mask: torch.ones(1, 1, 8)  # noqa: E731
+    entry = independent.entry("folder", "hf", twin, (ids, np.ones_like(ids)))
+    assert not entry["passed"] and entry["max_abs_err"] == float("inf")

@@ -164,3 +164,17 @@ def test_a_pair_builds_both_sides(capsys, tmp_path):
     code, out = _verify(capsys, "--checkpoint", tmp_path / "wrong.safetensors", "--source", tmp_path / "source.pt",
                         "--pair", pair)
     assert code == 1 and out.rstrip().splitlines()[-2].endswith("tensors that differ: blocks.*.c_proj.weight (layers 0)")
+
+
+def test_an_existing_json_target_is_refused_before_any_computation(capsys, tmp_path, monkeypatch):
+    from flax_transformer.verification import source_check
+
+    def computed(*args, **kwargs):
+        raise AssertionError("the check ran before the --json target was refused")
+
+    monkeypatch.setattr(source_check, "check", computed)
+    (tmp_path / "report.json").write_text("{}")
+    code, out = _verify(capsys, "--checkpoint", tmp_path / "c", "--source", tmp_path / "s",
+                        "--json", tmp_path / "report.json")
+    assert code == 2 and "report.json" in out and out.count("\n") == 1, out
+    assert (tmp_path / "report.json").read_text() == "{}"

@@ -7,6 +7,7 @@ whichever way it is read: ``passed``, ``verdict()``, ``to_dict()``/JSON, the sum
 figures (NaN, not finite), and neither tuple unpacking nor a truth value is a reading (TypeError).
 """
 
+import dataclasses
 import json
 import re
 
@@ -16,7 +17,7 @@ import torch
 from flax import nnx
 
 from flax_transformer.interop import hf
-from flax_transformer.verification import bisect, compare
+from flax_transformer.verification import bisect, compare, frameworks
 from flax_transformer.verification.frameworks import CACHE_FIELDS
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the README's set-up installs it)")
@@ -159,3 +160,84 @@ def test_the_first_gradient_not_compared_makes_the_gradient_figures_nan():
                              rename=[(r"^weight$", "nowhere")])
     assert report.rows[1].skipped and not any(r.skipped for r in report.rows[2:]), report
     assert not report.passed and np.isnan(report.grad_err) and not report.grad_finite, report
+
+
+# ------------------------------------------------ probe 2's survivors (#2 #3 #4 #5 #6 #7 #9): outputs leaf by leaf
+
+
+def test_a_cache_field_of_a_mamba_output_is_set_aside():
+    """Mutant #4: only ``past_key_values`` was a cache field; mamba's output holds its cache as a tuple under
+    ``cache`` (transformers 5's ``MambaOutput``; ``cache_params`` in 4, which 5's ``ModelOutput`` no longer takes)."""
+
+    @dataclasses.dataclass
+    class MambaOutput(transformers.utils.ModelOutput):
+        last_hidden_state: torch.Tensor | None = None
+        cache: tuple | None = None
+
+    lines = frameworks.set_aside_lines(MambaOutput(last_hidden_state=torch.ones(2), cache=(torch.zeros(3),)))
+    assert len(lines) == 1 and "cache" in lines[0] and "use_cache" in lines[0], lines
+
+
+def test_a_cache_on_the_flax_side_is_listed_as_set_aside_there():
+    """Mutant #2: the Flax output's caches were left out of ``set_aside``."""
+    model = _DictOut().eval()
+
+    class FlaxWithCache(_FlaxDict):
+        def __call__(self, x):
+            return {**super().__call__(x), "extra": transformers.DynamicCache()}
+
+    x = np.random.default_rng(4).standard_normal((2, 4)).astype(np.float32)
+    report = compare.compare(model, FlaxWithCache(model, "same"), (x,), use_jit=False)
+    assert [line for line in report.set_aside if line.endswith(" (flax)") and "DynamicCache" in line], report.set_aside
+
+
+@pytest.fixture(scope="module")
+def exact_linear():
+    """compare(grads=True) of a Linear whose every product and sum is exact in both frameworks."""
+    from flax_transformer.interop import porting
+
+    torch_model = torch.nn.Linear(2, 2)
+    with torch.no_grad():  # small integers
+        torch_model.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, -1.0]]))
+        torch_model.bias.copy_(torch.tensor([1.0, 0.0]))
+    flax_model = porting.torch_to_flax(torch_model, nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    x = np.array([[1.0, 2.0], [0.0, -1.0]], np.float32)
+    return compare.compare(torch_model, flax_model, (x,), grads=True, use_jit=False)
+
+
+def test_gradients_all_exactly_equal_still_name_a_worst_parameter(exact_linear):
+    """Mutant #3: ``>`` for ``>=`` left ``worst_grad_key`` empty when every gradient error is exactly 0."""
+    assert exact_linear.passed and exact_linear.grad_err == 0.0, exact_linear
+    assert exact_linear.worst_grad_key in {r.module for r in exact_linear.rows[1:]}, exact_linear.worst_grad_key
+
+
+def test_the_gradient_summary_counts_the_parameters_that_pass(exact_linear):
+    """Mutant #9: the summary printed the failing count as the passing one. A third gradient row, failing."""
+    rows = exact_linear.rows
+    report = dataclasses.replace(exact_linear, rows=(*rows, dataclasses.replace(rows[1], module="extra", max_abs_err=1.0)))
+    assert [r.passed for r in report.rows[1:]] == [True, True, False], report.rows
+    assert "gradients: 2 of 3 parameters pass" in report.summary() and "failing: extra" in report.summary(), report.summary()
+
+
+ARR = np.ones(2, np.float32)
+
+
+def test_none_on_one_side_against_an_array_on_the_other_is_no_equal_entry():
+    """Mutant #5: a None on the torch side beside an array on the Flax side was also listed as "equal"."""
+    _, others, mismatched = frameworks.match_outputs({"a": ARR, "b": None}, {"a": ARR, "b": ARR})
+    assert not [o for o in others if o["output"].endswith("b")], others
+    assert any("b" in m and "only in flax" in m for m in mismatched), mismatched
+
+
+def test_an_array_against_a_string_is_a_mismatch():
+    """Mutant #6: any number-like side made the pair an array pair."""
+    arrays, _, mismatched = frameworks.match_outputs({"a": ARR}, {"a": "text"})
+    assert not arrays and len(mismatched) == 1 and "text" in mismatched[0], (arrays, mismatched)
+
+
+@pytest.mark.parametrize("pair", [(1, 1.0), (True, 1), ("1", "1")])
+def test_equal_non_array_leaves_of_another_type_differ(pair):
+    """Mutant #7: ``1 == 1.0`` and ``True == 1`` read as equal outputs."""
+    t, j = pair
+    _, others, mismatched = frameworks.match_outputs({"n": t}, {"n": j})
+    assert others[0]["equal"] is (type(t) is type(j)) and bool(mismatched) is (type(t) is not type(j)), others

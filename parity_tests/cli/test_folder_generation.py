@@ -17,6 +17,7 @@ import base64
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from flax_transformer.cli import folder_generation, generation_cli
@@ -140,6 +141,34 @@ def test_generation_config_budget_and_stop_as_transformers_generate(made, tmp_pa
     assert want[-1] == stop and len(want) < len(ids) + NEW
     got = folder_generation.continue_folder(folder, prompt, max_new_tokens=NEW)
     assert got.prompt.tolist() + got.new.tolist() == want
+
+
+def test_a_tokenizer_as_large_as_the_model_and_a_budget_cut_to_the_table(made, tmp_path, monkeypatch):
+    """A tokenizer with exactly the model's vocabulary is accepted; a prompt that leaves less room in the
+    position table (64) than the default 32 new tokens asks the loop for that room, no more (the loop itself
+    replaced by a recorder here: a prompt this long would compile a program of its own, seconds)."""
+    from flax_transformer.models import generate
+
+    tmp, model, _, _ = made
+    folder = shutil.copytree(tmp / "hf", tmp_path / "hf")
+    tokenizer = prompts.folder_tokenizer(folder).tokenizer
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(VOCAB - tokenizer.get_vocab_size(with_added_tokens=True))])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == VOCAB
+    tokenizer.save(str(folder / "tokenizer.json"))
+    prompt = " ".join(LINES[:2])
+    tokens = prompts.folder_tokenizer(folder)
+    ids = prompts.prompt_ids(tokens.tokenizer, prompt, prefix=tokens.prefix).tolist()
+    room = model.config.max_position_embeddings - len(ids)
+    assert 0 < room < folder_generation.DEFAULT_NEW_TOKENS
+    asked = []
+
+    def recorder(model, input_ids, max_new_tokens, **kwargs):
+        asked.append(max_new_tokens)
+        return np.full((1, max_new_tokens), 3, np.int32)
+
+    monkeypatch.setattr(generate, "generate", recorder)
+    got = folder_generation.continue_folder(folder, prompt)  # no budget given: 32, cut to the table
+    assert asked == [room] and got.prompt.tolist() == ids and len(got.new) == room
 
 
 def _greedy_as_folder(model, ids, folder, **kwargs) -> list[int]:

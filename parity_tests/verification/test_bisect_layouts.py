@@ -162,3 +162,23 @@ def test_permutations_are_checked_before_any_work(pair):
     meta, flax_model = pair
     with pytest.raises(ValueError, match=r"permutations\[0\] must be"):
         bisect.bisect(meta, flax_model, (IDS,), permutations=[("wq", 0)])
+
+
+# ------------------------------------------------ probe 2's survivors (#11 #12 #13): the layouts' pure functions
+
+
+@pytest.mark.parametrize("ndim", [3, 4])
+def test_to_torch_layout_moves_channels_last_to_torchs_channels_first(ndim):
+    """Mutants #11 (``a.ndim > 3``: a 1-d convolution's (b, t, c) left as it is) and #12 (the forward
+    axes for their inverse: a 2-d map's (b, h, w, c) read as (b, w, c, h)). Shapes all distinct."""
+    torch_side = np.arange(np.prod((2, 3, 4, 5)[:ndim]), dtype=np.float32).reshape((2, 3, 4, 5)[:ndim])  # (b, c, ...)
+    flax_side = np.moveaxis(torch_side, 1, -1)  # (b, ..., c)
+    np.testing.assert_array_equal(layouts.to_torch_layout(flax_side, torch_side.shape, True), torch_side)
+    assert layouts.to_torch_layout(flax_side, torch_side.shape, False) is None  # not moved: not torch's shape
+
+
+def test_permuted_heads_takes_the_whole_path_only():
+    """Mutant #13: ``match`` for ``fullmatch``: the pattern of ``a.wq`` also took ``a.wq.lora``'s module."""
+    permutations = layouts.check_permutations([(r"a\.wq", 2)])
+    assert layouts.permuted_heads("a.wq", permutations) == 2
+    assert layouts.permuted_heads("a.wq.lora", permutations) is None

@@ -40,3 +40,16 @@ def test_an_uncertified_export_over_a_certified_one_leaves_no_certificate(src, t
     assert main(["port", str(src), str(dst), "--verify", "--overwrite", "--no-certify"]) == 0
     assert "-> pass" in capsys.readouterr().out
     assert open_weights(dst) and not certificate.path_for(dst).exists()
+
+
+def test_a_failing_reload_check_fails_though_transformers_agrees(src, tmp_path, capsys, monkeypatch):
+    """The reload's compare held to a tolerance of 0 (so it fails) while transformers' check passes: exit 1."""
+    from flax_transformer.verification import compare
+
+    real = compare.compare
+    monkeypatch.setattr(compare, "compare", lambda *args, **kwargs: real(*args, **{**kwargs, "tol": 0.0}))
+    dst = tmp_path / "hf"
+    assert main(["port", str(src), str(dst), "--verify", "--no-certify"]) == 1
+    out = capsys.readouterr().out
+    assert f"between {src} (torch) and {dst} (reloaded) -> FAIL" in out, out
+    assert f"between {src} (transformers) and {dst} (reloaded) -> pass" in out, out

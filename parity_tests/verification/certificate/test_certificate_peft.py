@@ -101,13 +101,26 @@ def test_an_adapter_peft_would_not_load_as_written_is_not_written(adapted, tmp_p
 
 
 def test_a_changed_base_fails_the_recheck(adapted, tmp_path):
+    """Also: ``base_model_name_or_path`` given to save_peft is written as given; a base that matches the
+    certificate only on config.json (no weights file to compare) is refused; a tensor of the file that the
+    certificate does not record is named by the recheck."""
+    import shutil
+
     base, model = adapted
-    _save(model, base, tmp_path / "adapter")
+    _save(model, base, tmp_path / "adapter", base_model_name_or_path="my/hub-name")
+    assert json.loads((tmp_path / "adapter" / peft.CONFIG_FILE).read_text())["base_model_name_or_path"] == "my/hub-name"
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(base / "config.json", tmp_path / "config-only" / "config.json")
+    with pytest.raises(ValueError, match="records the base's weights as .*none of which .* has"):
+        peft.check_base(tmp_path / "adapter", tmp_path / "config-only")
     record = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())
     record["base"]["files"]["model.safetensors"] = "0" * 64
+    unrecorded = sorted(record["adapter"]["tensors"])[0]  # in the file, no longer in the certificate's record
+    del record["adapter"]["tensors"][unrecorded]
     (tmp_path / "adapter" / certificate_peft.FILE).write_text(json.dumps(record))
     report = certificate_peft.recheck(tmp_path / "adapter")
     assert not report.ok and any("is not the certified one: model.safetensors" in f for f in report.failures)
+    assert any(f"(first: {unrecorded})" in f for f in report.failures)
 
 
 def test_an_adapter_for_another_base_is_refused(adapted, tmp_path):
@@ -223,3 +236,4 @@ def test_a_three_label_distilbert_head_is_certified_with_its_own_size(tmp_path):
                      modules_to_save=["pre_classifier", "classifier"])
     grads = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())["adapter_grads"]
     assert grads["tensors"] == grads["of"] == 2 * 1 + 4  # A and B of one adapter, both heads' weight and bias
+

@@ -19,3 +19,20 @@ def test_build_unfilled_walks_no_traced_equations(monkeypatch):
     model = targets.build_unfilled(TransformerEncoder, dict(config=EncoderConfig.tiny()))
     assert walks == [] and type(model).__name__ == "TransformerEncoder"
     assert vars(partial_eval.DynamicJaxprTracer)["_origin_msg"] is origin
+
+
+def test_each_abstract_rng_stream_gets_its_own_key():
+    """Two RNG streams left abstract by ``nnx.eval_shape`` get distinct keys (the same seed, not the same key)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    class TwoStreams(nnx.Module):
+        def __init__(self, rngs):
+            self.rngs = rngs
+
+    model = nnx.eval_shape(lambda: TwoStreams(nnx.Rngs(params=0, dropout=1)))
+    targets.fill_rng_state(model, 0)
+    keys = [np.asarray(jax.random.key_data(v.get_value())) for _, v in nnx.iter_graph(model)
+            if isinstance(v, nnx.RngKey)]
+    assert len(keys) == 2 and not np.array_equal(keys[0], keys[1])

@@ -237,3 +237,26 @@ def test_a_three_label_distilbert_head_is_certified_with_its_own_size(tmp_path):
     grads = json.loads((tmp_path / "adapter" / certificate_peft.FILE).read_text())["adapter_grads"]
     assert grads["tensors"] == grads["of"] == 2 * 1 + 4  # A and B of one adapter, both heads' weight and bias
 
+
+
+def test_load_peft_reads_a_bf16_adapter_and_names_a_nan_in_its_saved_head(adapted, tmp_path):
+    """An adapter file stored in bfloat16 (as peft saves a bf16 model's) loads; a NaN in a
+    ``modules_to_save`` tensor (the classifier head), not only in A/B, is named at load_peft."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base, model = adapted
+    folder = peft.save_peft(model, tmp_path / "adapter", base_model_name_or_path=str(base), task_type="SEQ_CLS",
+                            modules_to_save=["classifier"])
+    tensors = load_file(folder / peft.WEIGHTS_FILE)
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, folder / peft.WEIGHTS_FILE,
+              metadata={"format": "pt"})
+    loaded = peft.load_peft(hf.classifier_from_pretrained(base, num_labels=2), folder)
+    assert len(lora.layers(loaded)) == 4
+    head = next(k for k in tensors if "classifier" in k and k.endswith("weight"))
+    tensors[head][0, 1] = float("nan")
+    save_file(tensors, folder / peft.WEIGHTS_FILE, metadata={"format": "pt"})
+    fresh = hf.classifier_from_pretrained(base, num_labels=2)
+    with pytest.raises(ValueError, match=rf"NaN/inf in 1 adapter tensor: {head} \(1 NaN"):
+        peft.load_peft(fresh, folder)
+    assert not lora.layers(fresh)

@@ -1,7 +1,8 @@
 """The error lines of LoRA runs (``training.lora_runs``): an ``--init-adapter`` that PEFT made for a base
 other than the one given (PiSSA saved without conversion) is refused before the run starts, with what
 to do; a full disk at ``--export-peft``, after the whole run, names the folder and says that the
-run's checkpoint is saved and how to write the adapter from it.
+run's checkpoint is saved and how to write the adapter from it; a NaN logit difference in the
+--export-peft check fails it.
 """
 
 import errno
@@ -61,3 +62,14 @@ def test_a_full_disk_at_export_peft_names_the_folder_and_the_saved_checkpoint(ll
         f"--export-peft {out}: not written (No space left on device); training finished and its checkpoint is saved "
         f"in {run}: make room and write the adapter with `flax-transformer port {run} {out} --to peft`")
     assert list(tmp_path.iterdir()) == []  # no folder, no temporary one
+
+
+def test_a_nan_logit_difference_at_export_peft_is_a_failure(tmp_path, monkeypatch):
+    """check_peft's max abs difference NaN (a NaN logit on one side) fails the export, as a large one does."""
+    from flax_transformer.verification import export
+
+    monkeypatch.setattr(export, "save_peft", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lora_runs, "check_peft", lambda *args, **kwargs: {"loading_info": {},
+                                                                          "max_abs_diff": float("nan")})
+    with pytest.raises(errors.RunError, match="does not match in peft: .*max abs logit difference nan"):
+        lora_runs.export_peft(None, tmp_path / "peft", folder=tmp_path, task="lm")

@@ -3,6 +3,7 @@ written only when ``peft`` loads the folder and computes the JAX model's output 
 head) gradients, and re-checked by ``verify --checkpoint ADAPTER_DIR``."""
 
 import json
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,10 +101,11 @@ def test_an_adapter_peft_would_not_load_as_written_is_not_written(adapted, tmp_p
     assert not (tmp_path / "adapter").exists() and list(tmp_path.iterdir()) == []
 
 
-def test_a_changed_base_fails_the_recheck(adapted, tmp_path):
+def test_a_changed_base_fails_the_recheck(adapted, tmp_path, monkeypatch):
     """Also: ``base_model_name_or_path`` given to save_peft is written as given; a base that matches the
     certificate only on config.json (no weights file to compare) is refused; a tensor of the file that the
-    certificate does not record is named by the recheck."""
+    certificate does not record is named by the recheck; an adapter gradient of another shape than peft's
+    (here one that broadcasts to it) is not a pass."""
     import shutil
 
     base, model = adapted
@@ -118,9 +120,18 @@ def test_a_changed_base_fails_the_recheck(adapted, tmp_path):
     unrecorded = sorted(record["adapter"]["tensors"])[0]  # in the file, no longer in the certificate's record
     del record["adapter"]["tensors"][unrecorded]
     (tmp_path / "adapter" / certificate_peft.FILE).write_text(json.dumps(record))
+    layout = peft.from_peft_layout
+
+    def leading_axis(layer, leaf, x):  # peft's lora_A gradients, as measure reads them, with a leading axis
+        ours = layout(layer, leaf, x)
+        return ours[None] if leaf == "lora_A" and sys._getframe(1).f_code.co_name == "measure" else ours
+
+    monkeypatch.setattr(peft, "from_peft_layout", leading_axis)
     report = certificate_peft.recheck(tmp_path / "adapter")
     assert not report.ok and any("is not the certified one: model.safetensors" in f for f in report.failures)
     assert any(f"(first: {unrecorded})" in f for f in report.failures)
+    grads = report.measured["adapter_grads"]
+    assert grads["tensors"] == grads["of"] - 4 and not certificate_peft.measured_passed(report.measured)
 
 
 def test_an_adapter_for_another_base_is_refused(adapted, tmp_path):

@@ -164,9 +164,17 @@ def _give(folder: Path, code: str, made: dict[str, Path]) -> None:
 
 
 def _runnable(command: str, made: dict[str, Path]) -> bool:
-    """A concrete ``flax-transformer`` command of a bash block that reads a setup's file runs too."""
-    return (command.startswith("flax-transformer ") and not any(c in command for c in "[]|")
-            and " ... " not in command and any(_names(command, name) for name in made))
+    """A concrete ``flax-transformer`` command of a bash block that reads a setup's file runs too: the
+    first argument under a made name must exist (``runs/minilm-lora`` when only ``runs/lm`` was made
+    names a run no block made: it is shown, not run)."""
+    if not (command.startswith("flax-transformer ") and not any(c in command for c in "[]|")
+            and " ... " not in command and any(_names(command, name) for name in made)):
+        return False
+    for token in shlex.split(command, comments=True)[1:]:
+        root = token.split("/")[0]
+        if root in made:
+            return (made[root].parent / token).exists()
+    return True
 
 
 def _run_command(where: str, command: str) -> None:

@@ -225,8 +225,9 @@ def transformers_from_pretrained(path):
     (``BertModel``, ``DistilBertModel``, ``RobertaModel``; a classifier folder's head is left out),
     ``GPT2LMHeadModel`` or ``AutoModelForCausalLM`` (the llama family). An independent reading of the folder to check this library's against
     (``flax-transformer port --verify``). Its progress bar and load report are kept quiet: the
-    missing keys (which transformers initialised at random) are returned instead.
-    ImportError without transformers."""
+    missing keys (which transformers initialised at random) are returned instead, but an encoder's
+    ``pooler.*``: the callers compare the last hidden state, which it does not touch (a classifier's
+    body, RoBERTa's, has none). ImportError without transformers."""
     import torch
     import transformers
 
@@ -243,7 +244,10 @@ def transformers_from_pretrained(path):
         transformers.logging.set_verbosity(verbosity)
         if bar:
             transformers.utils.logging.enable_progress_bar()
-    return model.eval(), sorted(info.get("missing_keys") or ())
+    missing = info.get("missing_keys") or ()
+    if cls is transformers.AutoModel:  # a classifier's body has no pooler, which the last hidden state skips
+        missing = [key for key in missing if not key.startswith("pooler.")]
+    return model.eval(), sorted(missing)
 
 
 def transformers_output(model, input_ids, attention_mask=None) -> np.ndarray:

@@ -9,6 +9,7 @@ the RoPE settings are ``rope.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -214,8 +215,13 @@ class LlamaConfig:
 
     @classmethod
     def from_any(cls, config) -> LlamaConfig:
-        """This class, or any transformers config / ``config.json`` dict / namespace (``from_hf``)."""
-        return config if isinstance(config, cls) else cls.from_hf(config)
+        """This class, a dict of exactly its fields (``dataclasses.asdict``, nested dicts as ``__post_init__``
+        takes them), or any transformers config / ``config.json`` dict / namespace (``from_hf``)."""
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict) and set(config) == {f.name for f in dataclasses.fields(cls)}:
+            return cls(**config)
+        return cls.from_hf(config)
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:

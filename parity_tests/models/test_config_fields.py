@@ -128,6 +128,16 @@ def test_our_own_names_are_llama_configs_fields():
     assert set(hf_config_fields.OURS) == {f.name for f in dataclasses.fields(LlamaConfig)} - {"moe", "mla"}
 
 
+@pytest.mark.parametrize("kind", LLAMA_CLASSES)
+def test_a_dict_of_llama_configs_own_fields_gives_the_config_back(kind):
+    """``from_any(dataclasses.asdict(config))``: its nested ``moe``/``mla`` as dicts, not refused as fields
+    transformers does not have (they were, by the field check)."""
+    ours = LlamaConfig.from_hf(transformers_fields(kind))
+    assert LlamaConfig.from_any(dataclasses.asdict(ours)) == ours
+    with pytest.raises(ValueError, match=f"{kind} field 'moe'"):  # one field short: read as transformers'
+        LlamaConfig.from_any({k: v for k, v in dataclasses.asdict(ours).items() if k != "mla"})
+
+
 @pytest.mark.parametrize("kind, name, value, accepted", [
     ("mistral", "attention_bias", True, False), ("llama", "clip_qkv", 8.0, None),
     ("gemma", "use_bidirectional_attention", True, None), ("bert", "position_embedding_type", "relative_key", None),

@@ -72,7 +72,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
     from flax_transformer.interop import files
-    from flax_transformer.verification import bisect, certificate, compare, measure, reports
+    from flax_transformer.verification import bisect, certificate, compare, measure, reports, repro
     from flax_transformer.verification.certificate import subjects as certificate_subjects
 
     if getattr(args, "bisect_generate", False):
@@ -96,6 +96,8 @@ def run(args) -> int:
         if Path(out).suffix != suffix:
             raise ValueError(f"--{suffix[1:]} must end in {suffix}, got {out}")
         files.check_target(out, kind="file", overwrite=args.overwrite)
+    if getattr(args, "repro", None):  # verify_flags.mode has refused it without --bisect
+        repro.check_directory(args.repro, overwrite=args.overwrite)
     if args.text and not (Path(args.checkpoint) / "tokenizer.json").is_file():
         raise ValueError(f"--text needs a checkpoint folder with a tokenizer.json; {args.checkpoint} has none "
                          "(leave --text out for random ids)")
@@ -147,4 +149,23 @@ def run(args) -> int:
     if ".png" in pictures:
         report.to_png(pictures[".png"], overwrite=args.overwrite)
         print(f"wrote {pictures['.png']}")
+    if getattr(args, "repro", None):
+        print(write_repro(args.repro, report, torch_model, flax_model, call_args, call_kwargs,
+                          use_jit=not args.no_jit, overwrite=args.overwrite))
     return 1 if failed else 0
+
+
+def write_repro(directory, report, torch_model, flax_model, call_args, call_kwargs, **options) -> str:
+    """``--repro DIR``: the report's first divergent module written alone (``repro.write``); the line
+    that says so, or why nothing was written (the report passed, a module no reproducer can hold)."""
+    from flax_transformer.verification import repro
+
+    try:
+        written = repro.from_report(directory, report, torch_model, flax_model, call_args, call_kwargs, **options)
+    except Exception as error:  # the user's models, run again, or a module jax.export cannot lower: one line
+        message = (str(error).strip().splitlines() or [""])[0]
+        return f"no reproducer written to {directory}: {type(error).__name__}: {message}"
+    if written is None:
+        why = "the report passed" if report.first_divergent is None else f"first_divergent is {report.first_divergent}"
+        return f"no reproducer written to {directory}: {why}, no single module to reproduce"
+    return f"wrote {written} (the reproducer of {report.first_divergent}: cd there and run python repro.py)"

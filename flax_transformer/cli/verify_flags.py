@@ -25,7 +25,8 @@ def mode(args) -> str:
                                           ("--text", args.text), ("--train-steps", args.train_steps),
                                           ("--family", args.family), ("--rename", args.rename),
                                           ("--source", getattr(args, "source", None)),
-                                          ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
+                                          ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)),
+                                          ("--repro", getattr(args, "repro", None)))
                  if value]
         if taken:
             raise ValueError(f"--bisect-generate takes no {', '.join(taken)} (it decodes one checkpoint's prompt)")
@@ -39,6 +40,8 @@ def mode(args) -> str:
     if pictures and not args.bisect:  # a picture of bisect's report: compare's has no modules to draw
         raise ValueError(f"{' and '.join(pictures)} go{'es' if len(pictures) == 1 else ''} with --bisect "
                          "(a picture of its report)")
+    if getattr(args, "repro", None) and not args.bisect:
+        raise ValueError("--repro DIR goes with --bisect (the first divergent module's reproducer)")
     if getattr(args, "dtype", "fp32") != "fp32" and (not args.checkpoint or args.pair or args.train_steps
                                                      or args.grads and not args.bisect):
         raise ValueError("--dtype goes with --checkpoint PATH [--bisect] (a --pair factory builds its Flax model at "
@@ -73,7 +76,8 @@ def _source_mode(args) -> str:
                                       ("--allow-nonfinite", args.allow_nonfinite),
                                       ("--through-torch-state", args.through_torch_state),
                                       ("--dtype", getattr(args, "dtype", "fp32") != "fp32"),
-                                      ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
+                                      ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)),
+                                      ("--repro", getattr(args, "repro", None)))
              if value]
     if taken:
         raise ValueError(f"--checkpoint CONVERTED --source ORIGINAL takes no {', '.join(taken)} (it compares the two "
@@ -139,5 +143,9 @@ def add_parser(sub, func) -> None:
     p.add_argument("--html", metavar="OUT.html", help="with --bisect: also draw the report as one self-contained "
                                                       "HTML page (every module's errors on a log scale)")
     p.add_argument("--png", metavar="OUT.png", help="with --bisect: also draw the report as a PNG")
-    p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT if it exists")
+    p.add_argument("--repro", metavar="DIR",
+                   help="with --bisect: write the first divergent module alone into the new folder DIR, a script and "
+                        "data files that reproduce the divergence with only jax, torch and numpy (docs/reproducers.md)")
+    p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT, or --repro DIR, "
+                                                            "if it exists")
     p.set_defaults(func=func)

@@ -55,180 +55,30 @@ torch is imported lazily (this is a verification module).
 from __future__ import annotations
 
 import contextlib
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from flax_transformer.interop.layer_kinds import apply_rename, check_rename
-from flax_transformer.verification import capture, frameworks, layouts, measure, routing
+from flax_transformer.interop.layer_kinds import check_rename
+from flax_transformer.verification import bisect_rows, capture, frameworks, layouts, measure, routing
 from flax_transformer.verification import precision as _precision
+from flax_transformer.verification import repro as reproducer
 from flax_transformer.verification.bisect_report import (
-    BOTH_NONFINITE,
-    COVERED_FREE,
-    COVERED_READ,
     MODEL,
-    TORCH_NONFINITE,
     BisectReport,
     GradRow,
-    ModuleRow,
     attach,
     first_divergent_grad,
 )
-from flax_transformer.verification.measure import (
-    cast,
-    finite_part_errs,
-    fp32_inputs,
-    nonfinite_counts,
-    torch_copy,
-    torch_grads,
-)
-from flax_transformer.verification.precision import budget, grad_budgets
+from flax_transformer.verification.measure import cast, fp32_inputs, torch_copy, torch_grads
 
-# ---------------------------------------------------------------- measuring
+# ---------------------------------------------------------------- torch's side
 
 
-def _floats(tree) -> list[np.ndarray]:
-    """The floating-point arrays of a (nested) output, as numpy, in order."""
-    return list(frameworks.float_leaves(tree).values())
-
-
-def _aligned(ref_out, t32_out, jax_out, channels_last: bool):
-    """(fp64, torch fp32, JAX) float leaves of one call, matched by ``frameworks.pair_paths`` and JAX's
-    in torch's layout; None when they do not line up (count or shapes)."""
-    want, got_t, got_j = frameworks.float_leaves(ref_out), frameworks.float_leaves(t32_out), frameworks.float_leaves(jax_out)
-    pairs, torch_only, flax_only = frameworks.pair_paths(list(want), list(got_j))
-    if torch_only or flax_only or set(want) != set(got_t):
-        return None
-    js = [layouts.to_torch_layout(got_j[j], want[t].shape, channels_last) for t, j in pairs]
-    if any(j is None for j in js):
-        return None
-    return [want[t] for t, _ in pairs], [got_t[t] for t, _ in pairs], js
-
-
-def _jax_inputs(jax_call: capture.Call, ref_call: capture.Call, channels_last: bool = False):
-    """The JAX call's own arguments with each float array replaced by the fp64 reference's input
-    to the same module (cast to float32; moved to channels last for a layer that takes them so):
-    masks and ids keep JAX's own form, which may differ from torch's. None when the float inputs
-    do not line up (count or shapes)."""
-    leaves, treedef = jax.tree.flatten((jax_call.args, jax_call.kwargs))  # keyword arguments sorted by name
-    ref_kwargs = [ref_call.kwargs[k] for k in sorted(ref_call.kwargs)]
-    ref = [a for a in frameworks.leaves((*ref_call.args, *ref_kwargs))
-           if hasattr(a, "is_floating_point") and a.is_floating_point()]
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype,
-                                                                                                  jnp.floating)]
-    if len(slots) != len(ref):
-        return None
-    for i, r in zip(slots, ref):
-        a = r.detach().numpy().astype(np.float32)
-        if channels_last and a.ndim >= 3:
-            a = np.transpose(a, layouts.channels_last_axes(a.ndim))  # (b, c, *spatial) -> (b, *spatial, c)
-        if tuple(leaves[i].shape) != a.shape:
-            return None
-        leaves[i] = jnp.asarray(a).astype(leaves[i].dtype)
-    return treedef.unflatten(leaves)
-
-
-def _rerun_alone(torch_module, ref_call, jax_call, want, dtype=None, heads=None):
-    """(torch error, JAX error) of the module rerun alone on the fp64 input, cast to ``dtype`` for
-    torch (default float32) and to float32 for JAX (its module casts; through the RoPE permutation
-    of ``heads``, as its row); None if it cannot be."""
+def _torch_rerun(torch_module, ref_call, dtype):
+    """torch's float outputs of ``torch_module`` rerun alone on the fp64 reference's input to it, cast to ``dtype``."""
     import torch
 
-    channels_last = layouts.channels_last(jax_call.module)
-    inputs = _jax_inputs(jax_call, ref_call, channels_last)
-    if inputs is None or jax_call.module is None:
-        return None, None
-    dtype = dtype or torch.float32
     with torch.no_grad():
-        torch_out = torch_module(*cast(ref_call.args, dtype), **cast(ref_call.kwargs, dtype))
-    jax_out = jax_call.module(*inputs[0], **inputs[1])
-    got_t = _floats(torch_out)
-    got_j = [layouts.to_torch_layout(a, w.shape, channels_last) for a, w in zip(_floats(jax_out), want)]
-    if heads is not None:
-        got_j = [None if a is None else layouts.to_rope_order(a, heads, -1) for a in got_j]
-    if len(got_t) != len(want) or len(got_j) != len(want) or any(a is None for a in got_j):
-        return None, None
-    return measure.err(got_t, want), measure.err(got_j, want)
-
-
-def _all_finite(tree) -> bool:
-    """Every floating value of a call's inputs or output (JAX or torch, nested) finite."""
-    return all(bool(np.isfinite(np.asarray(a, np.float64)).all()) for a in _floats(tree))
-
-
-def _produced(call) -> bool:
-    """The call's inputs finite, its output not: it made the NaN or inf."""
-    return call is not None and not _all_finite(call.output) and _all_finite((call.args, call.kwargs))
-
-
-def _status(jax_err, torch_err, scale, local, precision=_precision.FP32) -> str:
-    if jax_err <= budget(torch_err, scale, precision):
-        return "ok"
-    local_torch, local_jax = local
-    if local_jax is None:
-        return "diverged"
-    return "introduced" if local_jax > budget(local_torch, scale, precision) else "inherited"
-
-
-def _not_called_status(module, name: str, flax_names: tuple[set[str], set[str]] | None, pairs=(),
-                       tied: dict[str, tuple[str, ...]] | None = None) -> str:
-    """The status of a torch module call that has no Flax call at its path (after ``rename``).
-
-    Covered (not a gap in the report): a parameter-free module (a dropout in eval mode, an
-    activation as a module) whose effect the Flax twin computes inline, or a module the Flax
-    twin has at the same path, or whose every parameter it holds under the same torch name,
-    but reads rather than calls (an embedding table indexed directly; BERT's per-head
-    projections, which the Flax attention folds into one matmul; a head tied to the embedding,
-    computed with ``embed.attend``: any key of a tied tensor, ``tied``, will do). Its effect is in
-    its parent's row, and its parameters' in their gradients.
-    Skipped (incomplete): a module with parameters and no Flax module of its name (a layout
-    the port renamed, say, without ``rename=``), which nothing in the report stands for."""
-    base = name.split("#")[0]
-    if not any(True for _ in module.parameters()):
-        return COVERED_FREE
-    flax_paths, flax_keys = flax_names or (set(), set())
-    tied = tied or {}
-
-    def held(key: str) -> bool:
-        return any(apply_rename(k, pairs) in flax_keys for k in tied.get(key, (key,)))
-
-    if flax_path(base, module, pairs) in flax_paths or all(held(f"{base}.{key}" if base else key)
-                                                           for key, _ in module.named_parameters()):
-        return COVERED_READ
-    return "skipped: no Flax call at this path" + ("" if pairs else " (rename=? torch and Flax may name it apart)")
-
-
-def flax_path(path: str, module, pairs) -> str:
-    """The Flax module path of the torch module at ``path`` under ``rename``'s compiled ``pairs``:
-    the part its parameters' keys keep after renaming (``a.attention.tokeys.weight`` ->
-    ``a.mhattention.tokeys.weight``: ``a.mhattention``), else ``path + "."`` renamed (a module with
-    no parameters), so the same pairs as porting's match whole keys and module paths alike."""
-    if not pairs or not path:
-        return path
-    found = set()
-    for key, _ in module.named_parameters():
-        renamed = apply_rename(f"{path}.{key}", pairs)
-        if renamed.endswith("." + key):
-            found.add(renamed[: -len(key) - 1])
-    if len(found) == 1:
-        return found.pop()
-    probe = apply_rename(path + ".", pairs)
-    return probe[:-1] if probe.endswith(".") else apply_rename(path, pairs)
-
-
-def _flax_names(flax_model) -> tuple[set[str], set[str]]:
-    """(the Flax model's module paths, its parameters' torch names): what a torch call with no Flax
-    call may be covered by (``_not_called_status``)."""
-    from flax_transformer.interop import porting
-
-    paths = {".".join(map(str, path)) for path, node in nnx.iter_graph(flax_model) if isinstance(node, nnx.Module)}
-    try:
-        keys = set(porting.state_dict(flax_model))
-    except (TypeError, ValueError):  # a model the porting cannot name: by path alone
-        keys = set()
-    return paths, keys
+        return bisect_rows.floats(torch_module(*cast(ref_call.args, dtype), **cast(ref_call.kwargs, dtype)))
 
 
 def _tied(torch_model) -> dict[str, tuple[str, ...]]:
@@ -238,70 +88,10 @@ def _tied(torch_model) -> dict[str, tuple[str, ...]]:
     return {key: group for group in porting.tied_keys(torch_model) for key in group}
 
 
-def _module_rows(ref_calls, t32_calls, jax_calls, modules32, rerun: bool,
-                 flax_names: tuple[set[str], set[str]] | None = None, pairs=(),
-                 tied: dict[str, tuple[str, ...]] | None = None, measured: dict | None = None,
-                 length: int | None = None, precision=_precision.FP32, permutations=()) -> list[ModuleRow]:
-    """One row per torch call (``t32_calls``: the torch run at ``precision``); ``measured`` gets
-    {row: (torch, JAX) error per position} (``positions``); ``permutations``: ``check_permutations``'."""
-    rows = []
-    for name, ref in ref_calls.items():
-        kind = type(ref.module).__name__
-        base, mark, count = name.partition("#")
-        at = flax_path(base, ref.module, pairs) + mark + count  # the Flax call's label
-        t32, jx = t32_calls.get(name), jax_calls.get(at)
-        renamed = at if at != name else ""
-        if jx is None:
-            rows.append(ModuleRow(name, kind, status=_not_called_status(ref.module, name, flax_names, pairs, tied),
-                                  produced="torch" if _produced(t32) else "", flax_path=renamed))
-            continue
-        channels_last = layouts.channels_last(jx.module)
-        aligned = _aligned(ref.output, t32.output, jx.output, channels_last)
-        if aligned is None:
-            shapes = lambda xs: [tuple(x.shape) for x in xs]  # noqa: E731
-            rows.append(ModuleRow(name, kind, flax_path=renamed, status=(
-                f"skipped: the Flax output has another structure or shape ({shapes(_floats(jx.output))} vs "
-                f"torch {shapes(_floats(ref.output))})")))
-            continue
-        want, got_t, got_j = aligned
-        heads = layouts.permuted_heads(ref.path, permutations)
-        if heads is not None and any((got_j := [layouts.to_rope_order(j, heads, -1) for j in got_j])[i] is None
-                                     for i in range(len(got_j))):
-            rows.append(ModuleRow(name, kind, flax_path=renamed, status=(
-                f"skipped: the output's features are not {heads} heads of RoPE pairs (permutations=)")))
-            continue
-        moved = channels_last and any(w.ndim >= 3 for w in want)
-        torch_err, jax_err, scale = measure.err(got_t, want), measure.err(got_j, want), measure.scale(want)
-        if measured is not None and not moved and (found := measure.position_errors(want, got_t, got_j, length)):
-            measured[name] = found
-        jax_only, torch_only, both = nonfinite_counts(got_t, got_j)
-        if jax_only:  # NaN/inf in JAX where torch has another value: never agreement
-            jax_err = float("inf")
-        elif both and not torch_only:  # the same NaN/inf in both: judge the finite rest by the budget
-            torch_err, jax_err = finite_part_errs(got_t, got_j, want)
-        local = (None, None)
-        if rerun and jax_err > budget(torch_err, scale, precision):  # only a diverged call needs the rerun
-            local = _rerun_alone(modules32[ref.path], ref, jx, want, precision.torch_dtype(), heads)
-        status = _status(jax_err, torch_err, scale, local, precision)
-        if torch_only and not jax_only:
-            status = TORCH_NONFINITE
-        elif jax_only and status == "ok":  # torch's own error is infinite too: no budget to be within
-            status = "diverged"
-        elif both and status == "ok":
-            status = BOTH_NONFINITE
-        produced = ", ".join(side for side, call in (("JAX", jx), ("torch", t32)) if _produced(call))
-        rows.append(ModuleRow(name, kind, torch_err, jax_err, scale, *local, status, jax_only, torch_only, both,
-                              produced, flax_path=renamed,
-                              note="channels last in Flax, compared in torch's layout" if moved else
-                              "compared through Meta's RoPE order of its features" if heads is not None else "",
-                              precision=precision.name))
-    return rows
-
-
-def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, grads: bool = False,
+def bisect(torch_model, flax_model, args: tuple | None = None, kwargs: dict | None = None, *, grads: bool = False,
            use_jit: bool = True, seed: int = 0, allow_nonfinite: bool = False,
            allow_skipped: bool = False, rename=None, loss_fn=None, precision=None,
-           permutations=None) -> BisectReport:
+           permutations=None, repro=None) -> BisectReport:
     """Find the first submodule where the Flax model's output leaves the float64 torch reference.
 
     Both models run in eval mode on the same inputs (numpy arrays or torch tensors). Rows are
@@ -338,14 +128,36 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     ``compare``); a tensor torch ties under several keys is one gradient row, summed over its
     uses, with a note naming the keys (``frameworks.grad_keys``).
 
+    ``repro``: a folder (its parent must exist; a non-empty one is refused before any work) where
+    ``repro.write`` puts ``first_divergent`` alone, a script and data files that reproduce it with
+    only jax, torch and numpy (docs/reproducers.md); nothing is written when the report passed or
+    names ``GRADIENTS`` or ``INCOMPLETE``.
+
+    ``torch_model`` may be a recorded trace's path (``trace.record``): torch's side is then read from
+    it and torch is not imported (``trace_bisect.bisect``: no ``args``, ``kwargs``, ``seed`` or
+    ``permutations``; the trace holds its inputs and W; docs/traces.md).
+
     Returns:
         a ``BisectReport``: ``rows``, ``first_divergent`` (None exactly when the report passed),
         ``first_nonfinite``, and with ``grads=True`` ``grad_rows`` and ``first_divergent_grad``.
     """
+    if isinstance(torch_model, (str, os.PathLike)):  # a recorded trace: no torch on this side
+        from flax_transformer.verification import trace_bisect
+
+        if args is not None or kwargs or permutations or seed != 0 or repro is not None:
+            raise ValueError("bisect from a trace takes no args, kwargs, seed, permutations or repro: the trace holds "
+                             "its inputs and W, and a reproducer needs the torch module")
+        return trace_bisect.bisect(torch_model, flax_model, grads=grads, use_jit=use_jit,
+                                   allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped, rename=rename,
+                                   loss_fn=loss_fn, precision=precision)
+    if args is None:
+        raise ValueError("bisect(torch_model, flax_model, args): give the model's inputs")
     import torch
 
     kwargs = kwargs or {}
     pairs = check_rename(rename)  # a bad rename fails before any work
+    if repro is not None:
+        reproducer.check_directory(repro)  # so does a reproducer's folder that exists or has no parent
     permuted = layouts.check_permutations(permutations)
     frameworks.split_loss_fn(loss_fn)
     rule = _precision.resolve(precision, flax_model)
@@ -367,9 +179,11 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
             _, ref = capture.torch_calls(reference, cast(t_args, torch.float64), cast(t_kwargs, torch.float64))
         j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)
         modules32, measured = dict(low.named_modules()), {}
-        rows = _module_rows(capture.labelled(ref), capture.labelled(t32), capture.labelled(jx), modules32, True,
-                            _flax_names(flax_model), pairs, _tied(torch_model), measured,
-                            measure.sequence_length((t_args, t_kwargs)), rule, permuted)
+        rows = bisect_rows.module_rows(
+            capture.labelled(ref), capture.labelled(t32), capture.labelled(jx),
+            lambda _, call: _torch_rerun(modules32[call.path], call, rule.torch_dtype()), bisect_rows.flax_names(
+                flax_model), pairs, _tied(torch_model), measured, measure.sequence_length((t_args, t_kwargs)), rule,
+            permuted)
         experts = routing.expert_rows(capture.labelled(ref), capture.labelled(jx), modules32,
                                       dict(reference.named_modules()), rule) if route_report is not None else {}
         if grads:
@@ -385,7 +199,11 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
     if grads:
         report.grad_rows = grad_rows
         report.first_divergent_grad = first_divergent_grad(report, [call.path for call in t32])
-    return report.settle()
+    report.settle()
+    if repro is not None:  # the first divergent module alone, in a folder that runs without this library
+        reproducer.from_report(repro, report, torch_model, flax_model, args, kwargs, precision=rule,
+                               permutations=permutations, use_jit=use_jit)
+    return report
 
 
 # ---------------------------------------------------------------- gradients
@@ -394,12 +212,20 @@ def bisect(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, 
 def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=None, loss_fn=None,
                rule=_precision.FP32, permutations=()) -> list[GradRow]:
     """One row per parameter: torch's (at ``rule``'s precision) and Flax's gradients against ``reference``'s."""
+    g32, g64, weights, t_paths = torch_grad_values(torch_model, reference, args, kwargs, seed,
+                                                   frameworks.split_loss_fn(loss_fn)[0], rule)
+    j_args = tuple(map(frameworks.to_jax, args))
+    j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
+    return bisect_rows.grad_rows(torch_model, g32, g64, weights, t_paths, flax_model, j_args, j_kwargs, rename,
+                                 frameworks.split_loss_fn(loss_fn)[1], rule, permutations)
+
+
+def torch_grad_values(torch_model, reference, args, kwargs, seed, torch_fn, rule=_precision.FP32):
+    """(torch's gradients at ``rule``'s precision, the fp64 reference's, {output path: W} of the default
+    scalar (``frameworks.default_weights``; empty with ``torch_fn``), torch's output paths that are not
+    None): what ``bisect_rows.grad_rows`` judges Flax's gradients by, run now or recorded in a trace."""
     import torch
-    from flax import nnx
 
-    from flax_transformer.interop import porting
-
-    torch_fn, flax_fn = frameworks.split_loss_fn(loss_fn)
     with torch.no_grad():
         out = torch_model(*cast(args, rule.torch_dtype()), **cast(kwargs, rule.torch_dtype()))
     weights = {} if torch_fn is not None else frameworks.default_weights(out, seed)  # compare.compare's W
@@ -407,50 +233,5 @@ def _grad_rows(torch_model, reference, flax_model, args, kwargs, seed, rename=No
         raise ValueError("grads=True: the torch outputs hold no floating-point array to differentiate; give loss_fn=")
     _, g32 = torch_grads(torch_model, args, kwargs, weights, torch_fn, rule.torch_dtype())
     _, g64 = torch_grads(reference, args, kwargs, weights, torch_fn, torch.float64)
-    j_args = tuple(map(frameworks.to_jax, args))
-    j_kwargs = {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     t_paths = tuple(p for p, v in frameworks.flatten(out) if v is not None)
-    _, grads = frameworks.flax_grads(flax_model, j_args, j_kwargs, {p: jnp.asarray(w) for p, w in weights.items()},
-                                     t_paths, flax_fn)
-    holder = nnx.clone(flax_model)
-    nnx.update(holder, grads)  # the gradients in the parameters' places, to read them under torch names
-    gj = porting.state_dict(holder)
-    keys, flax_only = frameworks.grad_keys(torch_model, gj, rename, porting.tied_keys(flax_model))
-    # one gradient per tensor: a tied one summed over its uses (torch's autograd sums already)
-    g32 = {k.name: frameworks.sum_grads(g32, k.torch) for k in keys}
-    g64 = {k.name: frameworks.sum_grads(g64, k.torch) for k in keys}
-    budgets = grad_budgets(g32, g64, rule)
-    rows = []
-    for key in keys:
-        want = g64[key.name]
-        if not key.flax:
-            rows.append(GradRow(key.name, 0.0, float("nan"), 0.0, "skipped: no Flax parameter of this name"
-                                + ("" if rename else " (rename=?)"), note=key.note, keys=key.tied))
-            continue
-        (scale, limit), got_t, got_j = budgets[key.name], [g32[key.name]], [frameworks.sum_grads(gj, key.flax)]
-        if (heads := layouts.permuted_heads(key.name.rpartition(".")[0], permutations)) is not None:
-            got_j = [layouts.to_rope_order(got_j[0], heads, 0)]  # a weight's rows, a bias: Meta's order
-        torch_err, jax_err = measure.err(got_t, [want]), measure.err(got_j, [want])
-        jax_only, torch_only, both = nonfinite_counts(got_t, got_j)
-        if jax_only:
-            jax_err = float("inf")
-        elif both and not torch_only:
-            torch_err, jax_err = finite_part_errs(got_t, got_j, [want])
-        status = "ok" if jax_err <= limit and not jax_only else "diverged"
-        if torch_only and not jax_only:
-            status = TORCH_NONFINITE
-        elif both and status == "ok":
-            status = BOTH_NONFINITE
-        rows.append(GradRow(key.name, torch_err, jax_err, scale, status, jax_only, torch_only, both, limit,
-                            note=key.note, keys=key.tied))
-    buffers = {apply_rename(k, check_rename(rename)) for k, _ in torch_model.named_buffers()}
-    for name in flax_only:
-        if name in buffers:  # a torch buffer (DeepSeek's correction bias): no gradient there, so Flax's must be 0
-            g = np.asarray(frameworks.to_numpy(gj[name]), np.float64)
-            err = float(np.abs(g).max(initial=0.0)) if np.all(np.isfinite(g)) else float("inf")
-            rows.append(GradRow(name, 0.0, err, 0.0, "ok" if err == 0 else "diverged", budget=0.0,
-                                note="a torch buffer: its gradient is zero"))
-            continue
-        rows.append(GradRow(name, 0.0, float("nan"), 0.0, "skipped: a Flax parameter that no torch key reaches"
-                            + ("" if rename else " (rename=?)")))
-    return rows
+    return g32, g64, weights, t_paths

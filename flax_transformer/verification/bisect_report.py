@@ -45,6 +45,7 @@ from flax_transformer.verification.routing import expert_lines
 MODEL = "<model>"  # first_divergent when the error is in the whole model's own row (its path is "")
 GRADIENTS = "<gradients>"  # first_divergent when the forward agrees and a gradient does not
 INCOMPLETE = "<incomplete>"  # first_divergent when nothing disagrees but something was not compared
+WEIGHTS = "<weights>"  # first_divergent when the Flax model's weights are not a trace's (``trace_bisect``)
 # a torch call with no Flax call that is no gap in the report (``_not_called_status``)
 COVERED_FREE = "covered: parameter-free, computed inline in Flax (in its parent's row)"
 COVERED_READ = "covered: the Flax twin reads this module without calling it (in its parent's row)"
@@ -150,6 +151,8 @@ class BisectReport(Report):
     precision: str = "float32"  # the Flax model's compute dtype; "torch" is torch run at it (``precision.py``)
     routing: object = None  # a mixture of experts: ``routing.RoutingReport`` (near ties forced, loads)
     experts: dict = field(default_factory=dict)  # {experts call: (``routing.ExpertRow``, ...)}: each expert alone
+    trace: dict | None = None  # bisected against a recorded trace: its path, precision, environment, notes
+    weights_differ: list[str] = field(default_factory=list)  # keys whose weights are not the trace's: not bisected
 
     @property
     def first_divergent_path(self) -> str | None:
@@ -190,7 +193,7 @@ class BisectReport(Report):
         return (any(_fails(r.status, self.allow_nonfinite) for r in self.rows)
                 or any(_fails(g.status, self.allow_nonfinite) for g in self.grad_rows)
                 or self.unverified is not None or (bool(self.incomplete) and not self.allow_skipped)
-                or bool(self.outputs_differ) or bool(self._bad_experts()))
+                or bool(self.outputs_differ) or bool(self._bad_experts()) or bool(self.weights_differ))
 
     def _bad_experts(self) -> list[str]:
         """The experts calls with an expert beyond its budget when run alone (one no token chose too)."""
@@ -204,6 +207,9 @@ class BisectReport(Report):
         """Set ``first_divergent`` from the rows (None when nothing fails); returns the report."""
         self.first_divergent = None
         if not self._failed():
+            return self
+        if self.weights_differ:  # nothing was bisected
+            self.first_divergent = WEIGHTS
             return self
         path = _first_divergent(self.rows)
         if path is None and any(_fails(r.status, self.allow_nonfinite) for r in self.rows):  # NaN/inf, no divergence
@@ -242,6 +248,8 @@ class BisectReport(Report):
                 f"--allow-skipped, accepts that): {names}")
 
     def summary(self) -> str:
+        if self.weights_differ:
+            return "\n".join([_weights_line(self.weights_differ), *_trace_lines(self.trace)])
         lines = [line for line in (self._incomplete_line(),) if line]
         if self.outputs_set_aside:
             lines.append("outputs set aside, not compared: " + "; ".join(self.outputs_set_aside))
@@ -290,7 +298,7 @@ class BisectReport(Report):
             lines.append(f"precision: {self.precision} (the Flax model's); torch ran in {self.precision} too, budget "
                          f"max({rule.slack:g} x torch's error, {rule.floor_ulps:g} {self.precision} step(s) of the "
                          "output) against float64")
-        return "\n".join(lines)
+        return "\n".join(lines + _trace_lines(self.trace))
 
     @property
     def rule(self) -> Precision:
@@ -334,6 +342,7 @@ class BisectReport(Report):
                 "allow_nonfinite": self.allow_nonfinite, "budget_rule": budget_rule(self.rule), "modules": rows,
                 "gradients": grads, "routing": None if self.routing is None else self.routing.to_dict(),
                 "experts": {k: [asdict(r) | {"passed": r.passed} for r in v] for k, v in self.experts.items()},
+                "trace": self.trace, "weights_differ": self.weights_differ,
                 "positions": report_dict(
                     self.positions, None if self.first_divergent is None else _path(self.first_divergent))}
 
@@ -359,6 +368,23 @@ class BisectReport(Report):
         data = bisect_picture.to_png(self)
         files.write_bytes(path, data, overwrite=overwrite)
         return data
+
+
+def _weights_line(differ: list[str]) -> str:
+    names = ", ".join(differ[:5]) + (f", ... ({len(differ) - 5} more)" if len(differ) > 5 else "")
+    return (f"weights: FAIL: {len(differ)} differ from the trace's (sha256 of their float32 values): {names}; not "
+            "bisected (other weights would make a correct module look wrong)")
+
+
+def _trace_lines(trace: dict | None) -> list[str]:
+    """Where torch's side was recorded (a trace's environment), and what a trace could not do."""
+    if trace is None:
+        return []
+    env = trace["environment"]
+    tf32 = "" if "tf32_matmul" not in env else (f", TF32 matmul {'on' if env['tf32_matmul'] else 'off'}, cuDNN "
+                                                 f"{'on' if env['tf32_cudnn'] else 'off'}")
+    return [f"trace: {trace['path']}: torch {env['torch']} in {trace['precision']} on {env['device_name']} "
+            f"({env['device']}{tf32}), python {env['python']}, flax-transformer {env['library']}", *trace["notes"]]
 
 
 def _table(header, body) -> str:

@@ -394,7 +394,8 @@ class GradKey:
         return "; ".join(parts)
 
 
-def grad_keys(torch_model, flax_names, rename=None, flax_tied=()) -> tuple[list[GradKey], list[str]]:
+def grad_keys(torch_model, flax_names, rename=None, flax_tied=(), *,
+              torch_tied=None) -> tuple[list[GradKey], list[str]]:
     """(one ``GradKey`` per torch tensor, the Flax parameters no torch key reaches).
 
     A torch key reaches the Flax parameter whose torch name it becomes after ``rename`` (porting's
@@ -404,7 +405,8 @@ def grad_keys(torch_model, flax_names, rename=None, flax_tied=()) -> tuple[list[
     gradient is the sum over its distinct tensors on each side: torch's autograd has summed a
     shared tensor's uses already; a Flax twin holds it once (a head through ``embed.attend``, or a
     declared tie that ``porting.state_dict`` writes under each name: counted once) or once per use
-    (two parameters: their gradients summed)."""
+    (two parameters: their gradients summed). ``torch_tied``: torch's groups given (a recorded
+    trace's), not read from ``torch_model``'s memory."""
     from flax_transformer.interop import porting
     from flax_transformer.interop.ties import merge_groups
 
@@ -417,7 +419,8 @@ def grad_keys(torch_model, flax_names, rename=None, flax_tied=()) -> tuple[list[
     for n in order:
         if renamed[n] in declared:
             by_flax.setdefault(declared[renamed[n]], []).append(n)
-    groups = [tuple(n for n in g if n in order) for g in porting.tied_keys(torch_model)]
+    torch_tied = porting.tied_keys(torch_model) if torch_tied is None else torch_tied
+    groups = [tuple(n for n in g if n in order) for g in torch_tied]
     groups = merge_groups([g for g in groups if len(g) > 1] + [tuple(g) for g in by_flax.values() if len(g) > 1])
     grouped = {n for g in groups for n in g}
     groups += [(n,) for n in order if n not in grouped]

@@ -16,7 +16,7 @@ from flax import nnx
 
 import torch_reference.former as tf
 from flax_transformer.interop import porting
-from flax_transformer.verification import bisect, bisect_report, precision, verify
+from flax_transformer.verification import bisect, bisect_report, bisect_rows, precision, verify
 
 X = np.ones((2, 3), np.float32)
 
@@ -52,7 +52,7 @@ def test_bisect_names_the_module_that_made_a_nan_in_torch_only():
     # mutant B2: only JAX was asked whether a call produced the NaN
     report = bisect.bisect(TorchWithLog(), FlaxWithLog(), (-X,), use_jit=False)
     assert not report.passed and report.first_nonfinite == "a" == report.first_divergent, str(report)
-    assert report._row("a").produced == "torch" and report._row("a").status == bisect.TORCH_NONFINITE
+    assert report._row("a").produced == "torch" and report._row("a").status == bisect_report.TORCH_NONFINITE
     assert "first produced at a" in report.summary()
 
 
@@ -105,8 +105,8 @@ def test_grad_budget_takes_the_largest_torch_error_and_scale_over_the_model():
 def test_a_module_whose_flax_twin_holds_only_some_of_its_parameters_is_skipped():
     # mutant B7: any() for all() called a Linear "covered" when Flax held its weight but no bias
     linear = torch.nn.Linear(4, 4)
-    assert bisect._not_called_status(linear, "emb", (set(), {"emb.weight"})).startswith("skipped")
-    assert bisect._not_called_status(linear, "emb", (set(), {"emb.weight", "emb.bias"})) == bisect.COVERED_READ
+    assert bisect_rows.not_called_status(linear, "emb", (set(), {"emb.weight"})).startswith("skipped")
+    assert bisect_rows.not_called_status(linear, "emb", (set(), {"emb.weight", "emb.bias"})) == bisect_report.COVERED_READ
 
 
 IDS = np.random.default_rng(0).integers(0, 20, (2, 8))

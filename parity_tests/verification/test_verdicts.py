@@ -52,7 +52,7 @@ def test_nan_on_both_sides_fails_compare_and_bisect_unless_allowed():
     found = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False, allow_skipped=True)
     assert not found.passed, str(found)
     assert found.first_divergent == "tblocks.1.ff.0" == found.first_nonfinite, str(found)  # its inputs finite
-    assert found._row("").status == bisect.BOTH_NONFINITE
+    assert found._row("").status == bisect_report.BOTH_NONFINITE
     assert "not finite in either framework" in found.summary()
     allowed = bisect.bisect(torch_model, flax_model, (IDS,), use_jit=False, allow_skipped=True, allow_nonfinite=True)
     assert allowed.passed and allowed.first_divergent is None, str(allowed)
@@ -102,7 +102,7 @@ def test_nan_gradients_fail_in_compare_and_bisect():
     report = compare.compare(torch_model, flax_model, (IDS,), grads=True)
     assert not report.passed and sum(r.nonfinite_both for r in report.rows[1:]) > 0, str(report)
     found = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
-    assert not found.passed and any(g.status == bisect.BOTH_NONFINITE for g in found.grad_rows), str(found)
+    assert not found.passed and any(g.status == bisect_report.BOTH_NONFINITE for g in found.grad_rows), str(found)
 
 
 # ------------------------------------------------------------------ incomplete is not passed
@@ -120,7 +120,7 @@ def test_skipped_module_calls_and_gradients_fail_unless_allowed():
     report = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False)
     skipped_calls = [r.path for r in report.rows if r.status.startswith("skipped")]
     # the embeddings the Flax twin reads as tables are covered, not skipped (in their parent's row)
-    assert any(r.status == bisect.COVERED_READ for r in report.rows), report.tree()
+    assert any(r.status == bisect_report.COVERED_READ for r in report.rows), report.tree()
     assert skipped_calls == ["extra"] and report.incomplete == ["extra", "gradient extra.weight", "gradient extra.bias"]
     assert not report.passed and report.first_divergent == bisect_report.INCOMPLETE, str(report)
     first = report.summary().splitlines()[0]
@@ -202,7 +202,7 @@ def test_first_divergent_names_the_whole_model_when_only_it_is_wrong(tmp_path):
 def test_a_gradient_only_failure_names_gradients():
     torch_model, flax_model = _former()
     report = bisect.bisect(torch_model, flax_model, (IDS,), grads=True, use_jit=False, allow_skipped=True)
-    report.grad_rows[0] = bisect.GradRow(report.grad_rows[0].name, 1e-7, 1.0, 1.0, "diverged")
+    report.grad_rows[0] = bisect_report.GradRow(report.grad_rows[0].name, 1e-7, 1.0, 1.0, "diverged")
     report.first_divergent_grad = report.grad_rows[0].name
     assert report.settle().first_divergent == bisect_report.GRADIENTS and not report.passed
 

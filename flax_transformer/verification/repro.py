@@ -160,7 +160,7 @@ def export_jax(module, leaves, treedef, slots, out_paths):
     other state (buffers, RNG state) and the non-array leaves of its call constants."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     named, weights_def = jax.tree_util.tree_flatten_with_path(params)
-    weights = {jax.tree_util.keystr(p, simple=True, separator="."): a for p, a in named}
+    weights = {jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): a for p, a in named}
 
     def run(weights, inputs):
         full = list(leaves)

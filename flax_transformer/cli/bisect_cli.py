@@ -71,9 +71,7 @@ def text_inputs(folder, flax_model, texts: list[str]) -> tuple:
 
 def run(args) -> int:
     """``verify --pair`` (compare, or bisect with ``--bisect``) and ``verify --checkpoint --bisect``."""
-    from flax_transformer.interop import files
-    from flax_transformer.verification import bisect, certificate, compare, measure, reports, repro
-    from flax_transformer.verification.certificate import subjects as certificate_subjects
+    from flax_transformer.verification import bisect, compare, repro
 
     if getattr(args, "bisect_generate", False):
         from flax_transformer.cli import generation_cli
@@ -88,16 +86,37 @@ def run(args) -> int:
     if getattr(args, "rename", None) and not args.pair:
         raise ValueError("--rename goes with --pair MODULE:FACTORY (a checkpoint's names are the library's own)")
     rename = parse_renames(getattr(args, "rename", None))
-    if args.json:
-        files.check_target(args.json, kind="file", overwrite=args.overwrite)  # before any computation
-    pictures = {suffix: out for suffix, out in ((".html", getattr(args, "html", None)),
-                                                (".png", getattr(args, "png", None))) if out}
-    for suffix, out in pictures.items():  # verify_flags.mode has refused them without --bisect
-        if Path(out).suffix != suffix:
-            raise ValueError(f"--{suffix[1:]} must end in {suffix}, got {out}")
-        files.check_target(out, kind="file", overwrite=args.overwrite)
+    pictures = check_outputs(args)
     if getattr(args, "repro", None):  # verify_flags.mode has refused it without --bisect
         repro.check_directory(args.repro, overwrite=args.overwrite)
+    torch_model, flax_model, call_args, call_kwargs = load_pair(args)
+    what = args.pair or args.checkpoint
+    allow = dict(allow_skipped=args.allow_skipped, allow_nonfinite=args.allow_nonfinite, rename=rename or None)
+    try:
+        if args.bisect:
+            report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                                   use_jit=not args.no_jit, seed=args.seed, **allow)
+        else:
+            report = compare.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
+                                    use_jit=not args.no_jit, seed=args.seed, **allow)
+    except SystemExit as stop:  # a model that exits while it is checked: no verdict, never exit 0
+        raise ValueError(f"running {what} failed: the model called sys.exit({stop.code!r}) while it was checked; "
+                         "nothing was compared") from None
+    except Exception as error:  # the user's models, run (a KeyError, anything): one line, not a traceback
+        message = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None
+    failed = write_outputs(args, report, pictures)  # compare's summary, printed, ends with pass or FAIL and why
+    if getattr(args, "repro", None):
+        print(write_repro(args.repro, report, torch_model, flax_model, call_args, call_kwargs,
+                          use_jit=not args.no_jit, overwrite=args.overwrite))
+    return 1 if failed else 0
+
+
+def load_pair(args) -> tuple:
+    """(torch model, Flax model, args, kwargs) of ``--pair`` or ``--checkpoint`` (``--text``, ``--dtype``), inputs as float32."""
+    from flax_transformer.verification import certificate, measure
+    from flax_transformer.verification.certificate import subjects as certificate_subjects
+
     if args.text and not (Path(args.checkpoint) / "tokenizer.json").is_file():
         raise ValueError(f"--text needs a checkpoint folder with a tokenizer.json; {args.checkpoint} has none "
                          "(leave --text out for random ids)")
@@ -116,32 +135,34 @@ def run(args) -> int:
         call_args = (text_inputs(args.checkpoint, flax_model, args.text) if args.text
                      else certificate_subjects.example_inputs(flax_model, seed=args.seed))
         call_kwargs = {}
-    call_args, call_kwargs = measure.fp32_inputs(tuple(call_args)), measure.fp32_inputs(call_kwargs)
-    what = args.pair or args.checkpoint
-    allow = dict(allow_skipped=args.allow_skipped, allow_nonfinite=args.allow_nonfinite, rename=rename or None)
-    try:
-        if args.bisect:
-            report = bisect.bisect(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
-                                   use_jit=not args.no_jit, seed=args.seed, **allow)
-        else:
-            report = compare.compare(torch_model, flax_model, call_args, call_kwargs, grads=args.grads,
-                                    use_jit=not args.no_jit, seed=args.seed, **allow)
-    except SystemExit as stop:  # a model that exits while it is checked: no verdict, never exit 0
-        raise ValueError(f"running {what} failed: the model called sys.exit({stop.code!r}) while it was checked; "
-                         "nothing was compared") from None
-    except Exception as error:  # the user's models, run (a KeyError, anything): one line, not a traceback
-        message = (str(error).strip().splitlines() or [""])[0]
-        raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None
-    print(report)
-    if args.bisect:
-        failed = not report.passed
-        if report.unverified:
-            print(f"\nFAIL: not verified: {report.unverified}")
-    else:
-        failed = not report.passed  # its summary, printed with it, ends with pass or FAIL and why
+    return torch_model, flax_model, *(measure.fp32_inputs(tuple(call_args)), measure.fp32_inputs(call_kwargs))
+
+
+def check_outputs(args) -> dict[str, str]:
+    """``--json``, ``--html`` and ``--png`` checked before any work; returns {suffix: path} of the pictures."""
+    from flax_transformer.interop import files
+
     if args.json:
-        text = reports.json_text(report.to_dict())
-        files.write_text(args.json, text + "\n", overwrite=args.overwrite)
+        files.check_target(args.json, kind="file", overwrite=args.overwrite)
+    pictures = {suffix: out for suffix, out in ((".html", getattr(args, "html", None)),
+                                                (".png", getattr(args, "png", None))) if out}
+    for suffix, out in pictures.items():  # verify_flags.mode has refused them without --bisect
+        if Path(out).suffix != suffix:
+            raise ValueError(f"--{suffix[1:]} must end in {suffix}, got {out}")
+        files.check_target(out, kind="file", overwrite=args.overwrite)
+    return pictures
+
+
+def write_outputs(args, report, pictures: dict[str, str]) -> bool:
+    """The report printed, and written as ``--json``, ``--html``, ``--png``; returns whether it failed."""
+    from flax_transformer.interop import files
+    from flax_transformer.verification import reports
+
+    print(report)
+    if getattr(report, "unverified", None):
+        print(f"\nFAIL: not verified: {report.unverified}")
+    if args.json:
+        files.write_text(args.json, reports.json_text(report.to_dict()) + "\n", overwrite=args.overwrite)
         print(f"wrote {args.json}")
     if ".html" in pictures:
         report.to_html(pictures[".html"], overwrite=args.overwrite)
@@ -149,10 +170,7 @@ def run(args) -> int:
     if ".png" in pictures:
         report.to_png(pictures[".png"], overwrite=args.overwrite)
         print(f"wrote {pictures['.png']}")
-    if getattr(args, "repro", None):
-        print(write_repro(args.repro, report, torch_model, flax_model, call_args, call_kwargs,
-                          use_jit=not args.no_jit, overwrite=args.overwrite))
-    return 1 if failed else 0
+    return not report.passed
 
 
 def write_repro(directory, report, torch_model, flax_model, call_args, call_kwargs, **options) -> str:

@@ -16,6 +16,8 @@ TRAIN_STEPS = "train steps"  # --train-steps K [--through-torch-state]
 CHECKPOINT = "checkpoint"  # --checkpoint PATH
 SOURCE = "source"  # --checkpoint CONVERTED --source ORIGINAL [--pair] [--bisect]: source_cli
 TABLE = "table"  # every module (or with --grads every full model's gradients)
+RECORD = "record"  # --record OUT (--checkpoint PATH | --pair MODULE:FACTORY) [--grads]: trace_cli
+TRACE = "trace"  # --bisect --trace FILE (--checkpoint FLAXPATH | --pair MODULE:FACTORY): trace_cli
 
 
 def mode(args) -> str:
@@ -33,6 +35,8 @@ def mode(args) -> str:
         return PAIR
     if getattr(args, "prompt", None) is not None or getattr(args, "max_new_tokens", None) is not None:
         raise ValueError("--prompt and --max-new-tokens go with --bisect-generate")
+    if getattr(args, "record", None) or getattr(args, "trace", None):
+        return _trace_mode(args)
     if getattr(args, "source", None) is not None:
         return _source_mode(args)
     pictures = [flag for flag, value in (("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)))
@@ -64,6 +68,33 @@ def mode(args) -> str:
     if args.train_steps:
         return TRAIN_STEPS
     return CHECKPOINT if args.checkpoint else TABLE
+
+
+def _trace_mode(args) -> str:
+    """``--record OUT`` (a trace of torch's side written) or ``--bisect --trace FILE`` (a Flax model
+    bisected against one): the flags of other checks refused."""
+    record, trace = getattr(args, "record", None), getattr(args, "trace", None)
+    if record and trace:
+        raise ValueError("--record OUT writes a trace and --trace FILE reads one: give one of them")
+    if bool(args.checkpoint) == bool(args.pair):
+        raise ValueError(f"{'--record OUT' if record else '--trace FILE'} needs one of --checkpoint PATH and --pair "
+                         "MODULE:FACTORY" + (" (the Flax model to bisect)" if trace else " (the torch model to record)"))
+    if trace and not args.bisect:
+        raise ValueError("--trace FILE goes with --bisect (bisect a Flax model against the recorded trace)")
+    if args.pair and getattr(args, "dtype", "fp32") != "fp32":
+        raise ValueError("--dtype goes with --checkpoint PATH (a --pair factory builds its Flax model at its own dtype)")
+    common = (("--train-steps", args.train_steps), ("--family", args.family),
+              ("--through-torch-state", args.through_torch_state), ("--repro", getattr(args, "repro", None)))
+    only = (("--bisect", args.bisect), ("--json", args.json), ("--html", getattr(args, "html", None)),
+            ("--png", getattr(args, "png", None)), ("--rename", args.rename), ("--allow-skipped", args.allow_skipped),
+            ("--allow-nonfinite", args.allow_nonfinite), ("--no-jit", args.no_jit)) if record else (
+        ("--text", args.text),)
+    taken = [flag for flag, value in (*common, *only) if value]
+    if taken:
+        raise ValueError(f"{'--record OUT' if record else '--bisect --trace FILE'} takes no {', '.join(taken)} "
+                         + ("(it runs torch only; bisect the trace with --bisect --trace OUT)" if record else
+                            "(the trace holds the inputs, and a reproducer needs torch)"))
+    return RECORD if record else TRACE
 
 
 def _source_mode(args) -> str:
@@ -146,6 +177,13 @@ def add_parser(sub, func) -> None:
     p.add_argument("--repro", metavar="DIR",
                    help="with --bisect: write the first divergent module alone into the new folder DIR, a script and "
                         "data files that reproduce the divergence with only jax, torch and numpy (docs/reproducers.md)")
-    p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT, or --repro DIR, "
-                                                            "if it exists")
+    p.add_argument("--record", metavar="OUT",
+                   help="with --checkpoint PATH or --pair MODULE:FACTORY: run the torch model in float64 and at its "
+                        "precision (--dtype) and write a trace folder (every module call, the weights' hashes, the "
+                        "versions and device; with --grads every gradient) to bisect elsewhere (docs/traces.md)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="with --bisect and --checkpoint FLAXPATH or --pair: bisect the Flax model against a trace "
+                        "--record wrote, torch's side read from it (torch need not be installed)")
+    p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT, --repro DIR or "
+                                                            "--record OUT if it exists")
     p.set_defaults(func=func)

@@ -14,6 +14,7 @@ largest magnitude).
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -116,4 +117,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:  # anything else that stops it here is no verdict: exit 2, never 1
+        traceback.print_exc()
+        print("cannot run: the error above stopped it (exit 2)")
+        code = 2
+    sys.exit(code)

@@ -363,7 +363,9 @@ class GPT2Attention(_GPTConfigModule):
         """x (b, t, n_embd); attention_mask (b, t), 1 = token. Returns (b, t, n_embd)."""
         b, t, e = x.shape
         q, k, v = jnp.split(self.c_attn(x), 3, axis=2)  # (b, t, e) each
-        q, k, v = (y.reshape(b, t, self.n_head, e // self.n_head).transpose(0, 2, 1, 3) for y in (q, k, v))
+        # (b, h, t, d) in this attention's own dtype, whatever c_attn's (``advisor.apply`` mixes them)
+        q, k, v = (y.reshape(b, t, self.n_head, e // self.n_head).transpose(0, 2, 1, 3).astype(self.dtype)
+                   for y in (q, k, v))
         if cache is None:
             keep = jnp.tril(jnp.ones((t, t), bool))[None, None]
             if attention_mask is not None:
@@ -407,8 +409,8 @@ class GPT2Block(_GPTConfigModule):
         attended = self.attn(self.ln_1(x), attention_mask, cache=cache, index=index)
         if cache is not None:
             attended, cache = attended
-        x = x + attended
-        x = x + self.mlp(self.ln_2(x))
+        x = x + attended.astype(self.dtype)  # the residual stream in this block's dtype, whatever its parts'
+        x = x + self.mlp(self.ln_2(x)).astype(self.dtype)
         return x if cache is None else (x, cache)
 
 
@@ -469,7 +471,8 @@ class GPT2LMHeadModel(_GPTConfigModule):
 
     def _head(self, hidden):
         if self.lm_head is None:
-            return (hidden @ self.transformer.wte.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+            return (hidden.astype(self.dtype) @ self.transformer.wte.embedding[...].astype(self.dtype).T
+                    ).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
 
     def input_spec(self) -> InputSpec:

@@ -121,7 +121,9 @@ class LlamaAttention(_LlamaConfigModule):
         v = v.reshape(b, t, -1, self.head_dim)
         if self.qk_norm == "head":  # per head, before RoPE, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # (b, h|h_kv, t, d)
+        # (b, h|h_kv, t, d), in this attention's own dtype (RoPE, scores, weighted sum): a module's dtype is its
+        # own compute's, whatever its projections' (``advisor.apply`` keeps some modules in float32)
+        q, k, v = (y.transpose(0, 2, 1, 3).astype(self.dtype) for y in (q, k, v))
         cos, sin = self.rotary_emb(x, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None and ring and t == 1:  # one token: written at its slot, then the ring attended
@@ -214,17 +216,18 @@ class LlamaDecoderLayer(_LlamaConfigModule):
         if cache is not None or return_weights:
             attended, extra = attended  # the cache, or the weights
         if self.pre_feedforward_layernorm is None:
-            x = x + attended
+            x = x + attended.astype(self.dtype)  # the residual stream in this layer's dtype, whatever its parts'
             normed = self.post_attention_layernorm(x)
         else:  # Gemma 2/3's sandwich
-            x = x + self.post_attention_layernorm(attended)
+            x = x + self.post_attention_layernorm(attended).astype(self.dtype)
             normed = self.pre_feedforward_layernorm(x)
         if isinstance(self.mlp, GptOssMLP):
             out, _ = self.mlp(normed, router_logits)  # and the router scores, as transformers'
         else:
             sparse = isinstance(self.mlp, (LlamaSparseMoeBlock, DeepseekV3MoE))
             out = self.mlp(normed, router_logits) if sparse else self.mlp(normed)
-        x = x + (out if self.post_feedforward_layernorm is None else self.post_feedforward_layernorm(out))
+        out = out if self.post_feedforward_layernorm is None else self.post_feedforward_layernorm(out)
+        x = x + out.astype(self.dtype)
         return (x, extra) if cache is not None or return_weights else x
 
 
@@ -325,7 +328,8 @@ class LlamaForCausalLM(_LlamaConfigModule):
     def _head(self, hidden):
         """(b, t, hidden) -> (b, t, vocab_size) float32 logits: the LM head or the tied embedding."""
         if self.lm_head is None:
-            logits = (hidden @ self.model.embed_tokens.embedding[...].astype(self.dtype).T).astype(jnp.float32)
+            logits = (hidden.astype(self.dtype) @ self.model.embed_tokens.embedding[...].astype(self.dtype).T
+                      ).astype(jnp.float32)
         else:
             logits = self.lm_head(hidden).astype(jnp.float32)
         cap = self.config.final_logit_softcapping  # Gemma 2: cap * tanh(logits / cap)

@@ -167,8 +167,9 @@ class LlamaMLP(_LlamaConfigModule):
         self.gate_proj = Linear(hidden, inner, **kw)
         self.up_proj = Linear(hidden, inner, **kw)
         self.down_proj = Linear(inner, hidden, **kw)
-        self.hidden_act = config.hidden_act
+        self.hidden_act, self.dtype = config.hidden_act, dtype
 
     def __call__(self, x):
-        """(b, t, hidden) -> (b, t, hidden)."""
-        return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
+        """(b, t, hidden) -> (b, t, hidden); the activation and the product in ``dtype``, whatever the projections'."""
+        gate, up = self.gate_proj(x).astype(self.dtype), self.up_proj(x).astype(self.dtype)
+        return self.down_proj(ACTIVATIONS[self.hidden_act](gate) * up)

@@ -43,6 +43,10 @@ def _verify(args) -> int:
     check = verify_flags.mode(args)  # flags that do not go together: one line
     if check == verify_flags.CERTIFIED_PAIR:  # your own model's certified export, with its pair
         return _verify_checkpoint(args.checkpoint, start, pair=args.pair)
+    if check == verify_flags.ADVISE:  # which modules stay in float32: advisor_cli.py
+        from flax_transformer.cli import advisor_cli
+
+        return advisor_cli.run(args)
     if check in (verify_flags.RECORD, verify_flags.TRACE):  # a trace written, or bisected against: trace_cli.py
         from flax_transformer.cli import trace_cli
 

@@ -18,6 +18,7 @@ SOURCE = "source"  # --checkpoint CONVERTED --source ORIGINAL [--pair] [--bisect
 TABLE = "table"  # every module (or with --grads every full model's gradients)
 RECORD = "record"  # --record OUT (--checkpoint PATH | --pair MODULE:FACTORY) [--grads]: trace_cli
 TRACE = "trace"  # --bisect --trace FILE (--checkpoint FLAXPATH | --pair MODULE:FACTORY): trace_cli
+ADVISE = "advise precision"  # --advise-precision (--checkpoint PATH | --pair MODULE:FACTORY) [--target T]
 
 
 def mode(args) -> str:
@@ -35,6 +36,10 @@ def mode(args) -> str:
         return PAIR
     if getattr(args, "prompt", None) is not None or getattr(args, "max_new_tokens", None) is not None:
         raise ValueError("--prompt and --max-new-tokens go with --bisect-generate")
+    if getattr(args, "advise_precision", False):
+        return _advise_mode(args)
+    if getattr(args, "target", None) is not None:
+        raise ValueError("--target goes with --advise-precision")
     if getattr(args, "record", None) or getattr(args, "trace", None):
         return _trace_mode(args)
     if getattr(args, "source", None) is not None:
@@ -95,6 +100,27 @@ def _trace_mode(args) -> str:
                          + ("(it runs torch only; bisect the trace with --bisect --trace OUT)" if record else
                             "(the trace holds the inputs, and a reproducer needs torch)"))
     return RECORD if record else TRACE
+
+
+def _advise_mode(args) -> str:
+    """``--advise-precision``: one model (``--checkpoint`` or ``--pair``); the flags of other checks refused."""
+    if bool(args.checkpoint) == bool(args.pair):
+        raise ValueError("--advise-precision needs one of --checkpoint PATH and --pair MODULE:FACTORY")
+    taken = [flag for flag, value in (
+        ("--bisect", args.bisect), ("--grads", args.grads), ("--train-steps", args.train_steps),
+        ("--through-torch-state", args.through_torch_state), ("--family", args.family), ("--rename", args.rename),
+        ("--allow-skipped", args.allow_skipped), ("--allow-nonfinite", args.allow_nonfinite),
+        ("--no-jit", args.no_jit), ("--record", getattr(args, "record", None)),
+        ("--trace", getattr(args, "trace", None)), ("--source", getattr(args, "source", None)),
+        ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)),
+        ("--repro", getattr(args, "repro", None)),
+        ("--dtype", getattr(args, "dtype", "fp32") != "fp32" and args.pair)) if value]
+    if taken:
+        raise ValueError(f"--advise-precision takes no {', '.join(taken)} (it measures one bf16 model against "
+                         "float64 torch; --target, --text, --seed and --json go with it)")
+    if args.text and not args.checkpoint:
+        raise ValueError("--text goes with --checkpoint PATH (a --pair factory gives its own inputs)")
+    return ADVISE
 
 
 def _source_mode(args) -> str:
@@ -184,6 +210,14 @@ def add_parser(sub, func) -> None:
     p.add_argument("--trace", metavar="FILE",
                    help="with --bisect and --checkpoint FLAXPATH or --pair: bisect the Flax model against a trace "
                         "--record wrote, torch's side read from it (torch need not be installed)")
+    p.add_argument("--advise-precision", action="store_true",
+                   help="with --checkpoint or --pair: the modules a bf16 Flax model must keep in float32 for its "
+                        "output to meet --target against float64 torch, searched by path and by kind, every set "
+                        "measured (docs/precision-advisor.md); exit 1 when no set meets it")
+    p.add_argument("--target", metavar="T",
+                   help="with --advise-precision: 'budget' (the default: every output within 1 bf16 step of its "
+                        "largest |float64| value; 'budget=N': N steps), 'kl=X' (a language model's mean per-token "
+                        "KL against float64 torch) or 'top1=Y' (its top-1 agreement)")
     p.add_argument("--overwrite", action="store_true", help="replace --json, --html or --png OUT, --repro DIR or "
                                                             "--record OUT if it exists")
     p.set_defaults(func=func)

@@ -119,13 +119,18 @@ class FlaxToy(nnx.Module):
         return self.head(self.proj(y).astype(self.dtype) + x.astype(self.dtype)).astype(jnp.float32)  # own: the sum
 
 
+def toy_pair():
+    """``verify --pair parity_tests.verification.test_advisor:toy_pair --advise-precision``'s factory."""
+    torch_model = TorchToy().eval()
+    return torch_model, FlaxToy(torch_model), (np.random.default_rng(0).integers(0, 32, (2, 24)),)
+
+
 def test_the_search_on_a_toy_pair_finds_a_smallest_set():
     """A toy whose bf16 error is in its sharp attention: the advised set meets the target, and no set
     of fewer modules does (every subset of the five candidates measured here, apart from the advisor);
     each trial, the ranking and the re-measured figure are reported."""
-    torch_model = TorchToy().eval()
-    ids = np.random.default_rng(0).integers(0, 32, (2, 24))
-    report = advisor.advise_precision(torch_model, FlaxToy(torch_model), (ids,), target="budget")
+    torch_model, flax_model, (ids,) = toy_pair()
+    report = advisor.advise_precision(torch_model, flax_model, (ids,), target="budget")
     assert report.passed and "attn" in report.modules and not report.all_bf16.met, str(report)
     assert report.norms_and_softmax.modules == ("attn", "norm")
     assert max(report.candidates, key=lambda c: c.alone).path == "attn"  # the worst alone in bf16

@@ -32,9 +32,9 @@ environment (each framework's own defaults); the processes alternate round by ro
 rotated each round; per process ``warmup`` untimed calls then ``--steps`` timed ones (garbage
 collector off). Reported per contender: median, IQR and min over all timed calls of all rounds, and
 the per-round ratio of each torch process's median to JAX's of the same round. Rounds are the
-outer loop over the sections (train, decode, bisect once), so that ``--budget`` (stop starting
-processes after that many seconds, a running one killed then) still leaves every section's first
-round. JAX's compilation cache and inductor's are kept in a temporary folder across rounds.
+outer loop over the sections (bisect once, decode, train: the short ones first), so that
+``--budget`` (stop starting processes after that many seconds, a running one killed then) falls on
+the last rounds of the train step. JAX's compilation cache and inductor's are kept in a temporary folder across rounds.
 
 FLOPs per token of a train step (``flops_per_token``; the same number for every contender)::
 
@@ -98,10 +98,10 @@ SHAPES = {
 }
 PRESETS = {
     "cuda": dict(train=(("gpt2-small", 8, 1024), ("llama-1b", 4, 2048)), warmup=3, steps=10, rounds=2,
-                 decode=dict(model="llama-1b", batch=1, prompt=128, new=128, reps=3),
+                 decode=dict(model="llama-1b", batch=1, prompt=128, new=128, reps=3, warmup=1),
                  bisect=dict(model="llama-1b", layers=4, batch=1, seq=64), peak_n=8192, compile_backend="inductor"),
     "cpu": dict(train=(("gpt2-tiny", 2, 32), ("llama-tiny", 2, 32)), warmup=1, steps=3, rounds=2,
-                decode=dict(model="llama-tiny", batch=1, prompt=8, new=8, reps=2),
+                decode=dict(model="llama-tiny", batch=1, prompt=8, new=8, reps=2, warmup=1),
                 bisect=dict(model="llama-tiny", layers=2, batch=1, seq=16), peak_n=512, compile_backend="aot_eager"),
 }
 # peak dense bf16 tensor-core TFLOP/s (no sparsity) by the device's name, the vendor's data sheets;
@@ -238,17 +238,7 @@ def run(args, device: str) -> dict:
 
         common = dict(device=device, warmup=preset["warmup"], peak_n=preset["peak_n"],
                       compile_backend=preset["compile_backend"])
-        for r in range(args.rounds):
-            for model, batch, seq in preset["train"] if "train" in sections else ():
-                for contender in _rotated(CONTENDERS, r):
-                    add(_spawn(dict(common, section="train", round=r, model=model, contender=contender,
-                                    shape=SHAPES[model], batch=batch, seq=seq, steps=args.steps,
-                                    folder=str(tmp / model)), env, deadline))
-            if "decode" in sections:
-                d = preset["decode"]
-                for contender in _rotated((JAX, "transformers"), r):
-                    add(_spawn(dict(common, section="decode", round=r, contender=contender, shape=SHAPES[d["model"]],
-                                    folder=str(tmp / d["model"]), **d), env, deadline))
+        for r in range(args.rounds):  # the short sections first: a --budget cut falls on the train step's rounds
             if "bisect" in sections and r == 0:
                 task = dict(section="bisect", round=0, model=b["model"], layers=b["layers"], batch=b["batch"],
                             seq=b["seq"], shape=SHAPES[b["model"]], folder=str(tmp / "bisect"),
@@ -258,6 +248,16 @@ def run(args, device: str) -> dict:
                 add(recorded)
                 if "failed" not in recorded and "skipped" not in recorded:
                     add(_spawn(dict(task, contender=f"bisect ({device})", device=device), env, deadline))
+            if "decode" in sections:
+                d = preset["decode"]
+                for contender in _rotated((JAX, "transformers"), r):
+                    add(_spawn(dict(common, section="decode", round=r, contender=contender, shape=SHAPES[d["model"]],
+                                    folder=str(tmp / d["model"]), **d), env, deadline))
+            for model, batch, seq in preset["train"] if "train" in sections else ():
+                for contender in _rotated(CONTENDERS, r):
+                    add(_spawn(dict(common, section="train", round=r, model=model, contender=contender,
+                                    shape=SHAPES[model], batch=batch, seq=seq, steps=args.steps,
+                                    folder=str(tmp / model)), env, deadline))
     out["load_end"] = load_line("end", warn=False)
     return out
 

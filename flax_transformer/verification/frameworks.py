@@ -323,7 +323,8 @@ def torch_scalar(out, weights: dict[str, np.ndarray], loss_fn=None):
             raise ValueError("loss_fn's value does not depend on the torch model's parameters (it has no grad_fn)")
         return value.reshape(())
     leaves = dict(flatten(out))
-    return sum((leaves[p] * _torch_tensor(w, leaves[p].dtype)).sum() for p, w in weights.items())
+    return sum((leaves[p] * _torch_tensor(w, leaves[p].dtype).to(leaves[p].device)).sum()  # W beside the output (CUDA)
+               for p, w in weights.items())
 
 
 def _torch_tensor(w: np.ndarray, dtype):

@@ -29,7 +29,9 @@ def mode(args) -> str:
                                           ("--family", args.family), ("--rename", args.rename),
                                           ("--source", getattr(args, "source", None)),
                                           ("--html", getattr(args, "html", None)), ("--png", getattr(args, "png", None)),
-                                          ("--repro", getattr(args, "repro", None)))
+                                          ("--repro", getattr(args, "repro", None)),
+                                          ("--record", getattr(args, "record", None)),
+                                          ("--trace", getattr(args, "trace", None)))
                  if value]
         if taken:
             raise ValueError(f"--bisect-generate takes no {', '.join(taken)} (it decodes one checkpoint's prompt)")
@@ -89,7 +91,8 @@ def _trace_mode(args) -> str:
     if args.pair and getattr(args, "dtype", "fp32") != "fp32":
         raise ValueError("--dtype goes with --checkpoint PATH (a --pair factory builds its Flax model at its own dtype)")
     common = (("--train-steps", args.train_steps), ("--family", args.family),
-              ("--through-torch-state", args.through_torch_state), ("--repro", getattr(args, "repro", None)))
+              ("--through-torch-state", args.through_torch_state), ("--repro", getattr(args, "repro", None)),
+              ("--source", getattr(args, "source", None)))
     only = (("--bisect", args.bisect), ("--json", args.json), ("--html", getattr(args, "html", None)),
             ("--png", getattr(args, "png", None)), ("--rename", args.rename), ("--allow-skipped", args.allow_skipped),
             ("--allow-nonfinite", args.allow_nonfinite), ("--no-jit", args.no_jit)) if record else (

@@ -69,6 +69,8 @@ def test_record_then_bisect_against_the_trace(tmp_path, capsys):
     (["--bisect", "--trace", "T", "--pair", "p.py:make", "--text", "hi"], "takes no --text"),
     (["--bisect", "--trace", "T", "--pair", "p.py:make", "--repro", "R"], "takes no --repro"),
     (["--bisect", "--trace", "T", "--pair", "p.py:make"], "no trace at T"),
+    (["--record", "OUT", "--checkpoint", "C", "--source", "S"], "--record OUT takes no --source"),
+    (["--record", "OUT", "--checkpoint", "C", "--bisect-generate", "--prompt", "hi"], "takes no --record"),
 ])
 def test_flags_that_do_not_go_together_are_one_line(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)

@@ -344,8 +344,8 @@ def _r(x: dict | None) -> str:
 def report(out: dict, summary: dict) -> str:
     """The tables and lines the script prints."""
     lines = [f"NOTE: {SMOKE_NOTE}"] if out["smoke"] else []
-    lines.append(f"peak: {summary['peak_note']}")
     if summary["train"]:
+        lines.append(f"peak: {summary['peak_note']}")
         lines += _table("model | contender | attention | tokens/step | median ms | IQR ms | min ms | tokens/s | MFU | "
                         "of measured bf16 matmul peak | time / JAX time per round", [
             f"| {row['model']} | {row['contender']} | {row['attention']} | {row['tokens_per_step']:,} | "

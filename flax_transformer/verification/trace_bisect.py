@@ -45,13 +45,13 @@ def bisect(trace_path, flax_model, *, grads: bool = False, use_jit: bool = True,
     flax_model.eval()
     info = {"path": str(found.path), "precision": found.precision.name, "seed": found.index["seed"],
             "environment": found.environment, "notes": []}
+    if routing.router_paths(flax_model):
+        info["notes"].append("routing: NOT forced (a trace holds torch's own expert choices, not JAX's): a near tie "
+                             "between experts may show as a divergence at a router; experts were not run alone")
     differ = weights_differ(found, flax_model, pairs)
     if differ:
         return BisectReport([], None, allow_nonfinite=allow_nonfinite, allow_skipped=allow_skipped,
                             precision=rule.name, trace=info, weights_differ=differ).settle()
-    if routing.router_paths(flax_model):
-        info["notes"].append("routing: NOT forced (a trace holds torch's own expert choices, not JAX's): a near tie "
-                             "between experts may show as a divergence at a router; experts were not run alone")
     args, kwargs = found.inputs()
     j_args, j_kwargs = tuple(map(frameworks.to_jax, args)), {k: frameworks.to_jax(v) for k, v in kwargs.items()}
     j_out, jx = capture.nnx_calls(flax_model, j_args, j_kwargs, use_jit=use_jit)

@@ -200,6 +200,22 @@ def test_weights_that_differ_are_named_and_nothing_runs(tmp_path):
     assert json.loads(report.to_json())["weights_differ"] == report.weights_differ
 
 
+def test_a_mixture_of_experts_is_said_not_forced(tmp_path):
+    from flax_transformer.models.moe_config import MoeConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny(vocab_size=64, num_hidden_layers=1, model_type="qwen3_moe", moe=MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    torch_model = tl.LlamaForCausalLM(config).eval()
+    path = trace.record(torch_model, (np.random.default_rng(0).integers(0, 64, (1, 5)),), tmp_path / "t")
+    flax_model = porting.torch_to_flax(torch_model)
+    norm = flax_model.model.norm.scale
+    norm.set_value(norm[...] * 2)  # other weights: nothing runs, and the report still says what a trace cannot do
+    report = bisect.bisect(path, flax_model)
+    assert report.weights_differ == ["model.norm.weight"] and "routing: NOT forced" in report.summary()
+    assert report.routing is None and report.experts == {}
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "missing shard", "version", "index"])
 def test_a_damaged_trace_is_refused_naming_the_file(tmp_path, damage):
     torch_model, flax_model = _former()

@@ -17,12 +17,10 @@ def run(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from flax_transformer.interop import files
-    from flax_transformer.verification import advisor, precision, reports
+    from flax_transformer.verification import advisor, precision
 
     target = advisor.Target.parse(args.target or "budget")  # a bad --target: one line, before any work
-    if args.json:
-        files.check_target(args.json, kind="file", overwrite=args.overwrite)
+    bisect_cli.check_outputs(args)  # --json OUT, before any work
     torch_model, flax_model, call_args, call_kwargs = bisect_cli.load_pair(args)
     what = args.pair or args.checkpoint
     if precision.of_model(flax_model) is not precision.BF16:
@@ -38,8 +36,4 @@ def run(args) -> int:
     except Exception as error:  # the user's models, run: one line, not a traceback
         message = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"running {what} failed: {type(error).__name__}: {message}") from None
-    print(report)
-    if args.json:
-        files.write_text(args.json, reports.json_text(report.to_dict()) + "\n", overwrite=args.overwrite)
-        print(f"wrote {args.json}")
-    return 0 if report.passed else 1
+    return 1 if bisect_cli.write_outputs(args, report, {}) else 0  # the report printed, --json written

@@ -395,6 +395,15 @@ def _ranked(bench: _Bench, target: Target, candidates: list[Candidate], by: str,
     return [(name, tuple(c.path for c in members)) for _, name, members in scored]
 
 
+def measure_set(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, modules=(), target="budget",
+                lm_mask=None) -> Metric:
+    """The output of ``flax_model`` with ``modules`` in float32 (a clone; the model is not changed) against
+    float64 torch, as ``advise_precision`` measures each set: an advised set checked on other inputs."""
+    target = Target.parse(target)
+    bench = _Bench(torch_model, flax_model, args, kwargs or {}, target, lm_mask, False)
+    return bench.measure(apply(bench.model, modules))
+
+
 def advise_precision(torch_model, flax_model, args: tuple, kwargs: dict | None = None, *, target="budget",
                      lm_mask=None, use_jit: bool = False, by: tuple[str, ...] = ("path", "kind")) -> AdviceReport:
     """Find a small set of modules to keep in float32 so that bf16 ``flax_model`` meets ``target``.

@@ -98,7 +98,7 @@ _RESIDUAL = ("pissa", "olora", "corda", "lora_ga")  # starts subtracted from the
 
 def _is_off(value, default) -> bool:
     """Whether ``value`` is null or ``default`` itself: ``0 == False`` in Python, so the types must agree too
-    (``layers_to_transform: 0`` is layer 0, not "off")."""
+    (``use_dora: 0`` is no value peft writes: refused, not guessed to be off)."""
     return value is None or (type(value) is type(default) and value == default)
 
 

@@ -143,7 +143,7 @@ class BisectReport(Report):
     allow_nonfinite: bool = False
     allow_skipped: bool = False
     first_nonfinite: str | None = None  # the first call whose inputs were finite and output not (MODEL: the model)
-    outputs_differ: list[str] = field(default_factory=list)  # model outputs unequal (not arrays) or on one side only
+    outputs_differ: list[str] = field(default_factory=list)  # model outputs unequal (not float arrays) or on one side only
     outputs_not_compared: list[str] = field(default_factory=list)  # model output arrays that are not numbers
     outputs_set_aside: list[str] = field(default_factory=list)  # output leaves not compared by type: caches
     # {row path: PositionErrors}: the error per position of every sequence output
@@ -255,7 +255,7 @@ class BisectReport(Report):
             lines.append("outputs set aside, not compared: " + "; ".join(self.outputs_set_aside))
         if self.outputs_differ:
             lines.append(f"outputs: FAIL: {len(self.outputs_differ)} of the model's outputs differ (a leaf on one side "
-                         "only, or a leaf that is not an array unequal): " + "; ".join(self.outputs_differ[:10]))
+                         "only, or a leaf that is not a float array unequal): " + "; ".join(self.outputs_differ[:10]))
         path = _first_divergent(self.rows)
         bad = [r for r in self.rows if _fails(r.status, self.allow_nonfinite)]
         produced = self._row(self.first_nonfinite) if self.first_nonfinite is not None else None

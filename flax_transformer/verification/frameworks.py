@@ -277,15 +277,21 @@ def match_outputs(torch_out, flax_out) -> tuple[list[tuple[str, str, Any, Any]],
 
 def output_problems(torch_out, flax_out) -> tuple[list[str], list[str]]:
     """What of a whole model's outputs a module-by-module check cannot vouch for, beside its float
-    arrays: (leaves that differ outright: a non-array leaf unequal, a leaf on one side only; array
-    leaves that are not numbers, which cannot be compared by value). ``bisect`` fails on the first,
-    and counts the second as not compared."""
+    arrays (which its rows compare): (leaves that differ outright: a non-array leaf unequal, a leaf
+    on one side only, an integer or bool array (ids, a mask, labels: no row compares them) not equal
+    value for value; array leaves that are not numbers, which cannot be compared by value).
+    ``bisect`` fails on the first, and counts the second as not compared."""
     arrays, _, differ = match_outputs(torch_out, flax_out)
-    def numeric(x) -> bool:  # bfloat16 is a number too (numpy's kind "V")
-        dtype = np.asarray(to_numpy(x)).dtype
-        return dtype.kind in "biuf" or dtype.name == "bfloat16"
-
-    not_compared = [name for name, _, a, b in arrays if not (numeric(a) and numeric(b))]
+    not_compared = []
+    for name, _, a, b in arrays:
+        a, b = np.asarray(to_numpy(a)), np.asarray(to_numpy(b))
+        kinds = {"f" if x.dtype.name == "bfloat16" else x.dtype.kind for x in (a, b)}  # bfloat16: numpy's "V"
+        if not kinds <= set("biuf"):
+            not_compared.append(name)
+        elif kinds != {"f"} and (a.shape != b.shape or not np.array_equal(a, b)):
+            how = (f"shape {list(a.shape)} vs {list(b.shape)}" if a.shape != b.shape
+                   else f"{int(np.count_nonzero(a != b))} of {a.size} values differ")
+            differ = differ + [f"{name}: torch {show(a)}, flax {show(b)}: {how}"]
     return differ, not_compared
 
 

@@ -279,6 +279,12 @@ def test_generation_config_decides_sampling(made):
                                            "min_p": None}) == ()
 
 
+def test_a_beam_search_is_named_as_not_computed():
+    """``num_beams`` 4 asks for a beam search, which this loop does not run: named on stderr (the tokens are not
+    transformers'); every field at its neutral value names nothing."""
+    assert folder_generation.not_computed({"num_beams": 4, "do_sample": False}) == ("num_beams=4",)
+    assert folder_generation.not_computed(dict(folder_generation.NOT_COMPUTED)) == ()
+
 @pytest.mark.slow(reason="test_hf_folder_continues_as_transformers_generate")
 def test_gpt2_folder_continues_as_transformers_generate(tmp_path, capsys):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

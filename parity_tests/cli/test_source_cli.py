@@ -121,6 +121,38 @@ def test_training_checkpoint_of_a_compiled_model_as_source(folders, capsys, tmp_
     assert code == 1 and "q_proj.weight (layers 0, 1)" in out, out
 
 
+def test_a_bin_state_dict_is_a_source(folders, capsys, tmp_path):
+    """transformers' older ``pytorch_model.bin``: a ``torch.save``'d state_dict, read with ``weights_only``."""
+    torch.save(folders["model"].state_dict(), tmp_path / "pytorch_model.bin")
+    code, out = _verify(capsys, "--checkpoint", folders["right"], "--source", tmp_path / "pytorch_model.bin")
+    assert code == 0 and "a state_dict file, read by strict load_state_dict into LlamaForCausalLM" in out, out
+
+
+def test_a_conversion_stored_in_bf16_passes_saying_so(folders, capsys, tmp_path):
+    """CONVERTED holds the fp32 source's tensors rounded to bf16: said on the tensors' line, and its logits
+    are compared with the source's model rounded alike (against the unrounded source they differ)."""
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    shutil.copy(folders["right"] / "config.json", folder)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in folders["model"].state_dict().items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    code, out = _verify(capsys, "--checkpoint", folder, "--source", folders["right"])
+    assert code == 0, out
+    assert "the converted ones equal to the source's rounded to bfloat16, every one equal: pass" in out
+
+
+def test_equal_tensors_under_another_config_fail_on_the_logits(folders, capsys, tmp_path):
+    """Every tensor copied right but another rope_theta written: the tensors pass, the logits differ: exit 1."""
+    folder = tmp_path / "theta"
+    shutil.copytree(folders["right"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 500000.0
+    (folder / "config.json").write_text(json.dumps(config))
+    code, out = _verify(capsys, "--checkpoint", folder, "--source", folders["right"])
+    assert code == 1 and "every one equal: pass" in out, out
+    verdict = next(line for line in out.splitlines() if line.startswith("FAIL: "))
+    assert "the logits differ" in verdict and "tensors that differ" not in verdict, verdict
+
 def test_no_certificate_says_what_is_not_checked(folders, capsys):
     """``verify --checkpoint`` on the wrong conversion alone passes its table (the twin, the Flax model and
     transformers read the same wrong weights) and says, in its last line, that the conversion was not checked."""

@@ -118,6 +118,9 @@ def test_a_field_no_table_holds_is_refused_by_name_and_off_means_null_or_the_def
         peft_config.read_config(_write(tmp_path / name, {**plain, name: value}))
     with pytest.raises(ValueError, match="layers_to_transform=0 is not supported"):  # layer 0, though 0 == False
         peft_config.read_config(_write(tmp_path / "zero", {**plain, "layers_to_transform": 0}))
+    for name, value in (("use_dora", 0), ("use_qalora", 0.0)):  # the default only as Python compares (0 == False):
+        with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):  # no file peft writes
+            peft_config.read_config(_write(tmp_path / f"{name}-typed", {**plain, name: value}))
     for start in (True, False, None, "gaussian", "orthogonal", "eva"):
         peft_config.read_config(_write(tmp_path / f"init-{start}", {**plain, "init_lora_weights": start}))
     for start, message in (("olora", "path_initial_model_for_weight_conversion"), ("pissa_niter_4", "residual base"),

@@ -145,7 +145,9 @@ def test_a_dict_of_llama_configs_own_fields_gives_the_config_back(kind):
     ("deepseek_v3", "scoring_func", "softmax", None), ("bert", "is_decoder", True, False),
     # LlamaConfig's own names where the type has no such thing: they were dropped silently
     ("llama", "sliding_window", 3, None), ("qwen2", "rope_local_base_freq", 10000.0, None),
-    ("mixtral", "layer_types", ["full_attention"], None)])
+    ("mixtral", "layer_types", ["full_attention"], None),
+    # equal to the accepted value only as Python compares (0 == False, True == 1): another type, refused
+    ("bert", "is_decoder", 0, False), ("deepseek_v3", "moe_layer_freq", True, 1)])
 def test_a_field_is_accepted_only_where_it_computes_nothing(kind, name, value, accepted):
     fields = transformers_fields(kind)
     read(kind, {**fields, name: accepted})

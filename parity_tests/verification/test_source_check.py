@@ -55,6 +55,12 @@ def test_keys_and_shapes_on_one_side():
     assert diff.names() == ["model.layers.*.self_attn.v_proj.weight (layers 0)"] and not diff.passed
 
 
+def test_a_tensor_only_in_the_converted_checkpoint_fails():
+    """Every source tensor equal, one more converted (a head the source has not): not the source's model."""
+    diff = source_check.diff(SOURCE, {**SOURCE, "lm_head.weight": np.zeros((2, 8), np.float32)})
+    assert diff.converted_only == ("lm_head.weight",) and not diff.differ and not diff.passed
+    assert any("only converted" in line for line in diff.lines()), diff.lines()
+
 def test_a_training_checkpoint_of_a_compiled_model_unwraps():
     state, notes = source_check.unwrap({"model": {"_orig_mod.w": np.zeros(2)}, "optimizer": {}, "step": 1}, "f.pt")
     assert list(state) == ["w"]

@@ -93,11 +93,25 @@ def test_bisect_fails_on_outputs_that_are_not_float_arrays(pairs):
     differ = bisect.bisect(*module.mislabelled(), use_jit=False)
     assert not differ.passed and differ.first_divergent == bisect_report.MODEL
     assert differ.outputs_differ == ["output[1]: torch 'positive', flax 'negative'"]
-    assert "outputs: FAIL: 1 of the model's outputs differ (a leaf on one side only, or a leaf that is not an array unequal)" in differ.summary() and differ.to_dict()["outputs_differ"] == differ.outputs_differ
+    assert "outputs: FAIL: 1 of the model's outputs differ (a leaf on one side only, or a leaf that is not a float array unequal)" in differ.summary() and differ.to_dict()["outputs_differ"] == differ.outputs_differ
     strings = bisect.bisect(*module.strings(), use_jit=False)
     assert not strings.passed and strings.incomplete == ["output[1] (not numbers)"]
     assert bisect.bisect(*module.strings(), use_jit=False, allow_skipped=True).passed  # as the user allowed
 
+
+def test_bisect_compares_bool_and_integer_outputs_value_for_value(pairs):
+    """No module row compares an output of ids, a mask or labels: equal, they pass; unequal, the model's
+    outputs differ, how many values named (issue 36's blind probe: a bool output passed whatever its values)."""
+    _, module = pairs
+    mask = np.array([True, False, True])
+    same = bisect.bisect(*module.tagged(mask, jnp.asarray(mask)), use_jit=False)
+    assert same.passed and not same.outputs_differ and not same.outputs_not_compared, same.summary()
+    flipped = bisect.bisect(*module.tagged(mask, jnp.asarray(~mask)), use_jit=False)
+    assert not flipped.passed and flipped.first_divergent == bisect_report.MODEL
+    assert flipped.outputs_differ == ["output[1]: torch array(3,) bool, flax array(3,) bool: 3 of 3 values differ"]
+    ids = bisect.bisect(*module.tagged(torch.tensor([1, 2]), jnp.array([1, 3])), use_jit=False)
+    assert not ids.passed and ids.outputs_differ == [
+        "output[1]: torch array(2,) int64, flax array(2,) int32: 1 of 2 values differ"]
 
 def test_a_model_that_exits_while_checked_is_one_line_exit_2(pairs, capsys):
     path, _ = pairs

@@ -116,6 +116,14 @@ def test_verify_checkpoint_fails_a_certified_folder_transformers_now_reads_other
         next(line for line in lines if line.startswith("  FAIL  read independently by transformers"))], lines
 
 
+def test_the_recheck_of_another_format_says_it_shares_the_reader_and_does_not_fail(tmp_path):
+    """A safetensors export: nothing but this library reads its description, so nothing is measured: its
+    reader line says so, no failure (the whole re-check of such an export: the slow test below)."""
+    path = tmp_path / "m.safetensors"
+    report = certificate.RecheckReport(path=path, certificate=certificate.path_for(path))
+    independent.recheck(report, path, {"format": "safetensors"}, None, None)
+    assert report.reader.startswith(independent.SHARED) and report.failures == [] and report.passed
+
 @pytest.mark.slow(reason="test_a_convention_transformers_reads_otherwise_is_refused")
 def test_other_exports_say_their_check_shares_the_config_reader(model, tmp_path):
     path = export.save_safetensors(model, tmp_path / "m.safetensors")

@@ -5,6 +5,8 @@ JSON, and every bad command line refused in one line (exit 2) before any model l
 
 import json
 
+import pytest
+
 from flax_transformer.cli.commands import main
 
 TOY = "parity_tests.verification.test_advisor:toy_pair"
@@ -16,6 +18,7 @@ def _one_line(capsys, code, *expected):
     assert all(text in err for text in expected), err
 
 
+@pytest.mark.slow(reason="test_the_search_on_a_toy_pair_finds_a_smallest_set (the same search; here through the CLI)")
 def test_advise_precision_prints_the_report_and_writes_its_json(capsys, tmp_path):
     out = tmp_path / "advice.json"
     code = main(["verify", "--pair", TOY, "--advise-precision", "--target", "budget", "--json", str(out)])

@@ -76,6 +76,9 @@ PYTHON_DOCS = [p for p in DOCS if any(b.lang in ("python", "setup") for b in rea
     "docs/generation.md": "test_generate, test_generate_hf",
     "docs/training.md": "test_runs, test_torch_state",
     "docs/moe.md": "test_moe_hf, test_routing (the same folder read and compared)",
+    "docs/traces.md": "test_trace, test_trace_cli (the same record and bisect from the trace)",
+    "docs/precision-advisor.md": "test_advisor, test_advisor_cli (the same search on a pair)",
+    "docs/reproducers.md": "test_repro (bisect's repro= written and run without the library)",
 })
 def test_python_blocks_run(path, tmp_path, monkeypatch):
     """Every Python block runs on its own: its own imports, and the files it names."""
